@@ -1,0 +1,29 @@
+"""wide: token-level dynamic width pruning for Llama-family language models.
+
+    import wide
+    model = wide.wrap(hf_model, wide.WideConfig(target_sparsity=0.5))
+    ...                                   # wide.train.calibrate(...) or `wide calibrate`
+    wide.save_routers(model, "routers/")
+    model = wide.load(fresh_hf_model, "routers/")
+"""
+
+from .config import WideConfig
+from .modeling import (
+    calibrate_offsets,
+    forward_sparsity,
+    freeze_backbone,
+    router_parameters,
+    sparsity_loss,
+    track_sparsity,
+    unwrap,
+    wrap,
+)
+from .serialization import CheckpointError, from_pretrained, load, save_routers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "WideConfig", "wrap", "unwrap", "load", "save_routers", "from_pretrained", "CheckpointError",
+    "calibrate_offsets", "forward_sparsity", "freeze_backbone", "router_parameters",
+    "sparsity_loss", "track_sparsity",
+]

@@ -1,0 +1,565 @@
+"""``wrap(model, config)``: token-routed attention and FFN for Llama-family HF models.
+
+The backbone's modules are left in place (so PEFT, ``save_pretrained`` and HF generation
+keep working); routing is added with hooks:
+
+* a hook on each norm that feeds a module (``input_layernorm``, ``post_attention_layernorm``)
+  evaluates that module's router on the residual stream entering it (or on the normed
+  input, if configured) and stores the 0/1 execute mask [B, T, groups];
+* a pre-hook on the module's reduction projection (``o_proj``, ``down_proj``) multiplies its
+  input by the mask, expanded over each group's columns.
+
+Zeroing the o_proj input of a head for a token is exactly "this token does not run these
+query heads": the head's attention output for token t depends only on q_t, and K/V are
+computed for every token and head as usual. Likewise zeroing down_proj's input channels is
+exactly "these gate/up columns were not computed". Training therefore computes skipped
+groups densely and masks them, which is what lets gradients reach the routers; speed comes
+from the kernels in ``wide.kernels`` (see ``wide.inference``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .config import WideConfig
+from .routers import TokenRouter
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+KINDS = ("attn", "ffn")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelDims":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"wide supports the Llama-family architectures {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                f"this model is {model_type!r}"
+            )
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            model_type=model_type,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+        )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a config cuts one model's modules into groups, and what each group costs."""
+
+    dims: ModelDims
+    attn_group_size: int  # query heads per group
+    ffn_group_size: int  # intermediate channels per group
+
+    @property
+    def attn_groups(self) -> int:
+        return self.dims.num_heads // self.attn_group_size
+
+    @property
+    def ffn_groups(self) -> int:
+        return self.dims.intermediate_size // self.ffn_group_size
+
+    def groups(self, kind: str) -> int:
+        return self.attn_groups if kind == "attn" else self.ffn_groups
+
+    def group_macs(self, kind: str) -> int:
+        """Multiply-accumulates one token saves by skipping one group of this module."""
+        h = self.dims.hidden_size
+        if kind == "attn":  # q rows + o columns of the group's heads
+            return 2 * self.attn_group_size * self.dims.head_dim * h
+        return 3 * self.ffn_group_size * h  # gate + up columns, down rows
+
+    def module_macs(self, kind: str) -> int:
+        return self.group_macs(kind) * self.groups(kind)
+
+    def columns(self, kind: str) -> int:
+        """Width of the reduction projection's input that one group owns."""
+        return self.attn_group_size * self.dims.head_dim if kind == "attn" else self.ffn_group_size
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_geometry(dims: ModelDims, config: WideConfig) -> Geometry:
+    """Check group sizes against the model before any compute."""
+    attn = config.attn_group_size or dims.num_heads // dims.num_kv_heads
+    if dims.num_heads % attn:
+        raise ValueError(
+            f"attn_group_size={attn} does not divide the model's {dims.num_heads} query heads; "
+            f"valid sizes: {_divisors(dims.num_heads)}"
+        )
+    ffn = config.ffn_group_size
+    if dims.intermediate_size % ffn:
+        good = [d for d in _divisors(dims.intermediate_size) if d % 16 == 0]
+        raise ValueError(
+            f"ffn_group_size={ffn} does not divide intermediate_size={dims.intermediate_size}; "
+            f"sizes that divide it and suit the GPU kernels (multiples of 16): {good}"
+        )
+    return Geometry(dims, attn, ffn)
+
+
+class LayerRouters(nn.Module):
+    def __init__(self, geo: Geometry, config: WideConfig):
+        super().__init__()
+        h, r = geo.dims.hidden_size, config.router_rank
+        if config.tie_modules:
+            # One decision per token and layer, shared by attention and FFN.
+            self.attn = TokenRouter(h, 1, r)
+            self.ffn = None
+        else:
+            self.attn = TokenRouter(h, geo.attn_groups, r) if config.routes_attention else None
+            self.ffn = TokenRouter(h, geo.ffn_groups, r) if config.routes_ffn else None
+
+    def router(self, kind: str) -> Optional[TokenRouter]:
+        return self.attn if kind == "attn" else self.ffn
+
+
+@dataclass
+class _Record:
+    layer: int
+    kind: str
+    skipped: torch.Tensor  # skipped (token, group) pairs over valid tokens; differentiable
+    total: torch.Tensor  # valid tokens x groups
+
+
+@dataclass
+class WideState:
+    """Per-model routing state shared by the hooks. Not a module: nothing here is saved."""
+
+    config: WideConfig
+    geometry: Geometry
+    tau: Optional[float] = None  # Gumbel temperature while training
+    masks: dict = field(default_factory=dict)  # (layer, kind) -> float mask [B, T, G]
+    records: list = field(default_factory=list)  # this forward's accounting
+    attention_mask: Optional[torch.Tensor] = None
+    # Replaces the routers' decision: fn(layer, kind, router_input) -> mask [B, T, G].
+    # Used by the static baselines, analysis and tests.
+    mask_fn: Optional[Callable] = None
+    accumulators: Optional[dict] = None  # (layer, kind) -> [skipped, total] while tracking
+    input_observers: list = field(default_factory=list)  # fn(layer, kind, router_input)
+    mask_observers: list = field(default_factory=list)  # fn(layer, kind, mask, valid)
+    handles: list = field(default_factory=list)
+
+    def new_forward(self, attention_mask) -> None:
+        self.masks.clear()
+        self.records.clear()
+        self.attention_mask = attention_mask
+
+
+def _decoder_layers(model) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError("could not find model.model.layers: not a Llama-family causal LM")
+    return layers
+
+
+def _check_layer(layer, idx: int) -> None:
+    need = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj",
+            "mlp.gate_proj", "mlp.up_proj"]
+    for path in need:
+        obj = layer
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"decoder layer {idx} has no {path}: unsupported architecture variant")
+
+
+def _valid_tokens(state: WideState, x: torch.Tensor) -> torch.Tensor:
+    """[B, T] float, 1 for real tokens; padding is excluded from every rate."""
+    am = state.attention_mask
+    b, t = x.shape[0], x.shape[1]
+    if am is not None and am.dim() == 2 and am.shape[0] == b and am.shape[1] >= t:
+        return am[:, -t:].to(device=x.device, dtype=torch.float32)
+    return torch.ones(b, t, device=x.device, dtype=torch.float32)
+
+
+def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
+    cfg = state.config
+    for fn in state.input_observers:
+        fn(layer, kind, x)
+    tied = cfg.tie_modules and kind == "ffn"
+    if tied:
+        # Dynamic depth: the FFN follows the decision taken at the layer's entry.
+        base = state.masks.get((layer, "attn_decision"))
+        if base is None:
+            return
+        mask = base.expand(*base.shape[:-1], state.geometry.ffn_groups)
+    else:
+        router = routers.router(kind)
+        if router is None and state.mask_fn is None:
+            return
+        if state.mask_fn is not None:
+            mask = state.mask_fn(layer, kind, x)
+            if mask is None:
+                return
+            mask = mask.float()
+            if cfg.tie_modules:
+                mask = mask[..., :1]
+        else:
+            mask = router.decide(x, state.tau if router.training else None)
+        if cfg.tie_modules:
+            state.masks[(layer, "attn_decision")] = mask
+            mask = mask.expand(*mask.shape[:-1], state.geometry.attn_groups)
+    g = state.geometry.groups(kind)
+    if mask.shape[-1] != g:
+        raise ValueError(f"layer {layer} {kind} mask has {mask.shape[-1]} groups, expected {g}")
+    state.masks[(layer, kind)] = mask
+    valid = _valid_tokens(state, x)
+    skipped = ((1.0 - mask) * valid.unsqueeze(-1)).sum()
+    total = valid.sum() * g
+    state.records.append(_Record(layer, kind, skipped, total))
+    if state.accumulators is not None:
+        acc = state.accumulators.setdefault((layer, kind), [0.0, 0.0])
+        acc[0] += float(skipped.detach())
+        acc[1] += float(total)
+    for fn in state.mask_observers:
+        fn(layer, kind, mask.detach(), valid)
+
+
+def _apply_mask(state: WideState, layer: int, kind: str, inp: torch.Tensor) -> torch.Tensor:
+    mask = state.masks.get((layer, kind))
+    if mask is None:
+        return inp
+    cols = state.geometry.columns(kind)
+    shape = inp.shape
+    out = inp.view(*shape[:-1], shape[-1] // cols, cols) * mask.to(inp.dtype).unsqueeze(-1)
+    return out.view(shape)
+
+
+def install_hooks(model) -> None:
+    """(Re-)attach the routing hooks to the modules currently at the hooked paths.
+
+    Call again after anything replaces those modules (PEFT's LoRA wrapping, merging).
+    """
+    state: WideState = model.wide_state
+    for h in state.handles:
+        h.remove()
+    state.handles.clear()
+    layers = _decoder_layers(model)
+    inner = model.model
+
+    def on_model(module, args, kwargs):
+        state.new_forward(kwargs.get("attention_mask"))
+
+    state.handles.append(inner.register_forward_pre_hook(on_model, with_kwargs=True))
+    normed = state.config.router_input == "normed"
+    for i, layer in enumerate(layers):
+        routers = model.wide_routers[i]
+        for kind, norm_name, proj in (
+            ("attn", "input_layernorm", layer.self_attn.o_proj),
+            ("ffn", "post_attention_layernorm", layer.mlp.down_proj),
+        ):
+            norm = getattr(layer, norm_name)
+            if normed:
+                def tap(mod, args, out, i=i, kind=kind, routers=routers):
+                    _route(state, routers, i, kind, out)
+                state.handles.append(norm.register_forward_hook(tap))
+            else:
+                def tap(mod, args, i=i, kind=kind, routers=routers):
+                    _route(state, routers, i, kind, args[0])
+                state.handles.append(norm.register_forward_pre_hook(tap))
+
+            def gate(mod, args, i=i, kind=kind):
+                return (_apply_mask(state, i, kind, args[0]),) + tuple(args[1:])
+            state.handles.append(proj.register_forward_pre_hook(gate))
+
+
+def wrap(model, config: Optional[WideConfig] = None):
+    """Add token routers to a Llama/Mistral/Qwen2/Qwen3 causal LM, in place; returns it."""
+    config = config or WideConfig()
+    if hasattr(model, "wide_state"):
+        raise ValueError("model is already wrapped by wide; call wide.unwrap(model) first")
+    dims = ModelDims.from_hf_config(model.config)
+    geo = resolve_geometry(dims, config)
+    layers = _decoder_layers(model)
+    for i, layer in enumerate(layers):
+        _check_layer(layer, i)
+    device = next(model.parameters()).device
+    model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
+    model.wide_state = WideState(config=config, geometry=geo)
+    model.wide_config = config
+    install_hooks(model)
+    return model
+
+
+def unwrap(model):
+    """Remove routers and hooks, leaving the dense model."""
+    state = getattr(model, "wide_state", None)
+    if state is None:
+        return model
+    for h in state.handles:
+        h.remove()
+    del model.wide_routers
+    del model.wide_state
+    del model.wide_config
+    return model
+
+
+def get_state(model) -> WideState:
+    state = getattr(model, "wide_state", None)
+    if state is None:
+        raise ValueError("model is not wrapped: call wide.wrap(model, config) first")
+    return state
+
+
+def router_parameters(model) -> list[nn.Parameter]:
+    get_state(model)
+    return list(model.wide_routers.parameters())
+
+
+def freeze_backbone(model) -> None:
+    """Stage 1: only the routers train."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in router_parameters(model):
+        p.requires_grad_(True)
+
+
+# ---------------------------------------------------------------- sparsity accounting
+
+
+@dataclass
+class Sparsity:
+    """Realised sparsity of one forward (differentiable) or of many (floats)."""
+
+    flop_rate: torch.Tensor
+    group_rate: torch.Tensor
+    attn_rate: Optional[torch.Tensor]
+    ffn_rate: Optional[torch.Tensor]
+    per_layer: dict  # kind -> list of per-layer rates (None where not routed)
+
+    def as_dict(self) -> dict:
+        f = lambda v: None if v is None else float(v)  # noqa: E731
+        return {
+            "flop_rate": f(self.flop_rate),
+            "group_rate": f(self.group_rate),
+            "attn_rate": f(self.attn_rate),
+            "ffn_rate": f(self.ffn_rate),
+            "per_layer": {k: [f(v) for v in vals] for k, vals in self.per_layer.items()},
+        }
+
+
+def _summarise(geo: Geometry, sums: dict) -> Sparsity:
+    """sums: (layer, kind) -> (skipped, total). Rates are averaged over layers per module;
+    the group rate is the mean of the module rates, the FLOP rate weights each module by
+    its routable MACs."""
+    L = geo.dims.num_layers
+    per_layer = {k: [None] * L for k in KINDS}
+    module_rate = {}
+    for kind in KINDS:
+        rates = []
+        for layer in range(L):
+            if (layer, kind) in sums:
+                skipped, total = sums[(layer, kind)]
+                r = skipped / total if float(total) > 0 else skipped * 0.0
+                per_layer[kind][layer] = r
+                rates.append(r)
+        if rates:
+            module_rate[kind] = sum(rates) / len(rates)
+    if not module_rate:
+        zero = torch.zeros(())
+        return Sparsity(zero, zero, None, None, per_layer)
+    group_rate = sum(module_rate.values()) / len(module_rate)
+    w = {k: geo.module_macs(k) for k in module_rate}
+    flop_rate = sum(module_rate[k] * w[k] for k in module_rate) / sum(w.values())
+    return Sparsity(flop_rate, group_rate, module_rate.get("attn"), module_rate.get("ffn"), per_layer)
+
+
+def forward_sparsity(model) -> Sparsity:
+    """Sparsity of the last forward pass, differentiable through the straight-through masks."""
+    state = get_state(model)
+    sums = {}
+    for rec in state.records:
+        s, t = sums.get((rec.layer, rec.kind), (0.0, 0.0))
+        sums[(rec.layer, rec.kind)] = (rec.skipped + s, rec.total + t)
+    return _summarise(state.geometry, sums)
+
+
+def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
+    """|target - rate| in the configured mode (METHOD.md section 4), before the coefficient."""
+    if config.attn_target is not None:
+        gaps = []
+        for target, rate in ((config.attn_target, sp.attn_rate), (config.ffn_target, sp.ffn_rate)):
+            if rate is not None:
+                gaps.append((target - rate).abs())
+        return sum(gaps) / len(gaps)
+    rate = sp.flop_rate if config.loss_mode == "flops" else sp.group_rate
+    return (config.target_sparsity - rate).abs()
+
+
+def sparsity_loss(model) -> tuple[torch.Tensor, Sparsity]:
+    state = get_state(model)
+    sp = forward_sparsity(model)
+    return state.config.sparsity_coef * sparsity_penalty(sp, state.config), sp
+
+
+@contextlib.contextmanager
+def track_sparsity(model):
+    """Accumulate realised sparsity over every forward inside the block.
+
+    >>> with track_sparsity(model) as tracker:
+    ...     model(**batch)
+    >>> tracker.summary().as_dict()
+    """
+    state = get_state(model)
+    previous = state.accumulators
+    state.accumulators = {}
+    tracker = _Tracker(state)
+    try:
+        yield tracker
+    finally:
+        tracker.sums = dict(state.accumulators)
+        state.accumulators = previous
+
+
+class _Tracker:
+    def __init__(self, state: WideState):
+        self.state = state
+        self.sums = None
+
+    def summary(self) -> Sparsity:
+        sums = self.sums if self.sums is not None else self.state.accumulators
+        sums = {k: (torch.tensor(v[0]), torch.tensor(v[1])) for k, v in sums.items()}
+        return _summarise(self.state.geometry, sums)
+
+
+# ---------------------------------------------------------------- offset calibration
+
+
+@torch.no_grad()
+def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str = "global",
+                      rounds: int = 2) -> dict:
+    """Set router offsets so the deterministic inference masks hit ``target`` exactly on
+    ``batches`` (an iterable of input_ids tensors).
+
+    mode="global": one shift for every router, found by bisection on the FLOP-weighted
+    (or group, per the config's loss mode) rate, keeping the learned allocation across
+    layers. mode="per_module": each router skips exactly ``target`` of its groups.
+    """
+    state = get_state(model)
+    cfg = state.config
+    if cfg.attn_target is not None:
+        raise ValueError("offset calibration needs a single target_sparsity")
+    if mode not in ("global", "per_module"):
+        raise ValueError(f"mode must be 'global' or 'per_module', got {mode!r}")
+    target = cfg.target_sparsity if target is None else target
+    routers = [(i, k, r) for i, lr in enumerate(model.wide_routers) for k in KINDS
+               if (r := lr.router(k)) is not None]
+    for _, _, r in routers:
+        r.offset.zero_()
+    device = next(model.parameters()).device
+    batches = list(batches)
+    if not batches:
+        raise ValueError("offset calibration needs at least one batch")
+
+    def collect() -> dict:
+        margins: dict = {}
+
+        def observe(layer, kind, x):
+            r = model.wide_routers[layer].router(kind)
+            if r is not None:
+                valid = _valid_tokens(state, x).flatten().bool()
+                m = (r.margin(x) - r.offset).flatten(0, -2)
+                margins.setdefault((layer, kind), []).append(m[valid].cpu())
+
+        was_training = model.training
+        model.eval()
+        state.input_observers.append(observe)
+        try:
+            for ids in batches:
+                model(input_ids=ids.to(device))
+        finally:
+            state.input_observers.remove(observe)
+            model.train(was_training)
+        return {k: torch.cat(v) for k, v in margins.items()}  # [tokens, G], offset excluded
+
+    # Offsets change the routing of early layers and so the inputs of later routers: a
+    # second pass with the first pass's offsets in place settles that.
+    for _round in range(rounds):
+        margins = collect()
+        _set_offsets(model, state, margins, routers, target, mode)
+    return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
+
+
+def _set_offsets(model, state, margins, routers, target, mode) -> None:
+    cfg = state.config
+    if mode == "per_module":
+        for (layer, kind), m in margins.items():
+            # offset = -quantile: a group runs iff margin + offset >= 0
+            q = torch.quantile(m.flatten().float(), target)
+            model.wide_routers[layer].router(kind).offset.fill_(-float(q))
+    else:
+        def rate_at(shift: float) -> float:
+            sums = {}
+            for (layer, kind), m in margins.items():
+                if cfg.tie_modules:
+                    kinds = KINDS
+                else:
+                    kinds = (kind,)
+                skipped = (m + shift < 0).float()
+                for k in kinds:
+                    g = state.geometry.groups(k)
+                    sums[(layer, k)] = (torch.tensor(float(skipped.mean()) * g), torch.tensor(float(g)))
+            sp = _summarise(state.geometry, sums)
+            return float(sp.flop_rate if cfg.loss_mode == "flops" else sp.group_rate)
+
+        # The rate falls as the shift rises; beyond the margins' range it is 0 or 1.
+        lo = -max(float(m.max()) for m in margins.values()) - 1.0
+        hi = -min(float(m.min()) for m in margins.values()) + 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if rate_at(mid) > target:
+                lo = mid
+            else:
+                hi = mid
+        for _, _, r in routers:
+            r.offset.fill_(hi)
+
+
+def geometry_dict(model) -> dict:
+    state = get_state(model)
+    return {"dims": asdict(state.geometry.dims), "attn_group_size": state.geometry.attn_group_size,
+            "ffn_group_size": state.geometry.ffn_group_size,
+            "macs_per_token": {k: state.geometry.module_macs(k) for k in KINDS},
+            "groups": {k: state.geometry.groups(k) for k in KINDS}}
+
+
+def dense_macs_per_token(dims: ModelDims) -> int:
+    """All linear-layer MACs per token (embeddings excluded), for reporting."""
+    h = dims.hidden_size
+    attn = h * dims.num_heads * dims.head_dim * 2 + h * dims.num_kv_heads * dims.head_dim * 2
+    ffn = 3 * h * dims.intermediate_size
+    return dims.num_layers * (attn + ffn) + h * dims.vocab_size
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "ModelDims", "Geometry", "resolve_geometry", "wrap", "unwrap",
+    "install_hooks", "get_state", "router_parameters", "freeze_backbone", "Sparsity",
+    "forward_sparsity", "sparsity_penalty", "sparsity_loss", "track_sparsity",
+    "calibrate_offsets", "geometry_dict", "dense_macs_per_token",
+]

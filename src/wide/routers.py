@@ -1,0 +1,67 @@
+"""Token routers: two small linears that give each (token, group) an execute/skip decision.
+
+Routers always hold and compute in float32, whatever the backbone dtype: their logits are
+compared against each other and against a calibrated offset, and bf16 rounding flips
+decisions near the boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TokenRouter(nn.Module):
+    """Linear(hidden -> rank, bias) -> Linear(rank -> 2*groups, bias), no activation.
+
+    ``offset`` is added to (logit_exec - logit_skip) at inference only; calibrating it moves
+    the realised sparsity to an exact target without retraining.
+    """
+
+    def __init__(self, hidden_size: int, num_groups: int, rank: int = 16):
+        super().__init__()
+        self.num_groups = num_groups
+        self.down = nn.Linear(hidden_size, rank, bias=True, dtype=torch.float32)
+        self.up = nn.Linear(rank, 2 * num_groups, bias=True, dtype=torch.float32)
+        self.register_buffer("offset", torch.zeros((), dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.down, self.up):
+            nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
+            nn.init.zeros_(lin.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(torch.bfloat16) must move routers but not downcast them.
+        super()._apply(fn, *args, **kwargs)
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., groups, 2] with index 0 = execute, 1 = skip."""
+        h = self.up(self.down(x.float()))
+        return h.view(*x.shape[:-1], self.num_groups, 2)
+
+    def margin(self, x: torch.Tensor) -> torch.Tensor:
+        """logit_exec - logit_skip + offset; a group runs iff this is >= 0."""
+        logits = self(x)
+        return logits[..., 0] - logits[..., 1] + self.offset
+
+    def decide(self, x: torch.Tensor, tau: float | None = None) -> torch.Tensor:
+        """Float 0/1 execute mask [..., groups].
+
+        With ``tau`` (training): hard Gumbel-softmax straight-through, so the forward pass
+        sees exact 0/1 and the backward pass the soft sample's gradient. Without: the
+        deterministic inference rule.
+        """
+        if tau is None:
+            return (self.margin(x) >= 0).float()
+        return gumbel_straight_through(self(x), tau)[..., 0]
+
+
+def gumbel_straight_through(logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """Hard one-hot forward, soft Gumbel-softmax gradient, over the last dim."""
+    return F.gumbel_softmax(logits.float(), tau=tau, hard=True, dim=-1)
