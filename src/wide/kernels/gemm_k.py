@@ -1,0 +1,187 @@
+"""Reduction-width routed GEMM (``gemm_k``).
+
+``gemm_k(x [T, K], w [N, K], mask [T, K//G])``: ``y[t] = sum over active g of
+x[t, cols(g)] @ w[:, cols(g)].T``, accumulated in fp32 registers in one pass (no atomics,
+deterministic).
+
+Decomposition. An output tile (BM token rows, BN columns) must keep the same rows for the
+whole reduction, so skipping happens per (row tile, group): the route orders tokens by mask
+pattern (when the number of groups is small enough for that to make tiles homogeneous) and
+lists, per row tile, the groups active for at least one of its tokens. Each program loops
+over that list only (block-level skipping; the indirect loads pipeline like MoE kernels) and
+loads the X rows of tokens inactive in the current group as zeros (intra-block skipping of
+their bytes). With i.i.d. random masks over many groups (e.g. FFN down: 112 groups) almost
+every (tile, group) pair has an active token, so prefill does close to dense work; see
+bench/results/kernels.md for the measured consequence. For T <= 16 (decode) there is one row
+tile, and only the weight columns of groups used by some token are read.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
+                      check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2)
+
+__all__ = ["gemm_k", "gemm_k_reference", "gemm_k_block_m"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
+                   T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
+                   T_BUCKET,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BM)
+    num_n = tl.cdiv(N, BN)
+    # Grouped ordering: GROUP_M row tiles share each weight tile while it is in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    m_tile = first_m + (pid % width) % gsize
+    n_tile = (pid % width) // gsize
+
+    r = m_tile * BM + tl.arange(0, BM)
+    row_in = r < T
+    if HAS_PERM:
+        tok = tl.load(perm_ptr + r, mask=row_in, other=0)
+    else:
+        tok = r
+    tok = tok.to(tl.int64)
+    n = n_tile * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    sub = GS // BK
+    cnt = tl.load(tc_ptr + m_tile)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(0, cnt * sub):
+        gi = j // sub
+        kk = (j - gi * sub) * BK
+        gid = tl.load(tg_ptr + m_tile * NG + gi)
+        k0 = gid * GS + kk
+        act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
+        a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :], mask=act[:, None],
+                    other=0.0)
+        b = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + (k0 + k)[:, None],
+                    mask=n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    tl.store(y_ptr + tok[:, None] * stride_yt + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_in[:, None] & n_ok[None, :])
+
+
+def _cfg(bn, bk, w, s):
+    return triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+
+
+# BM is fixed before launch (the per-tile group lists depend on it), so only BN/BK/warps/
+# stages are tuned. Decode wants many small programs (bandwidth), prefill the usual tiles.
+_DECODE_CFGS = [_cfg(16, 128, 4, 4), _cfg(32, 128, 4, 4), _cfg(32, 64, 4, 6), _cfg(64, 128, 4, 4)]
+_PREFILL_CFGS = [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
+                 _cfg(256, 64, 8, 4)]
+
+
+def _prune(configs, named_args, **kwargs):
+    gs, bm = named_args["GS"], kwargs.get("BM", 128)
+    keep = []
+    for c in configs:
+        if gs % c.kwargs["BK"] != 0:
+            continue
+        if (bm == 16) != any(c is d for d in _DECODE_CFGS):
+            continue
+        if bm <= 64 and c.kwargs["BN"] == 256 and c.num_warps == 4:
+            continue
+        keep.append(c)
+    if not keep:
+        bk = largest_pow2_divisor(gs, 64)
+        keep = [_cfg(128 if bm > 16 else 32, bk, 4, 3)]
+    return keep
+
+
+def gemm_k_block_m(T: int, num_groups: int) -> int:
+    """Row-tile height used by :func:`gemm_k` (the route's tile lists are keyed by it)."""
+    if T <= DIRECT_MAX_T:
+        return 16
+    if interpret_mode():
+        return 32
+    if num_groups <= SORT_MAX_GROUPS and T >= 1024:
+        # Pattern-sorted tokens: smaller tiles are homogeneous in more groups.
+        return 64
+    return 64 if T <= 128 else 128
+
+
+def _heuristic(T: int, gs: int, bm: int) -> triton.Config:
+    if interpret_mode():
+        return _cfg(32, largest_pow2_divisor(gs, 32), 4, 1)
+    if bm == 16:
+        return _cfg(32, largest_pow2_divisor(gs, 128), 4, 4)
+    if bm == 64:
+        return _cfg(128, largest_pow2_divisor(gs, 64), 4, 4)
+    return _cfg(256, largest_pow2_divisor(gs, 64), 8, 3)
+
+
+_KEY = ["T_BUCKET", "N", "K", "GS", "BM"]
+_tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
+                         prune_configs_by={"early_config_prune": _prune})(_gemm_k_kernel)
+
+
+def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
+           route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reduction-width routed ``y[t] = sum_{g: mask[t,g]} x[t, cols(g)] @ w[:, cols(g)].T``.
+
+    x [T, K], w [N, K], mask [T, K // group_size] bool -> y [T, N] (x's dtype, fp32 accumulate).
+    ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D tensor [T, K]")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}; use bfloat16, float16 or float32")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [N, K] with K={x.shape[1]}, got {list(getattr(w, 'shape', []))}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError("x and w must share dtype and device")
+    T, K = x.shape
+    N = w.shape[0]
+    ng = check_group_size(K, group_size, "K")
+    check_mask(mask, T, ng, x.device)
+    if out is not None:
+        if tuple(out.shape) != (T, N) or out.dtype != x.dtype or out.device != x.device \
+                or out.stride(1) != 1:
+            raise ValueError(f"out must be a [{T}, {N}] {x.dtype} tensor with unit column stride")
+    y = out if out is not None else torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    if route is None:
+        route = RouteIndex(mask)
+    elif route.num_tokens != T or route.num_groups != ng:
+        raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
+                         f"expected [{T}, {ng}]")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    bm = gemm_k_block_m(T, ng)
+    perm, tg, tc = route.token_tiles(bm)
+    m = route.mask.view(torch.uint8)
+
+    def grid(meta):
+        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]),)
+
+    args = (x, w, y, m, perm if perm is not None else tc, tg, tc, T, N, K, ng, group_size,
+            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T))
+    if autotune_enabled():
+        _tuned[grid](*args, BM=bm, HAS_PERM=perm is not None, GROUP_M=8)
+    else:
+        c = _heuristic(T, group_size, bm)
+        _gemm_k_kernel[grid](*args, BM=bm, HAS_PERM=perm is not None, GROUP_M=8,
+                             num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+    return y
+
+
+def gemm_k_reference(x, w, mask, group_size):
+    """float32 reference of :func:`gemm_k`."""
+    xm = x.float() * mask.repeat_interleave(group_size, dim=1).to(torch.float32)
+    return xm @ w.float().t()

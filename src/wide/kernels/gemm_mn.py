@@ -1,0 +1,240 @@
+"""Output-width routed GEMM (``gemm_mn``) and the fused FFN up-projection (``ffn_up``).
+
+``gemm_mn(x [T, K], w [N, K], mask [T, N//G])``: ``y[t, cols(g)] = x[t] @ w[cols(g)].T`` where
+``mask[t, g]``, exact zeros elsewhere. ``ffn_up`` computes ``silu(x w_gate^T) * (x w_up^T)`` on
+the active groups in one kernel, so the intermediate is written once.
+
+Decomposition. One program owns (group g, a BN-wide slice of g's columns, a tile of BM rows
+of ``idx[g]``, the group's token list with active tokens first). Programs are ordered with
+the row tile fastest, so consecutive programs reuse the same weight slice from L2.
+* Tiles wholly among the active tokens run a plain pipelined tl.dot loop on gathered rows.
+* The one tile straddling ``counts[g]`` masks the loads of its inactive rows (they are
+  loaded as zero, so their output rows come out as exact zeros).
+* Tiles wholly past ``counts[g]`` store zeros and do nothing else, which replaces a memset.
+The grid is sized for the worst case (every token in every group), so nothing waits on the
+host. For T <= 16 (decode) rows are the tokens themselves with a per-row mask (no reordering
+launch), and each program skips the whole K loop, i.e. the group's weight bytes, when none
+of its tokens uses the group.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .routing import (DIRECT_MAX_T, RouteIndex, autotune_enabled, check_group_size, check_mask,
+                      interpret_mode, next_pow2)
+
+__all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
+                    T, N, K, GS, stride_xt, stride_wn, stride_w2n, stride_yt, stride_mt,
+                    T_BUCKET,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BM)
+    nsub = tl.cdiv(GS, BN)
+    m_tile = pid % num_m
+    gn = pid // num_m
+    g = gn // nsub
+    sub = gn % nsub
+
+    r = m_tile * BM + tl.arange(0, BM)
+    row_in = r < T
+    cols = sub * BN + tl.arange(0, BN)
+    col_ok = cols < GS
+    n = g * GS + cols
+    if DIRECT:
+        tok = r
+        act = tl.load(mask_ptr + tok * stride_mt + g, mask=row_in, other=0) != 0
+        n_act = tl.sum(act.to(tl.int32), axis=0)
+    else:
+        cnt = tl.load(counts_ptr + g)
+        tok = tl.load(idx_ptr + g * T + r, mask=row_in, other=0)
+        act = r < cnt
+        n_act = cnt - m_tile * BM
+    tok = tok.to(tl.int64)
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + n[None, :]
+    st_mask = row_in[:, None] & col_ok[None, :]
+
+    if n_act > 0:
+        k = tl.arange(0, BK)
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
+        w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_wn + k[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if FUSED:
+            w2_ptrs = w2_ptr + n[None, :].to(tl.int64) * stride_w2n + k[:, None]
+            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=act[:, None], other=0.0)
+                b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + k) < K
+                a = tl.load(x_ptrs, mask=act[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if FUSED:
+                if EVEN_K:
+                    b2 = tl.load(w2_ptrs, mask=col_ok[None, :], other=0.0)
+                else:
+                    b2 = tl.load(w2_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                acc2 = tl.dot(a, b2, acc2)
+                w2_ptrs += BK
+            x_ptrs += BK
+            w_ptrs += BK
+        if FUSED:
+            # silu in fp32; inactive rows have acc == acc2 == 0 and stay exactly zero.
+            acc = acc / (1.0 + tl.exp(-acc)) * acc2
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
+    else:
+        tl.store(y_ptrs, tl.zeros([BM, BN], dtype=y_ptr.dtype.element_ty), mask=st_mask)
+
+
+def _cfg(bm, bn, bk, w, s):
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+
+
+# Decode (T <= 16) configs are memory-bound GEMVs: small BN gives enough programs to pull
+# from every SM; prefill configs are the usual Hopper tl.dot tiles.
+_DECODE_CFGS = [_cfg(16, 16, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 32, 128, 4, 5),
+                _cfg(16, 64, 128, 4, 4)]
+_PREFILL_CFGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 64, 4, 4),
+                 _cfg(128, 128, 64, 4, 4), _cfg(64, 256, 64, 8, 4), _cfg(32, 128, 128, 4, 4)]
+_FUSED_PREFILL_CFGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
+                       _cfg(128, 128, 64, 8, 4), _cfg(32, 128, 128, 4, 4)]
+
+
+def _prune(configs, named_args, **kwargs):
+    tb, gs = named_args["T_BUCKET"], named_args["GS"]
+    bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))  # largest pow2 <= group size
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BM"], c.kwargs["BN"]
+        if (tb <= DIRECT_MAX_T) != (bm == 16):
+            continue
+        if bn > bn_cap or (bm > 32 and bm > 2 * tb):
+            continue
+        keep.append(c)
+    return keep or [configs[0]]
+
+
+def _heuristic(T: int, gs: int, fused: bool) -> triton.Config:
+    bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))
+    if interpret_mode():
+        return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1)
+    if T <= DIRECT_MAX_T:
+        return _cfg(16, min(32, bn_cap), 256, 4, 4)
+    if T <= 128:
+        return _cfg(64, min(128, bn_cap), 64, 4, 4)
+    return _cfg(128, min(128, bn_cap), 64, 8, 3 if fused else 4)
+
+
+_heur = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
+_plain_kernel = _heur(_gemm_mn_kernel)
+_KEY = ["T_BUCKET", "N", "K", "GS"]
+_tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
+                         prune_configs_by={"early_config_prune": _prune})(_plain_kernel)
+_tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
+                               prune_configs_by={"early_config_prune": _prune})(_plain_kernel)
+
+
+def _check_inputs(x, ws, mask, group_size, out):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D tensor [T, K]")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}; use bfloat16, float16 or float32")
+    T, K = x.shape
+    N = ws[0].shape[0] if ws[0].dim() == 2 else -1
+    for w in ws:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K or w.shape[0] != N:
+            raise ValueError(f"weights must be [N, K] with K={K} matching x and one N, got "
+                             f"{[list(v.shape) for v in ws]}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
+        if w.device != x.device:
+            raise ValueError("x and weights must be on the same device")
+    ng = check_group_size(N, group_size, "N")
+    check_mask(mask, T, ng, x.device)
+    if out is not None:
+        if tuple(out.shape) != (T, N) or out.dtype != x.dtype or out.device != x.device \
+                or out.stride(1) != 1:
+            raise ValueError(f"out must be a [{T}, {N}] {x.dtype} tensor with unit column stride")
+    return T, N, K, ng
+
+
+def _launch(x, ws, mask, group_size, route, out, fused):
+    T, N, K, ng = _check_inputs(x, ws, mask, group_size, out)
+    y = out if out is not None else torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ws = [w if w.stride(1) == 1 else w.contiguous() for w in ws]
+    direct = T <= DIRECT_MAX_T
+    if direct:
+        m = mask.contiguous().view(torch.uint8)
+        idx = counts = m  # unused placeholders
+    else:
+        if route is None:
+            route = RouteIndex(mask)
+        elif route.num_tokens != T or route.num_groups != ng:
+            raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
+                             f"expected [{T}, {ng}]")
+        m = route.mask.view(torch.uint8)
+        idx, counts = route.idx, route.counts
+    w2 = ws[1] if fused else ws[0]
+
+    def grid(meta):
+        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]),)
+
+    args = (x, ws[0], w2, y, m, idx, counts, T, N, K, group_size, x.stride(0), ws[0].stride(0),
+            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T))
+    if autotune_enabled():
+        (_tuned_fused if fused else _tuned)[grid](*args, DIRECT=direct, FUSED=fused)
+    else:
+        c = _heuristic(T, group_size, fused)
+        _plain_kernel[grid](*args, DIRECT=direct, FUSED=fused, num_warps=c.num_warps,
+                            num_stages=c.num_stages, **c.kwargs)
+    return y
+
+
+def gemm_mn(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
+            route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Output-width routed ``x [T, K] @ w[N, K].T`` -> ``[T, N]``; group g = columns
+    ``g*group_size:(g+1)*group_size`` computed where ``mask[t, g]``, exact zeros elsewhere.
+
+    ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
+    """
+    return _launch(x, [w], mask, group_size, route, out, fused=False)
+
+
+def ffn_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, mask: torch.Tensor,
+           group_size: int, route: Optional[RouteIndex] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fused ``silu(x w_gate^T) * (x w_up^T)`` on the active groups (zeros elsewhere)."""
+    return _launch(x, [w_gate, w_up], mask, group_size, route, out, fused=True)
+
+
+def _col_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    return mask.repeat_interleave(group_size, dim=1).to(torch.float32)
+
+
+def gemm_mn_reference(x, w, mask, group_size):
+    """float32 reference of :func:`gemm_mn`."""
+    return (x.float() @ w.float().t()) * _col_mask(mask, group_size)
+
+
+def ffn_up_reference(x, w_gate, w_up, mask, group_size):
+    """float32 reference of :func:`ffn_up`."""
+    xf = x.float()
+    return F.silu(xf @ w_gate.float().t()) * (xf @ w_up.float().t()) * _col_mask(mask, group_size)

@@ -1,0 +1,215 @@
+"""Routed GEMM kernels (gemm_mn, ffn_up, gemm_k) and the routing index against fp32 references.
+
+Runs on the CPU through Triton's interpreter (set before triton is imported); on a CUDA
+machine run with TRITON_INTERPRET=0 to test the compiled kernels, bf16 included.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
+from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
+from wide.kernels.routing import RouteIndex, build_route, route_reference  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+# Under the interpreter tl.dot on bf16 is wrong (bf16 loads are fine), so bf16 only on CUDA.
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOKENS = [1, 3, 17, 70]
+MASK_KINDS = ["random", "all", "none", "one_token"]
+
+
+def make_mask(T, ng, kind, gen):
+    if kind == "all":
+        return torch.ones(T, ng, dtype=torch.bool)
+    if kind == "none":
+        return torch.zeros(T, ng, dtype=torch.bool)
+    if kind == "one_token":  # exactly one token active, in a subset of groups
+        m = torch.zeros(T, ng, dtype=torch.bool)
+        m[T // 2] = torch.rand(ng, generator=gen) < 0.6
+        m[T // 2, 0] = True
+        return m
+    return torch.rand(T, ng, generator=gen) < 0.5
+
+
+def rel_err(y, ref):
+    y = y.float().cpu()
+    ref = ref.float().cpu()
+    assert not torch.isnan(y).any(), "NaN in output"
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def tol(dtype):
+    return 1e-2 if dtype == torch.bfloat16 else 5e-3
+
+
+def _inputs(T, K, N, dtype, gen, n_w=1):
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
+    ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE) for _ in range(n_w)]
+    return x, ws
+
+
+# ---------------------------------------------------------------- routing
+@pytest.mark.parametrize("T", [0, 1, 5, 70, 300])
+@pytest.mark.parametrize("ng", [1, 3, 8])
+def test_route_idx_matches_reference(T, ng):
+    gen = torch.Generator().manual_seed(T * 10 + ng)
+    mask = (torch.rand(T, ng, generator=gen) < 0.4).to(DEVICE)
+    r = build_route(mask)
+    idx_ref, cnt_ref = route_reference(mask.cpu())
+    assert r.idx.dtype == torch.int32 and r.counts.dtype == torch.int32
+    assert torch.equal(r.idx.cpu(), idx_ref)
+    assert torch.equal(r.counts.cpu(), cnt_ref)
+    assert r.num_tokens == T and r.num_groups == ng
+
+
+@pytest.mark.parametrize("T,ng,bm", [(70, 8, 16), (100, 5, 32), (33, 70, 16), (7, 4, 16)])
+def test_route_token_tiles(T, ng, bm):
+    gen = torch.Generator().manual_seed(T + ng)
+    mask = (torch.rand(T, ng, generator=gen) < 0.3).to(DEVICE)
+    perm, tg, tc = RouteIndex(mask).token_tiles(bm)
+    order = torch.arange(T) if perm is None else perm.cpu().long()
+    if perm is not None:
+        assert sorted(order.tolist()) == list(range(T))
+        # tokens grouped by pattern: sorted keys are non-decreasing
+        w = 2 ** torch.arange(ng - 1, -1, -1)
+        keys = (mask.cpu()[order].long() * w).sum(1)
+        assert torch.all(keys[1:] >= keys[:-1])
+    for i in range(triton_cdiv(T, bm)):
+        rows = order[i * bm:(i + 1) * bm]
+        want = torch.nonzero(mask.cpu()[rows].any(0)).flatten().tolist()
+        c = int(tc[i])
+        assert c == len(want)
+        assert tg[i, :c].cpu().tolist() == want
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ---------------------------------------------------------------- gemm_mn / ffn_up
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_gemm_mn(T, kind, dtype):
+    gen = torch.Generator().manual_seed(1000 + T)
+    G, ng, K = 32, 3, 40  # K not a multiple of the block size
+    x, (w,) = _inputs(T, K, G * ng, dtype, gen)
+    mask = make_mask(T, ng, kind, gen).to(DEVICE)
+    out = torch.full((T, G * ng), float("nan"), dtype=dtype, device=DEVICE)  # poison
+    y = gemm_mn(x, w, mask, G, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    ref = gemm_mn_reference(x, w, mask, G)
+    inactive = ~mask.repeat_interleave(G, 1)
+    assert torch.all(y[inactive] == 0), "inactive outputs must be exact zeros"
+    if kind != "none":
+        assert rel_err(y, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_ffn_up(T, kind, dtype):
+    gen = torch.Generator().manual_seed(2000 + T)
+    G, ng, K = 48, 2, 64  # group size not a power of two
+    x, (wg, wu) = _inputs(T, K, G * ng, dtype, gen, n_w=2)
+    mask = make_mask(T, ng, kind, gen).to(DEVICE)
+    route = build_route(mask)
+    y = ffn_up(x, wg, wu, mask, G, route=route if T > 1 else None)
+    ref = ffn_up_reference(x, wg, wu, mask, G)
+    assert torch.all(y[~mask.repeat_interleave(G, 1)] == 0)
+    if kind != "none":
+        assert rel_err(y, ref) < tol(dtype)
+
+
+# ---------------------------------------------------------------- gemm_k
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_gemm_k(T, kind, dtype):
+    gen = torch.Generator().manual_seed(3000 + T)
+    G, ng, N = 16, 5, 37  # N ragged
+    x, (w,) = _inputs(T, G * ng, N, dtype, gen)
+    mask = make_mask(T, ng, kind, gen).to(DEVICE)
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_k(x, w, mask, G, out=out)
+    ref = gemm_k_reference(x, w, mask, G)
+    if kind == "none":
+        assert torch.all(y == 0)
+    else:
+        assert rel_err(y, ref) < tol(dtype)
+    if kind == "one_token":  # rows of tokens with no active group are exact zeros
+        assert torch.all(y[torch.arange(T, device=DEVICE) != T // 2] == 0)
+
+
+def test_gemm_k_many_groups_unsorted():
+    # more groups than the pattern sort handles: identity order, per-tile group lists
+    gen = torch.Generator().manual_seed(7)
+    T, G, ng, N = 40, 16, 70, 20
+    x, (w,) = _inputs(T, G * ng, N, torch.float32, gen)
+    mask = (torch.rand(T, ng, generator=gen) < 0.5).to(DEVICE)
+    assert rel_err(gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)) < 1e-3
+
+
+def test_shared_route_between_ops():
+    gen = torch.Generator().manual_seed(11)
+    T, G, ng, D = 33, 16, 4, 32
+    x, (wg, wu) = _inputs(T, D, G * ng, torch.float32, gen, n_w=2)
+    wd = (torch.randn(D, G * ng, generator=gen) / 8).to(DEVICE)
+    mask = (torch.rand(T, ng, generator=gen) < 0.5).to(DEVICE)
+    route = build_route(mask)
+    h = ffn_up(x, wg, wu, mask, G, route=route)
+    y = gemm_k(h, wd, mask, G, route=route)
+    ref = gemm_k_reference(ffn_up_reference(x, wg, wu, mask, G), wd, mask, G)
+    assert rel_err(y, ref) < 1e-3
+
+
+def test_empty_and_zero_k():
+    x = torch.randn(0, 32, device=DEVICE)
+    w = torch.randn(64, 32, device=DEVICE)
+    assert gemm_mn(x, w, torch.zeros(0, 4, dtype=torch.bool, device=DEVICE), 16).shape == (0, 64)
+    assert gemm_k(x, w, torch.zeros(0, 2, dtype=torch.bool, device=DEVICE), 16).shape == (0, 64)
+
+
+# ---------------------------------------------------------------- errors
+def test_errors():
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.randn(96, 64, device=DEVICE)
+    ok = torch.ones(4, 3, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemm_mn(x, w, torch.ones(4, 4, dtype=torch.bool, device=DEVICE), 24)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemm_mn(x, w, ok, 64)
+    with pytest.raises(ValueError, match="dtype torch.bool"):
+        gemm_mn(x, w, ok.int(), 32)
+    with pytest.raises(ValueError, match="shape"):
+        gemm_mn(x, w, torch.ones(4, 2, dtype=torch.bool, device=DEVICE), 32)
+    with pytest.raises(ValueError, match="int"):
+        gemm_mn(x, w, ok, 32.0)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        gemm_mn(x.double(), w.double(), ok, 32)
+    with pytest.raises(ValueError):
+        gemm_mn(x, w.half(), ok, 32)
+    with pytest.raises(ValueError):
+        ffn_up(x, w, w[:64], ok, 32)
+    with pytest.raises(ValueError, match="route"):
+        gemm_mn(torch.randn(20, 64, device=DEVICE), w,
+                torch.ones(20, 3, dtype=torch.bool, device=DEVICE), 32,
+                route=build_route(torch.ones(19, 3, dtype=torch.bool, device=DEVICE)))
+    wk = torch.randn(10, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemm_k(x, wk, torch.ones(4, 8, dtype=torch.bool, device=DEVICE), 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        gemm_k(x, wk, torch.ones(4, 1, dtype=torch.bool, device=DEVICE), 48)
+    with pytest.raises(ValueError, match="shape"):
+        gemm_k(x, wk, torch.ones(3, 2, dtype=torch.bool, device=DEVICE), 32)
+    with pytest.raises(ValueError):
+        RouteIndex(torch.ones(3, dtype=torch.bool))
