@@ -211,7 +211,7 @@ def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: to
         mask = base.expand(*base.shape[:-1], state.geometry.ffn_groups)
     else:
         router = routers.router(kind)
-        if router is None and state.mask_fn is None:
+        if router is None:  # module not routed by this config
             return
         if state.mask_fn is not None:
             mask = state.mask_fn(layer, kind, x)

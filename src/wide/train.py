@@ -132,12 +132,15 @@ def train(
     progress: bool = True,
     save_extra: Optional[Callable[[Path], None]] = None,
     load_extra: Optional[Callable[[Path], None]] = None,
+    stop_at: Optional[int] = None,
 ) -> dict:
     """Train ``parameters`` (default: the routers) of a wrapped model on packed sequences.
 
     ``train_ids``: LongTensor [N, L]. Writes ``out_dir/checkpoint`` every ``save_every``
     steps and ``out_dir/routers`` at the end; returns the history. ``save_extra`` /
-    ``load_extra`` let stage 2 put its adapters in the same checkpoint.
+    ``load_extra`` let stage 2 put its adapters in the same checkpoint. ``stop_at`` ends
+    this invocation after that step (with a checkpoint), for time-boxed jobs; a later
+    ``resume=True`` call continues the same run.
     """
     state = get_state(model)
     cfg = state.config
@@ -233,8 +236,12 @@ def train(
             bar.write(f"step {done}: held-out ce {rec['eval']['ce']:.3f} ppl {rec['eval']['ppl']:.2f} "
                       f"flop-sparsity {rec['eval']['flop_sparsity']:.3f} group {rec['eval']['group_sparsity']:.3f}")
         history.append(rec)
-        if (args.save_every and done % args.save_every == 0) or done == args.steps:
+        if (args.save_every and done % args.save_every == 0) or done == args.steps or done == stop_at:
             checkpoint(done)
+        if done == stop_at:
+            bar.close()
+            state.tau = None
+            return {"history": history, "final_dir": None, "stopped_at": done}
     state.tau = None
     model.eval()
     save_routers(model, out_dir / FINAL_DIR, extra={"step": args.steps})

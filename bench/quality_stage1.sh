@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Stage-1 router calibration of SmolLM2-135M at 50% FLOP-weighted sparsity on the embedded
+# Wikipedia text, then dense vs routed evaluation. CPU, about 1-2 hours on 2 cores.
+# Usage: bash bench/quality_stage1.sh [run_dir]   (re-running resumes the calibration)
+set -euo pipefail
+RUN=${1:-runs/smollm2-50}
+STEPS=${STEPS:-240}
+LIMIT=${LIMIT:-100}
+wide calibrate --target 0.5 --loss-mode flops --steps "$STEPS" --batch-size 4 --seq-len 256 \
+  --eval-every 60 --eval-batches 4 --save-every 20 --out "$RUN" --resume
+wide eval --routers "$RUN/routers" --dense --limit "$LIMIT" --batch-size 8 \
+  --out bench/results/quality_smollm2_stage1

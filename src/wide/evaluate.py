@@ -1,0 +1,223 @@
+"""Perplexity, bits per byte and lm-evaluation-harness-style zero-shot scoring.
+
+Zero-shot tasks are scored as lm-eval scores them: every choice is a continuation of the
+task's prompt, its log-likelihood is summed over the continuation tokens, ``acc`` takes the
+highest sum and ``acc_norm`` the highest sum per character of the choice. Prompts follow
+lm-eval's task definitions (arc_easy, arc_challenge, boolq, winogrande, piqa, openbookqa,
+hellaswag). Realised sparsity is tracked over every scored token (padding excluded).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .modeling import track_sparsity
+
+TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
+# Tasks lm-eval reports acc_norm for; the headline metric for the others is acc.
+NORM_TASKS = ("arc_easy", "arc_challenge", "piqa", "openbookqa", "hellaswag")
+
+
+@dataclass
+class Request:
+    doc: int  # index of the document
+    context: str
+    continuation: str  # with its leading delimiter
+    choice_len: int  # characters of the choice, for acc_norm
+
+
+def _hellaswag_pre(text: str) -> str:
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def build_requests(task: str, docs: list[dict]) -> tuple[list[Request], list[int]]:
+    """lm-eval prompts for one task: returns the requests and each document's gold index."""
+    reqs: list[Request] = []
+    gold: list[int] = []
+
+    def add(i, ctx, choices, answer, delim=" "):
+        for c in choices:
+            reqs.append(Request(i, ctx, delim + c, len(c)))
+        gold.append(answer)
+
+    for i, d in enumerate(docs):
+        if task in ("arc_easy", "arc_challenge"):
+            labels = list(d["choices"]["label"])
+            add(i, f"Question: {d['question']}\nAnswer:", list(d["choices"]["text"]), labels.index(d["answerKey"]))
+        elif task == "openbookqa":
+            labels = list(d["choices"]["label"])
+            add(i, d["question_stem"], list(d["choices"]["text"]), labels.index(d["answerKey"].strip()))
+        elif task == "boolq":
+            add(i, f"{d['passage']}\nQuestion: {d['question']}?\nAnswer:", ["no", "yes"], int(bool(d["answer"])))
+        elif task == "piqa":
+            add(i, f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], int(d["label"]))
+        elif task == "hellaswag":
+            ctx = d["ctx_a"] + " " + d["ctx_b"].capitalize()
+            query = _hellaswag_pre(d["activity_label"] + ": " + ctx)
+            add(i, query, [_hellaswag_pre(e) for e in d["endings"]], int(d["label"]))
+        elif task == "winogrande":
+            # Partial evaluation: the option fills the blank in the context, and the shared
+            # rest of the sentence is the continuation that gets scored.
+            s = d["sentence"]
+            blank = s.index("_")
+            target = s[blank + 1:].strip()
+            for opt in (d["option1"], d["option2"]):
+                reqs.append(Request(i, s[:blank] + opt, " " + target, len(target)))
+            gold.append(int(d["answer"]) - 1)
+        else:
+            raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    return reqs, gold
+
+
+def _encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    # As lm-eval: trailing context spaces move to the continuation, and the continuation's
+    # tokens are those of the whole string past the context's tokens.
+    n_space = len(context) - len(context.rstrip())
+    if n_space:
+        continuation = context[-n_space:] + continuation
+        context = context[:-n_space]
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def loglikelihoods(model, tokenizer, requests: list[Request], *, batch_size: int = 16,
+                   max_length: int = 2048, progress: bool = True, desc: str = "scoring") -> list[float]:
+    """Summed log-probability of each request's continuation given its context."""
+    device = next(model.parameters()).device
+    encoded = []  # (tokens, n_cont): the model reads tokens[:-1] and predicts tokens[-n_cont:]
+    for r in requests:
+        ctx, cont = _encode_pair(tokenizer, r.context, r.continuation)
+        if not ctx:  # lm-eval conditions an empty context on the end-of-text token
+            ctx = [tokenizer.eos_token_id]
+        encoded.append(((ctx + cont)[-(max_length + 1):], len(cont)))
+    # Longest first: padding stays small and an out-of-memory error shows up at once.
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = [0.0] * len(encoded)
+    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc=desc, leave=False):
+        idx = order[start:start + batch_size]
+        width = max(len(encoded[i][0]) - 1 for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        am = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            tokens = encoded[i][0]
+            ids[row, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+            am[row, :len(tokens) - 1] = 1
+        logp = F.log_softmax(model(input_ids=ids.to(device), attention_mask=am.to(device)).logits.float(), -1)
+        for row, i in enumerate(idx):
+            tokens, n_cont = encoded[i]
+            n_in = len(tokens) - 1
+            target = torch.tensor(tokens[-n_cont:], device=logp.device)
+            out[i] = float(logp[row, n_in - n_cont:n_in].gather(-1, target[:, None]).sum())
+    return out
+
+
+def score(task: str, requests: list[Request], gold: list[int], lls: list[float]) -> dict:
+    by_doc: dict[int, list] = {}
+    for r, ll in zip(requests, lls):
+        by_doc.setdefault(r.doc, []).append((ll, r.choice_len))
+    acc = acc_norm = 0
+    for d, scores in by_doc.items():
+        lls_d = [s[0] for s in scores]
+        norm = [s[0] / max(s[1], 1) for s in scores]
+        acc += int(max(range(len(lls_d)), key=lls_d.__getitem__) == gold[d])
+        acc_norm += int(max(range(len(norm)), key=norm.__getitem__) == gold[d])
+    n = len(by_doc)
+    res = {"acc": acc / n, "n": n}
+    if task in NORM_TASKS:
+        res["acc_norm"] = acc_norm / n
+    res["metric"] = res.get("acc_norm", res["acc"])  # the number tables report
+    return res
+
+
+def zero_shot(model, tokenizer, tasks=TASKS, *, limit: Optional[int] = None, batch_size: int = 16,
+              progress: bool = True, cache_dir=None) -> dict:
+    """Score each task (first ``limit`` validation documents). For a wrapped model each task
+    also reports its realised sparsity; ``avg`` is the mean headline metric."""
+    from .data import load_zero_shot
+
+    results = {}
+    wrapped = hasattr(model, "wide_state")
+    for task in tasks:
+        docs = load_zero_shot(task, cache_dir=cache_dir)
+        if limit is not None:
+            docs = docs[:limit]
+        reqs, gold = build_requests(task, docs)
+        if wrapped:
+            with track_sparsity(model) as tracker:
+                lls = loglikelihoods(model, tokenizer, reqs, batch_size=batch_size, progress=progress, desc=task)
+            sp = tracker.summary()
+        else:
+            lls = loglikelihoods(model, tokenizer, reqs, batch_size=batch_size, progress=progress, desc=task)
+            sp = None
+        res = score(task, reqs, gold, lls)
+        if sp is not None:
+            res["flop_sparsity"] = float(sp.flop_rate)
+            res["group_sparsity"] = float(sp.group_rate)
+        results[task] = res
+    results["avg"] = sum(results[t]["metric"] for t in tasks) / max(len(tasks), 1)
+    return results
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, *, batch_size: int = 8, bytes_per_token: Optional[float] = None,
+               progress: bool = True) -> dict:
+    """Next-token perplexity over packed windows ``ids`` [N, L] (the first token of each
+    window is context only). Bits per byte uses the corpus's bytes per token, so it is
+    comparable across tokenizers."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    wrapped = hasattr(model, "wide_state")
+    ctx = track_sparsity(model) if wrapped else _null()
+    try:
+        with ctx as tracker:
+            for i in tqdm(range(0, ids.shape[0], batch_size), disable=not progress, desc="perplexity", leave=False):
+                x = ids[i:i + batch_size].to(device)
+                logits = model(input_ids=x).logits.float()
+                nll += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+                count += x[:, 1:].numel()
+    finally:
+        model.train(was_training)
+    res = {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count}
+    if bytes_per_token:
+        res["bpb"] = nll / count / math.log(2) / bytes_per_token
+    if wrapped:
+        sp = tracker.summary()
+        res["flop_sparsity"] = float(sp.flop_rate)
+        res["group_sparsity"] = float(sp.group_rate)
+        res["sparsity"] = sp.as_dict()
+    return res
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def markdown_table(rows: list[dict], tasks=TASKS) -> str:
+    """One row per method: sparsity, perplexity, bpb, each task's headline metric, average."""
+    head = ["method", "FLOP sparsity", "group sparsity", "ppl", "bpb", *tasks, "avg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in rows:
+        cells = [r.get("method", "?"), fmt(r.get("sparsity")), fmt(r.get("group_sparsity")),
+                 fmt(r.get("ppl"), 2), fmt(r.get("bpb"))]
+        cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

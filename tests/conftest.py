@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+
+def tiny_config(model_type: str = "llama", **kw):
+    """A randomly initialised Llama-family config small enough for CPU unit tests."""
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                tie_word_embeddings=True)
+    if model_type in ("qwen3",):
+        base["head_dim"] = 16
+    base.update(kw)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, **kw)
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    if model_type == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")

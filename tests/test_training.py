@@ -1,0 +1,215 @@
+"""Sparsity math, the loss, router checkpoints, resume, offsets and input validation."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+
+import wide
+from wide.config import WideConfig
+from wide.modeling import Geometry, ModelDims, _summarise, get_state, sparsity_penalty
+from wide.serialization import CheckpointError
+from wide.train import TrainArgs, batch_indices, lr_lambda, train
+
+
+def dims(**kw):
+    base = dict(model_type="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                intermediate_size=96, vocab_size=96)
+    base.update(kw)
+    return ModelDims(**base)
+
+
+def test_rates_by_hand():
+    geo = Geometry(dims(), attn_group_size=2, ffn_group_size=32)  # 2 attn groups, 3 ffn groups
+    assert geo.group_macs("attn") == 2 * 2 * 16 * 64
+    assert geo.group_macs("ffn") == 3 * 32 * 64
+    t = torch.tensor
+    # layer 0: attn 1/4 skipped, ffn 2/3 ; layer 1: attn 3/4, ffn 0
+    sums = {(0, "attn"): (t(1.0), t(4.0)), (0, "ffn"): (t(4.0), t(6.0)),
+            (1, "attn"): (t(3.0), t(4.0)), (1, "ffn"): (t(0.0), t(6.0))}
+    sp = _summarise(geo, sums)
+    attn, ffn = (0.25 + 0.75) / 2, (2 / 3 + 0) / 2
+    assert float(sp.attn_rate) == pytest.approx(attn)
+    assert float(sp.ffn_rate) == pytest.approx(ffn)
+    assert float(sp.group_rate) == pytest.approx((attn + ffn) / 2)
+    wa, wf = geo.module_macs("attn"), geo.module_macs("ffn")
+    assert float(sp.flop_rate) == pytest.approx((attn * wa + ffn * wf) / (wa + wf))
+    assert sp.per_layer["attn"] == [0.25, 0.75]
+
+    assert float(sparsity_penalty(sp, WideConfig(target_sparsity=0.5))) == pytest.approx(abs(0.5 - float(sp.flop_rate)))
+    assert float(sparsity_penalty(sp, WideConfig(target_sparsity=0.5, loss_mode="groups"))) == pytest.approx(
+        abs(0.5 - (attn + ffn) / 2))
+    split = WideConfig(attn_target=0.3, ffn_target=0.6)
+    assert float(sparsity_penalty(sp, split)) == pytest.approx((abs(0.3 - attn) + abs(0.6 - ffn)) / 2)
+
+
+def test_loss_uses_the_coefficient_and_is_differentiable(llama):
+    wide.wrap(llama, WideConfig(ffn_group_size=32, sparsity_coef=7.0, target_sparsity=0.25))
+    llama.train()
+    get_state(llama).tau = 1.0
+    llama(torch.randint(0, 96, (2, 5)))
+    loss, sp = wide.sparsity_loss(llama)
+    assert float(loss) == pytest.approx(7.0 * abs(0.25 - float(sp.flop_rate)), rel=1e-5)
+    assert loss.requires_grad
+
+
+def test_temperature_schedule():
+    cfg = WideConfig()
+    assert cfg.temperature(0, 11) == 5.0
+    assert cfg.temperature(10, 11) == 0.5
+    assert cfg.temperature(5, 11) == pytest.approx(2.75)
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    f = lr_lambda(TrainArgs(steps=100, warmup_frac=0.1))
+    assert f(0) == pytest.approx(0.1)
+    assert f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5, abs=1e-6)
+    assert f(100) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_data_order_is_a_function_of_seed_and_step():
+    a = TrainArgs(batch_size=3, grad_accum=2, seed=4)
+    seen = torch.cat([batch_indices(10, a, s, m) for s in range(5) for m in range(2)])
+    assert sorted(seen[:30].tolist()[:10]) == list(range(10))  # the first epoch is a permutation
+    assert torch.equal(batch_indices(10, a, 3, 1), batch_indices(10, a, 3, 1))
+
+
+def _tiny_run(tmp_path, steps, **kw):
+    model = tiny_model("llama")
+    wide.wrap(model, WideConfig(ffn_group_size=32))
+    wide.freeze_backbone(model)
+    ids = torch.randint(0, 96, (24, 8), generator=torch.Generator().manual_seed(0))
+    args = TrainArgs(steps=steps, batch_size=2, grad_accum=2, eval_every=0, save_every=2, seed=3)
+    return model, train(model, ids, args, tmp_path, progress=False, **kw)
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    full_model, full = _tiny_run(tmp_path / "full", 6)
+    _, part = _tiny_run(tmp_path / "part", 6, stop_at=3)
+    assert part["stopped_at"] == 3
+    resumed_model, resumed = _tiny_run(tmp_path / "part", 6, resume=True)
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 7))
+    for a, b in zip(full["history"], resumed["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    for (n, p), (_, q) in zip(full_model.wide_routers.named_parameters(), resumed_model.wide_routers.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    _tiny_run(tmp_path, 4, stop_at=2)
+    model = tiny_model("llama")
+    wide.wrap(model, WideConfig(ffn_group_size=32))
+    wide.freeze_backbone(model)
+    with pytest.raises(ValueError, match="differ"):
+        train(model, torch.randint(0, 96, (24, 8)), TrainArgs(steps=5, batch_size=2, grad_accum=2, seed=3),
+              tmp_path, resume=True, progress=False)
+
+
+def test_save_load_round_trip(tmp_path, llama):
+    wide.wrap(llama, WideConfig(ffn_group_size=32, router_rank=4))
+    with torch.no_grad():
+        for p in llama.wide_routers.parameters():
+            p.normal_()
+        llama.wide_routers[1].ffn.offset.fill_(0.3)
+    ids = torch.randint(0, 96, (2, 7))
+    expected = llama(ids).logits
+    wide.save_routers(llama, tmp_path / "r")
+    assert (tmp_path / "r" / "routers.safetensors").is_file()
+    meta = json.loads((tmp_path / "r" / "wide_config.json").read_text())
+    assert meta["wide_config"]["router_rank"] == 4
+    fresh = wide.load(tiny_model("llama"), tmp_path / "r")
+    torch.testing.assert_close(fresh(ids).logits, expected, rtol=0, atol=0)
+    assert float(fresh.wide_routers[1].ffn.offset) == pytest.approx(0.3)
+
+
+def test_from_pretrained_loads_base_and_routers(tmp_path, llama):
+    llama.save_pretrained(tmp_path / "base")
+    base = type(llama).from_pretrained(tmp_path / "base")
+    wide.wrap(base, WideConfig(ffn_group_size=32))
+    wide.save_routers(base, tmp_path / "r")
+    model = wide.from_pretrained(tmp_path / "r")
+    ids = torch.randint(0, 96, (1, 5))
+    torch.testing.assert_close(model(ids).logits, base(ids).logits)
+
+
+def test_load_refuses_mismatched_missing_and_corrupt(tmp_path, llama):
+    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.save_routers(llama, tmp_path / "r")
+    other = tiny_model("llama", num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match="num_layers: checkpoint 2 vs model 3"):
+        wide.load(other, tmp_path / "r")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        wide.load(tiny_model("llama"), tmp_path / "nowhere")
+    (tmp_path / "r" / "routers.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        wide.load(tiny_model("llama"), tmp_path / "r")
+
+
+def test_atomic_save_leaves_previous_checkpoint_on_failure(tmp_path, llama):
+    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.save_routers(llama, tmp_path / "r")
+    before = (tmp_path / "r" / "routers.safetensors").read_bytes()
+
+    def boom(tmp):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        wide.save_routers(llama, tmp_path / "r", write_more=boom)
+    assert (tmp_path / "r" / "routers.safetensors").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("mode", ["global", "per_module"])
+def test_offsets_hit_the_target_exactly(llama, mode):
+    wide.wrap(llama, WideConfig(ffn_group_size=16, attn_group_size=1, target_sparsity=0.4))
+    batches = [torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    wide.calibrate_offsets(llama, batches, mode=mode)
+    with wide.track_sparsity(llama) as tracker:
+        for b in batches:
+            llama(b)
+    sp = tracker.summary()
+    assert float(sp.flop_rate) == pytest.approx(0.4, abs=0.02)
+    if mode == "per_module":
+        assert all(r == pytest.approx(0.4, abs=0.03) for r in sp.per_layer["ffn"])
+
+
+def test_bad_inputs_fail_clearly(llama):
+    with pytest.raises(ValueError, match="does not divide intermediate_size=96"):
+        wide.wrap(tiny_model("llama"), WideConfig(ffn_group_size=40))
+    with pytest.raises(ValueError, match="does not divide the model's 4 query heads"):
+        wide.wrap(tiny_model("llama"), WideConfig(attn_group_size=3))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supports the Llama-family.*'gpt2'"):
+        wide.wrap(gpt2)
+    with pytest.raises(ValueError, match="sparse_target"):
+        WideConfig(sparse_target="mlp")
+    with pytest.raises(ValueError, match="target_sparsity"):
+        WideConfig(target_sparsity=1.5)
+    with pytest.raises(ValueError, match="both"):
+        WideConfig(attn_target=0.5)
+    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    with pytest.raises(ValueError, match="already wrapped"):
+        wide.wrap(llama)
+    with pytest.raises(ValueError, match="nothing to train"):
+        for p in llama.wide_routers.parameters():
+            p.requires_grad_(False)
+        train(llama, torch.zeros(2, 4, dtype=torch.long), TrainArgs(steps=1), "/tmp/unused", progress=False)
+
+
+def test_module_skip_and_dynamic_depth_configs(tmp_path):
+    cfg = tiny_config()
+    model = tiny_model("llama")
+    # Module skipping = one group per module; dynamic depth = one decision per layer.
+    wide.wrap(model, WideConfig(attn_group_size=cfg.num_attention_heads, ffn_group_size=cfg.intermediate_size,
+                                tie_modules=True))
+    seen = {}
+    get_state(model).mask_observers.append(lambda layer, kind, mask, valid: seen.__setitem__((layer, kind), mask))
+    model(torch.randint(0, 96, (2, 6)))
+    for layer in range(2):
+        assert torch.equal(seen[(layer, "attn")], seen[(layer, "ffn")])
+    assert model.wide_routers[0].ffn is None
