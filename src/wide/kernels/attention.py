@@ -289,7 +289,7 @@ if HAS_TRITON:
     @triton.jit
     def _prefill_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, perm_ptr, count_ptr, kstart_ptr, kend_ptr, delta_ptr,
-        T, Hq, G, qk_scale,
+        T, Hq, G, qk_scale, T_BUCKET,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
@@ -371,7 +371,7 @@ if HAS_TRITON:
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
     ]
     _prefill_kernel_tuned = triton.autotune(
-        configs=_PREFILL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HEADS_PER_KV"]
+        configs=_PREFILL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HEADS_PER_KV", "T_BUCKET"]
     )(_prefill_kernel)
 
     @triton.jit
@@ -581,6 +581,8 @@ def prefill_attention(
     out = torch.empty_like(q)
     args = (
         q, k, v, out, perm, count, kstart, kend, delta, T, Hq, G, scale * _LOG2E,
+        # Only an autotuning key (powers of two up to 16k): re-tune per size class, not per T.
+        min(triton.next_power_of_2(T), 16384),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
