@@ -41,6 +41,8 @@ def _hellaswag_pre(text: str) -> str:
 
 def build_requests(task: str, docs: list[dict]) -> tuple[list[Request], list[int]]:
     """lm-eval prompts for one task: returns the requests and each document's gold index."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     reqs: list[Request] = []
     gold: list[int] = []
 
@@ -73,8 +75,6 @@ def build_requests(task: str, docs: list[dict]) -> tuple[list[Request], list[int
             for opt in (d["option1"], d["option2"]):
                 reqs.append(Request(i, s[:blank] + opt, " " + target, len(target)))
             gold.append(int(d["answer"]) - 1)
-        else:
-            raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     return reqs, gold
 
 

@@ -1,0 +1,113 @@
+"""Zero-shot prompt formats, scoring math, log-likelihoods under padding, perplexity."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+import wide
+from wide.evaluate import Request, build_requests, loglikelihoods, perplexity, score
+
+
+class CharTokenizer:
+    """One token per character: makes token boundaries obvious in tests."""
+
+    eos_token_id = 1
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        if isinstance(text, list):
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
+        return {"input_ids": [2 + (ord(c) % 90) for c in text]}
+
+
+def test_lm_eval_prompt_formats():
+    arc = {"question": "Why?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "B"}
+    reqs, gold = build_requests("arc_easy", [arc])
+    assert (reqs[0].context, reqs[0].continuation, gold) == ("Question: Why?\nAnswer:", " a", [1])
+    boolq = {"passage": "P", "question": "is it", "answer": True}
+    reqs, gold = build_requests("boolq", [boolq])
+    assert reqs[1].context == "P\nQuestion: is it?\nAnswer:" and reqs[1].continuation == " yes" and gold == [1]
+    wino = {"sentence": "Tom hit Bob so _ cried.", "option1": "Tom", "option2": "Bob", "answer": "2"}
+    reqs, gold = build_requests("winogrande", [wino])
+    assert [r.context for r in reqs] == ["Tom hit Bob so Tom", "Tom hit Bob so Bob"]
+    assert reqs[0].continuation == " cried." and gold == [1]
+    hs = {"activity_label": "Cooking", "ctx_a": "A man cooks.", "ctx_b": "he [title] stirs", "endings": ["x", "y"],
+          "label": "1"}
+    reqs, gold = build_requests("hellaswag", [hs])
+    assert reqs[0].context == "Cooking: A man cooks. He. stirs" and gold == [1]
+    obqa = {"question_stem": "Sun is", "choices": {"text": ["hot", "cold"], "label": ["A", "B"]}, "answerKey": "A "}
+    assert build_requests("openbookqa", [obqa])[1] == [0]
+    with pytest.raises(ValueError, match="unknown task"):
+        build_requests("mmlu", [])
+
+
+def test_acc_and_acc_norm():
+    reqs = [Request(0, "c", " aaaaaa", 6), Request(0, "c", " bb", 2)]
+    # choice 1 has the higher total but the lower per-character score
+    res = score("arc_easy", reqs, [1], [-3.0, -2.0])
+    assert res["acc"] == 1.0 and res["acc_norm"] == 0.0 and res["metric"] == 0.0
+    assert "acc_norm" not in score("boolq", reqs, [1], [-3.0, -2.0])
+
+
+def test_loglikelihoods_match_single_sequence_scoring():
+    model = tiny_model("llama")
+    tok = CharTokenizer()
+    reqs = [Request(0, "hello there", " world", 5), Request(0, "a", " much longer continuation", 24),
+            Request(1, "xy ", "z", 1)]
+    batched = loglikelihoods(model, tok, reqs, batch_size=3, progress=False)
+    for r, got in zip(reqs, batched):
+        ctx = r.context.rstrip()
+        cont = r.context[len(ctx):] + r.continuation
+        ids = torch.tensor([tok(ctx + cont)["input_ids"]])
+        n = len(cont)
+        logp = F.log_softmax(model(ids[:, :-1]).logits, -1)[0, -n:]
+        want = float(logp.gather(-1, ids[0, -n:, None]).sum())
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_perplexity_and_bits_per_byte():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (3, 10))
+    res = perplexity(model, ids, batch_size=2, bytes_per_token=4.0, progress=False)
+    logits = model(ids).logits
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert res["ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert res["bpb"] == pytest.approx(float(nll) / math.log(2) / 4.0, rel=1e-5)
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    res = perplexity(model, ids, batch_size=2, progress=False)
+    assert 0.0 <= res["flop_sparsity"] <= 1.0 and "per_layer" in res["sparsity"]
+
+
+def _default_model_dir():
+    from wide.data import CACHE_DIR
+
+    d = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
+    return d if (d / "config.json").is_file() and (d / "model.safetensors").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_default_model_dir() is None, reason="default model not cached (run `wide demo` once)")
+def test_real_default_model_routes_and_scores():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    dense = model(ids).logits
+    assert tok.decode(dense[0, -1].argmax()) == " Rome"
+    wide.wrap(model, wide.WideConfig())
+    assert model.wide_state.geometry.attn_groups == 3 and model.wide_state.geometry.ffn_groups == 12
+    for lr in model.wide_routers:
+        lr.attn.offset.fill_(1e9)
+        lr.ffn.offset.fill_(1e9)
+    torch.testing.assert_close(model(ids).logits, dense)
+    wide.calibrate_offsets(model, [ids], target=0.5)
+    with wide.track_sparsity(model) as t:
+        model(ids)
+    assert float(t.summary().flop_rate) == pytest.approx(0.5, abs=0.05)
+    assert Path(path).is_dir()
