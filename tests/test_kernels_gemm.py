@@ -156,7 +156,7 @@ def test_gemm_k_many_groups_unsorted():
     T, G, ng, N = 40, 16, 70, 20
     x, (w,) = _inputs(T, G * ng, N, torch.float32, gen)
     mask = (torch.rand(T, ng, generator=gen) < 0.5).to(DEVICE)
-    assert rel_err(gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)) < 1e-3
+    assert rel_err(gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)) < (1e-3 if INTERPRET else 5e-3)
 
 
 def test_shared_route_between_ops():
@@ -169,7 +169,7 @@ def test_shared_route_between_ops():
     h = ffn_up(x, wg, wu, mask, G, route=route)
     y = gemm_k(h, wd, mask, G, route=route)
     ref = gemm_k_reference(ffn_up_reference(x, wg, wu, mask, G), wd, mask, G)
-    assert rel_err(y, ref) < 1e-3
+    assert rel_err(y, ref) < (1e-3 if INTERPRET else 5e-3)  # CUDA fp32 dots use tf32
 
 
 def test_empty_and_zero_k():
@@ -213,3 +213,17 @@ def test_errors():
         gemm_k(x, wk, torch.ones(3, 2, dtype=torch.bool, device=DEVICE), 32)
     with pytest.raises(ValueError):
         RouteIndex(torch.ones(3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_decode_split_k(T):
+    # decode GEMVs split the reduction (fp32 partials + ordered reduce) once K is large
+    gen = torch.Generator().manual_seed(50 + T)
+    x, (w,) = _inputs(T, 560, 64, torch.float32, gen)
+    mask = (torch.rand(T, 2, generator=gen) < 0.5).to(DEVICE)
+    mask[0, 0] = True
+    assert rel_err(gemm_mn(x, w, mask, 32), gemm_mn_reference(x, w, mask, 32)) < 5e-3
+    xk, (wk,) = _inputs(T, 576, 24, torch.float32, gen)
+    mk = (torch.rand(T, 36, generator=gen) < 0.5).to(DEVICE)
+    mk[0, 0] = True
+    assert rel_err(gemm_k(xk, wk, mk, 16), gemm_k_reference(xk, wk, mk, 16)) < 5e-3

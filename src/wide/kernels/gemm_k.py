@@ -17,12 +17,15 @@ tile, and only the weight columns of groups used by some token are read.
 """
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .gemm_mn import _KC_ALIGN, decode_splits, splitk_reduce
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2)
 
@@ -34,9 +37,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
-                   T_BUCKET,
+                   T_BUCKET, ws_ptr, KC,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr):
+                   HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
+                   NESTED: tl.constexpr, SKIP_W: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BM)
     num_n = tl.cdiv(N, BN)
@@ -57,22 +61,45 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
     n = n_tile * BN + tl.arange(0, BN)
     n_ok = n < N
     k = tl.arange(0, BK)
-    sub = GS // BK
-    cnt = tl.load(tc_ptr + m_tile)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in range(0, cnt * sub):
-        gi = j // sub
-        kk = (j - gi * sub) * BK
-        gid = tl.load(tg_ptr + m_tile * NG + gi)
-        k0 = gid * GS + kk
-        act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
-        a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :], mask=act[:, None],
-                    other=0.0)
-        b = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + (k0 + k)[:, None],
-                    mask=n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-    tl.store(y_ptr + tok[:, None] * stride_yt + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_in[:, None] & n_ok[None, :])
+    w_rows = w_ptr + n[None, :].to(tl.int64) * stride_wn
+    if NESTED:
+        # Few wide groups: outer loop over the tile's active groups (one indirection per
+        # group), inner direct-addressed loop over the group's columns, which pipelines.
+        cnt = tl.load(tc_ptr + m_tile)
+        for gi in range(0, cnt):
+            gid = tl.load(tg_ptr + m_tile * NG + gi)
+            act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
+            for kk in range(0, GS, BK):
+                k0 = gid * GS + kk
+                a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
+                            mask=act[:, None], other=0.0)
+                b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+    else:
+        # One flat, direct-addressed loop over K (pipelines like a plain GEMM). X rows of
+        # tokens inactive in the current group are not loaded; with SKIP_W (decode) neither
+        # are the weight columns of groups no token uses, which is where decode saves bytes.
+        # Split-K (decode): program_id(1) owns [k_lo, k_lo + KC) and writes an fp32 partial.
+        k_lo = tl.program_id(1) * KC
+        for k0 in range(k_lo, tl.minimum(K, k_lo + KC), BK):
+            gid = k0 // GS
+            act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
+                        mask=act[:, None], other=0.0)
+            if SKIP_W:
+                used = tl.max(act.to(tl.int32), axis=0)
+                wm = n_ok[None, :] & ((k[:, None] * 0 + used) > 0)
+                b = tl.load(w_rows + (k0 + k)[:, None], mask=wm, other=0.0)
+            else:
+                b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+    if SPLIT:
+        tl.store(ws_ptr + (tl.program_id(1) * T + tok[:, None]) * N + n[None, :], acc,
+                 mask=row_in[:, None] & n_ok[None, :])
+    else:
+        tl.store(y_ptr + tok[:, None] * stride_yt + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_in[:, None] & n_ok[None, :])
 
 
 def _cfg(bn, bk, w, s):
@@ -125,9 +152,15 @@ def _heuristic(T: int, gs: int, bm: int) -> triton.Config:
     return _cfg(256, largest_pow2_divisor(gs, 64), 8, 3)
 
 
+# Short tuning runs: each key (shape, bucketed T) is tuned once per process and cached.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _BENCH = {}
+    if "warmup" in inspect.signature(triton.autotune).parameters:
+        _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS", "BM"]
 _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
-                         prune_configs_by={"early_config_prune": _prune})(_gemm_k_kernel)
+                         prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_gemm_k_kernel)
 
 
 def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
@@ -164,21 +197,41 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     bm = gemm_k_block_m(T, ng)
-    perm, tg, tc = route.token_tiles(bm)
+    nested = _use_nested(T, ng, group_size)
     m = route.mask.view(torch.uint8)
+    if nested:
+        perm, tg, tc = route.token_tiles(bm)
+    else:  # flat loop: rows in token order, no lists needed (decode needs no routing launch)
+        perm, tg, tc = None, m, m
+
+    n_split = decode_splits(N // 32, K) if (bm == 16 and not nested) else 1
+    kc = K if n_split == 1 else triton.cdiv(triton.cdiv(K, n_split), _KC_ALIGN) * _KC_ALIGN
+    n_split = triton.cdiv(K, kc)
+    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
 
     def grid(meta):
-        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]),)
+        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), n_split)
 
-    args = (x, w, y, m, perm if perm is not None else tc, tg, tc, T, N, K, ng, group_size,
-            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T))
+    args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
+            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc)
+    flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, SKIP_W=bm == 16,
+                 SPLIT=n_split > 1)
     if autotune_enabled():
-        _tuned[grid](*args, BM=bm, HAS_PERM=perm is not None, GROUP_M=8)
+        _tuned[grid](*args, **flags)
     else:
         c = _heuristic(T, group_size, bm)
-        _gemm_k_kernel[grid](*args, BM=bm, HAS_PERM=perm is not None, GROUP_M=8,
-                             num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+        _gemm_k_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+                             **c.kwargs)
+    if n_split > 1:
+        splitk_reduce(wsp, y)
     return y
+
+
+def _use_nested(T: int, num_groups: int, group_size: int) -> bool:
+    # The per-tile group list pays off only when tiles can be homogeneous (few groups, sorted
+    # tokens) and each group is wide enough for its inner loop to pipeline.
+    return T > DIRECT_MAX_T and num_groups <= SORT_MAX_GROUPS and (
+        group_size >= 256 or interpret_mode())
 
 
 def gemm_k_reference(x, w, mask, group_size):

@@ -18,6 +18,8 @@ of its tokens uses the group.
 """
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -36,10 +38,14 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
                     T, N, K, GS, stride_xt, stride_wn, stride_w2n, stride_yt, stride_mt,
-                    T_BUCKET,
+                    T_BUCKET, ws_ptr, KC,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr):
+                    EVEN_K: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
+                    SPLIT: tl.constexpr):
     pid = tl.program_id(0)
+    # Split-K (decode only): program_id(1) owns columns [k_lo, k_lo + KC) of the reduction and
+    # writes an fp32 partial; splitk_reduce sums them in a fixed order (deterministic).
+    k_lo = tl.program_id(1) * KC
     num_m = tl.cdiv(T, BM)
     nsub = tl.cdiv(GS, BN)
     m_tile = pid % num_m
@@ -65,38 +71,43 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
     y_ptrs = y_ptr + tok[:, None] * stride_yt + n[None, :]
     st_mask = row_in[:, None] & col_ok[None, :]
 
-    if n_act > 0:
-        k = tl.arange(0, BK)
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]
-        w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_wn + k[:, None]
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # Tiles past the group's active tokens run the K loop zero times and store the zero
+    # accumulator. (A data-dependent `if` around the loop would keep it from being pipelined.)
+    k_hi = tl.minimum(K, k_lo + KC)
+    k_end = tl.where(n_act > 0, k_hi, k_lo)
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + k)[None, :]
+    w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_wn + (k_lo + k)[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if FUSED:
+        w2_ptrs = w2_ptr + n[None, :].to(tl.int64) * stride_w2n + (k_lo + k)[:, None]
+        acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_end, BK):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=act[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + k) < K
+            a = tl.load(x_ptrs, mask=act[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
         if FUSED:
-            w2_ptrs = w2_ptr + n[None, :].to(tl.int64) * stride_w2n + k[:, None]
-            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
             if EVEN_K:
-                a = tl.load(x_ptrs, mask=act[:, None], other=0.0)
-                b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+                b2 = tl.load(w2_ptrs, mask=col_ok[None, :], other=0.0)
             else:
-                k_ok = (k0 + k) < K
-                a = tl.load(x_ptrs, mask=act[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
-            if FUSED:
-                if EVEN_K:
-                    b2 = tl.load(w2_ptrs, mask=col_ok[None, :], other=0.0)
-                else:
-                    b2 = tl.load(w2_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-                acc2 = tl.dot(a, b2, acc2)
-                w2_ptrs += BK
-            x_ptrs += BK
-            w_ptrs += BK
-        if FUSED:
-            # silu in fp32; inactive rows have acc == acc2 == 0 and stay exactly zero.
-            acc = acc / (1.0 + tl.exp(-acc)) * acc2
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
+                b2 = tl.load(w2_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc2 = tl.dot(a, b2, acc2)
+            w2_ptrs += BK
+        x_ptrs += BK
+        w_ptrs += BK
+    if FUSED:
+        # silu in fp32; inactive rows have acc == acc2 == 0 and stay exactly zero.
+        acc = acc / (1.0 + tl.exp(-acc)) * acc2
+    if SPLIT:
+        ws_ptrs = ws_ptr + (tl.program_id(1) * T + tok[:, None]) * N + n[None, :]
+        tl.store(ws_ptrs, acc, mask=st_mask)
     else:
-        tl.store(y_ptrs, tl.zeros([BM, BN], dtype=y_ptr.dtype.element_ty), mask=st_mask)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
 
 
 def _cfg(bm, bn, bk, w, s):
@@ -140,11 +151,17 @@ def _heuristic(T: int, gs: int, fused: bool) -> triton.Config:
 
 _heur = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
 _plain_kernel = _heur(_gemm_mn_kernel)
+# Short tuning runs: each key (shape, bucketed T) is tuned once per process and cached.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _BENCH = {}
+    if "warmup" in inspect.signature(triton.autotune).parameters:
+        _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS"]
 _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
-                         prune_configs_by={"early_config_prune": _prune})(_plain_kernel)
+                         prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 _tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
-                               prune_configs_by={"early_config_prune": _prune})(_plain_kernel)
+                               prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 
 
 def _check_inputs(x, ws, mask, group_size, out):
@@ -194,18 +211,56 @@ def _launch(x, ws, mask, group_size, route, out, fused):
         idx, counts = route.idx, route.counts
     w2 = ws[1] if fused else ws[0]
 
+    n_split = 1 if (fused or not direct) else decode_splits(N // 32, K)
+    kc = K if n_split == 1 else triton.cdiv(triton.cdiv(K, n_split), _KC_ALIGN) * _KC_ALIGN
+    n_split = triton.cdiv(K, kc)
+    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
+
     def grid(meta):
-        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]),)
+        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), n_split)
 
     args = (x, ws[0], w2, y, m, idx, counts, T, N, K, group_size, x.stride(0), ws[0].stride(0),
-            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T))
+            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc)
+    flags = dict(DIRECT=direct, FUSED=fused, SPLIT=n_split > 1)
     if autotune_enabled():
-        (_tuned_fused if fused else _tuned)[grid](*args, DIRECT=direct, FUSED=fused)
+        (_tuned_fused if fused else _tuned)[grid](*args, **flags)
     else:
         c = _heuristic(T, group_size, fused)
-        _plain_kernel[grid](*args, DIRECT=direct, FUSED=fused, num_warps=c.num_warps,
-                            num_stages=c.num_stages, **c.kwargs)
+        _plain_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
+                            **c.kwargs)
+    if n_split > 1:
+        splitk_reduce(wsp, y)
     return y
+
+
+# Split-K chunks are multiples of the largest BK, so every chunk is whole BK steps.
+_KC_ALIGN = 256
+
+
+def decode_splits(n_programs: int, K: int) -> int:
+    """Split-K factor for decode GEMVs: enough programs (~1024) to keep every SM's loads in
+    flight; each split still reads >= 512 columns."""
+    if interpret_mode():
+        return 2 if K >= 2 * _KC_ALIGN else 1
+    return max(1, min(8, 1024 // max(1, n_programs), K // 512))
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < T * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(ws_ptr + s * T * N + offs, mask=valid, other=0.0)
+    t = offs // N
+    tl.store(y_ptr + t * stride_yt + (offs - t * N), acc.to(y_ptr.dtype.element_ty), mask=valid)
+
+
+def splitk_reduce(ws: torch.Tensor, y: torch.Tensor) -> None:
+    """y[t, n] = sum_s ws[s, t, n] (fp32 partials, fixed order), cast to y's dtype."""
+    S, T, N = ws.shape
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(T * N, block),)](ws, y, T, N, S, y.stride(0), BLOCK=block)
 
 
 def gemm_mn(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
