@@ -496,11 +496,10 @@ def main(argv=None):
     if args.tune_decode:
         from wide.kernels.attention import decode_splits
 
-        tune_cases = [(1, 4096), (8, 32768), (32, 32768), (32, 4096)] if not _DRY else [(1, Tks[0])]
+        tune_cases = [(1, 4096), (8, 32768), (32, 32768)] if not _DRY else [(1, Tks[0])]
         for B, Tk in tune_cases:
             n_def = decode_splits(B, HKV, Tk, torch.device(DEV))[0]
-            for kw in [dict(block_n=128), dict(num_stages=4), dict(block_n=128, num_warps=8),
-                       dict(num_splits=2 * n_def), dict(num_splits=max(1, n_def // 2))]:
+            for kw in [dict(num_splits=2 * n_def), dict(num_splits=max(1, n_def // 2))]:
                 try:
                     r = bench_decode(B, Tk, 0.5, gen, log, split_kw=kw)
                     r["tuning"] = True

@@ -443,6 +443,18 @@ if HAS_TRITON:
                  mask=h_ok[:, None])
         tl.store(plse_ptr + out_rows, m_i + tl.math.log2(l_i), mask=h_ok)
 
+    # Decode is bandwidth-bound: what matters is the bytes in flight per SM, traded between
+    # tile depth (BLOCK_N, stages) and resident CTAs (72 KB smem at 64/3 -> 3 CTAs per SM).
+    _DECODE_CONFIGS = [
+        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=4),
+    ]
+    _decode_split_kernel_tuned = triton.autotune(
+        configs=_DECODE_CONFIGS, key=["HEAD_DIM", "PAGED", "BLOCK_H", "NUM_SPLITS", "chunk"]
+    )(_decode_split_kernel)
+
     @triton.jit
     def _decode_combine_kernel(
         po_ptr, plse_ptr, mask_ptr, lens_ptr, o_ptr,
@@ -641,8 +653,8 @@ def decode_attention(
     sm_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Split-KV flash decoding that skips inactive head groups and their KV reads.
 
@@ -704,25 +716,31 @@ def decode_attention(
         chunk = -(-max(tk_max, 1) // splits)
         chunk = -(-chunk // 128) * 128
         splits = -(-max(tk_max, 1) // chunk)
-    bn = block_n or (16 if _interpret() else 64)
     heads_per_kv = Hq // Hkv
     block_h = max(16, triton.next_power_of_2(heads_per_kv))
     lens = seq_lens.to(torch.int32) if seq_lens.dtype != torch.int32 else seq_lens
-    m8 = mask.view(torch.uint8)
+    m8 = mask.contiguous().view(torch.uint8)
     po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
     table = block_table if paged else lens  # any int pointer; never read when not paged
-    _decode_split_kernel[(splits, B * Hkv)](
+    args = (
         q, k_cache, v_cache, m8, lens, table, po, plse,
         Hq, Hkv, G, scale * _LOG2E, chunk, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         m8.stride(0), block_table.stride(0) if paged else 0,
-        NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
-        PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=bn,
-        num_warps=num_warps, num_stages=num_stages,
     )
+    kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
+              PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
+    grid = (splits, B * Hkv)
+    pinned = block_n is not None or num_warps is not None or num_stages is not None
+    if pinned or _interpret() or not q.is_cuda:
+        bn = block_n or (16 if _interpret() else 64)
+        _decode_split_kernel[grid](*args, **kw, BLOCK_N=bn, num_warps=num_warps or 4,
+                                   num_stages=num_stages or 3)
+    else:
+        _decode_split_kernel_tuned[grid](*args, **kw)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     _decode_combine_kernel[(B * Hq,)](
         po, plse, m8, lens, out, Hq, chunk,
