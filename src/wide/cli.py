@@ -115,6 +115,8 @@ def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="seed for data order, init and Gumbel noise (default: %(default)s)")
     t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed training tokens (default: all)")
+    t.add_argument("--stop-at", type=int, default=None,
+                   help="end this invocation after this step with a checkpoint; --resume continues the run")
     t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
                    help="after training, calibrate router offsets so inference hits the target exactly on "
                         "calibration text: one shift for all routers, one per router, or none (default: %(default)s)")
@@ -139,8 +141,12 @@ def cmd_calibrate(args) -> dict:
                       max_grad_norm=args.max_grad_norm, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, save_every=args.save_every, seed=args.seed)
     t0 = time.perf_counter()
-    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume)
+    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
+                   stop_at=getattr(args, "stop_at", None))
     wall = time.perf_counter() - t0
+    if result.get("stopped_at"):
+        print(f"stopped at step {result['stopped_at']}; continue with --resume")
+        return {"stopped_at": result["stopped_at"], "wall_s": wall}
     offsets = None
     if args.offsets != "none":
         n = args.offset_batches * args.batch_size
@@ -291,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
     e.set_defaults(func=cmd_eval)
+    e.add_argument("--analyze", action="store_true",
+                   help="also analyse each router directory's routing on held-out text: per-layer sparsity, "
+                        "group fire rates, distinct masks (heat map PNG + JSON beside OUT, or in the directory)")
+    e.add_argument("--analyze-sequences", type=int, default=32,
+                   help="held-out sequences the analysis reads (default: %(default)s)")
+    # Recovery directories carry adapters or static masks that the plain router loader
+    # ignores; they (and --analyze) go through wide.recovery.load_recovered.
+    e.set_defaults(func=cmd_eval_recovered)
 
     d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense",
                        description="The quick start: fetches SmolLM2-135M and the data, calibrates routers at 50%% "
@@ -311,6 +325,29 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["kernels", "attention"], help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("recover", help="stage 2: LoRA recovery on top of stage-1 routers",
+                       description="Stage 2: add LoRA adapters (r=16, alpha=32, dropout 0.1 on q,k,v,o,gate,up,down) "
+                                   "to the backbone and train them together with the stage-1 routers (unless "
+                                   "--freeze-routers). Writes OUT/recovered (routers + PEFT adapters), loadable with "
+                                   "wide.recovery.load_recovered(base_model, OUT/recovered). Resumable with --resume.")
+    _add_model_args(r)
+    _add_data_args(r)
+    _add_recover_args(r)
+    r.set_defaults(func=cmd_recover)
+
+    cp = sub.add_parser("compare", help="dense vs WIDE (stage 1, 2) vs the baselines at matched FLOP budgets",
+                        description="Train and evaluate dense, WIDE stage 1 and 2, token-level dynamic depth pruning, "
+                                    "module skipping and static width pruning at each target with one token budget "
+                                    "and seed; writes OUT.md (table), OUT.json (quality records) and OUT.png. "
+                                    "Rerunning resumes training and skips finished evaluations.")
+    _add_model_args(cp)
+    _add_data_args(cp)
+    _add_eval_args(cp)
+    from .compare import add_arguments
+
+    add_arguments(cp)
+    cp.set_defaults(func=cmd_compare, batch_size=4)
     return p
 
 
@@ -335,6 +372,140 @@ def cmd_bench(args):
 
     mod = importlib.import_module(f"wide.benchmarks.{args.which}")
     return mod.main(args.rest)
+
+
+def _add_recover_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--routers", required=True, help="stage-1 directory (e.g. RUN/routers from wide calibrate)")
+    r.add_argument("--out", required=True, help="run directory: checkpoint/, recovered/, history.json")
+    r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if it exists")
+    r.add_argument("--stop-at", type=int, default=None, help="end this invocation after this step (resume later)")
+    r.add_argument("--merge-out", default=None,
+                   help="also write the merged model (plain HF directory) with its routers in MERGE_OUT/routers")
+    lo = r.add_argument_group("LoRA")
+    lo.add_argument("--lora-r", type=int, default=16, help="(default: %(default)s)")
+    lo.add_argument("--lora-alpha", type=int, default=32, help="(default: %(default)s)")
+    lo.add_argument("--lora-dropout", type=float, default=0.1, help="(default: %(default)s)")
+    lo.add_argument("--freeze-routers", action="store_true", help="train the adapters only")
+    t = r.add_argument_group("optimisation")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (default: %(default)s)")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
+    t.add_argument("--warmup-frac", type=float, default=0.1, help="(default: %(default)s)")
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="(default: %(default)s)")
+    t.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period, 0 = never (default: %(default)s)")
+    t.add_argument("--eval-batches", type=int, default=8, help="(default: %(default)s)")
+    t.add_argument("--save-every", type=int, default=50, help="checkpoint period (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed training tokens")
+    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
+                   help="recalibrate router offsets after recovery (default: %(default)s)")
+    t.add_argument("--offset-batches", type=int, default=8, help="(default: %(default)s)")
+
+
+def cmd_recover(args) -> dict:
+    from . import modeling
+    from .baselines import STATIC_FILE, apply_static_file
+    from .recovery import FINAL_DIR, LoraArgs, load_recovered, merge, recover, save_recovered
+    from .serialization import read_meta, save_routers
+    from .train import TrainArgs
+
+    model, tok, model_path = _load(args)
+    meta = read_meta(args.routers)
+    load_recovered(model, args.routers)
+    static = apply_static_file(model, args.routers) if (Path(args.routers) / STATIC_FILE).is_file() else None
+    train_ids, _, _ = _packed(args, tok, "train", args.max_train_tokens)
+    eval_ids, _, _ = _packed(args, tok, "heldout")
+    targs = TrainArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                      weight_decay=args.weight_decay, warmup_frac=args.warmup_frac,
+                      max_grad_norm=args.max_grad_norm, eval_every=args.eval_every,
+                      eval_batches=args.eval_batches, save_every=args.save_every, seed=args.seed)
+    lora = LoraArgs(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
+    extra = {"method": meta.get("method", "wide"), "stage": 2, "stage1_dir": str(args.routers)}
+    write_more = static.save if static is not None else None
+    t0 = time.perf_counter()
+    result = recover(model, train_ids, targs, args.out, lora=lora, eval_ids=eval_ids, resume=args.resume,
+                     freeze_routers=args.freeze_routers or static is not None, stop_at=args.stop_at,
+                     extra=extra, write_more=write_more)
+    wall = time.perf_counter() - t0
+    if result.get("stopped_at"):
+        print(f"stopped at step {result['stopped_at']}; continue with --resume")
+        return {"stopped_at": result["stopped_at"], "wall_s": wall}
+    model.eval()
+    if args.offsets != "none" and static is None:
+        n = args.offset_batches * args.batch_size
+        modeling.calibrate_offsets(model, train_ids[:n].split(args.batch_size), mode=args.offsets)
+    run = {"command": "wide " + " ".join(sys.argv[1:]), "model": model_path, "train_args": vars(targs),
+           "lora": vars(lora), "wall_s": wall, "machine": _machine(), "date": datetime.date.today().isoformat()}
+    out = Path(args.out) / FINAL_DIR
+    save_recovered(model, out, extra={**extra, "run": run}, write_more=write_more)
+    (Path(args.out) / "run.json").write_text(json.dumps(run, indent=2, default=str))
+    print(f"routers + adapters saved to {out} ({wall / 60:.1f} min)")
+    if args.merge_out:
+        merge(model)
+        dense_sd = {k: v for k, v in model.state_dict().items() if not k.startswith("wide_routers.")}
+        model.save_pretrained(args.merge_out, state_dict=dense_sd)
+        tok.save_pretrained(args.merge_out)
+        save_routers(model, Path(args.merge_out) / "routers", extra={**extra, "merged": True},
+                     write_more=write_more)
+        print(f"merged model in {args.merge_out}; its routers in {Path(args.merge_out) / 'routers'}")
+    return run
+
+
+def cmd_compare(args) -> list:
+    from .compare import run
+
+    return run(args)
+
+
+def _needs_recovery_loader(rdir) -> bool:
+    from .baselines import STATIC_FILE
+    from .recovery import ADAPTER_FILE
+
+    return (Path(rdir) / ADAPTER_FILE).is_file() or (Path(rdir) / STATIC_FILE).is_file()
+
+
+def cmd_eval_recovered(args) -> list:
+    """``wide eval`` for directories with adapters or static masks, and with --analyze."""
+    if not args.analyze and not any(_needs_recovery_loader(r) for r in args.routers or []):
+        return cmd_eval(args)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .analysis import analyze
+    from .evaluate import markdown_table
+    from .recovery import load_recovered
+    from .serialization import read_meta
+
+    model, tok, model_path = _load(args)
+    heldout, bpt = _heldout(args, tok)
+    records = []
+    if args.dense or not args.routers:
+        records.append(_evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
+    for rdir in args.routers or []:
+        meta = read_meta(rdir)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
+        model = load_recovered(model.to(args.device or _default_device()), rdir)
+        records.append(_evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
+                                     meta.get("stage", 1)))
+        if args.analyze:
+            name = "_".join(Path(rdir).resolve().parts[-2:])
+            stem = Path(f"{args.out}_analysis_{name}") if args.out else Path(rdir).parent / f"analysis_{Path(rdir).name}"
+            res = analyze(model, heldout[:args.analyze_sequences].split(args.batch_size), stem, title=str(rdir))
+            records[-1]["analysis"] = res["files"]
+            print(f"analysis of {rdir}: FLOP sparsity {res['flop_sparsity']:.3f}, "
+                  f"{res.get('distinct_model_masks')} distinct whole-model masks over {res['tokens']} tokens; "
+                  f"wrote {', '.join(res['files'])}")
+    _write_results(args, records)
+    print(markdown_table(records, args.tasks or ()))
+    return records
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv=None) -> int:
