@@ -1,0 +1,409 @@
+"""``wide compare``: dense, WIDE (stage 1 and 2) and the baselines at the same FLOP budgets,
+the same token budget and the same seed, evaluated on held-out perplexity and the seven
+zero-shot tasks.
+
+Every trained method gets a run directory ``RUNS/<method>-<pct>/stage{1,2}`` that is resumed
+on a rerun; a finished method leaves ``final/`` (routers, adapters or static masks, loadable
+with ``wide.recovery.load_recovered``). Evaluations are cached in ``RUNS/evals.json`` under a
+key that includes every setting that changes the numbers, so an interrupted comparison picks
+up where it stopped and a finished one only rewrites the outputs.
+
+Token budget: every routed method trains ``--steps`` x ``--batch-size`` x ``--seq-len``
+tokens in stage 1 (same data order, same seed); stage 2 adds ``--recovery-steps`` on the same
+data. Static width pruning uses no gradient steps: it scores channels on
+``--static-calib-sequences`` of the calibration text; its optional LoRA stage gets the same
+stage-2 budget as WIDE's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+METHOD_ROWS = {
+    # name: (family, stage, label)
+    "dense": (None, 0, "Dense"),
+    "wide": ("wide", 1, "WIDE (calibration)"),
+    "wide_lora": ("wide", 2, "WIDE + LoRA"),
+    "dynamic_depth": ("dynamic_depth", 1, "Dynamic depth (token)"),
+    "dynamic_depth_lora": ("dynamic_depth", 2, "Dynamic depth + LoRA"),
+    "module_skip": ("module_skip", 1, "Module skipping"),
+    "module_skip_lora": ("module_skip", 2, "Module skipping + LoRA"),
+    "static_width": ("static_width", 1, "Static width (Wanda-sp)"),
+    "static_width_lora": ("static_width", 2, "Static width + LoRA"),
+}
+DEFAULT_METHODS = ("dense", "wide", "wide_lora", "dynamic_depth", "module_skip", "static_width")
+REFERENCE = "dynamic_depth"
+
+
+def _pct(target: float) -> str:
+    return f"{round(target * 100):02d}"
+
+
+class Comparison:
+    def __init__(self, args):
+        self.args = args
+        self.root = Path(args.runs)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cache_path = self.root / "evals.json"
+        self.cache = json.loads(self.cache_path.read_text()) if self.cache_path.is_file() else {}
+        self.model_path = None
+        self.tok = None
+
+    # ------------------------------------------------------------ setup
+
+    def load_data(self):
+        from . import cli
+        from .data import fetch_default_model
+
+        import torch
+        from transformers import AutoTokenizer
+
+        a = self.args
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        self.model_path = str(fetch_default_model() if a.model == cli.DEFAULT else Path(a.model))
+        if not Path(self.model_path).is_dir():
+            raise FileNotFoundError(f"model directory {self.model_path} does not exist")
+        self.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, a.dtype)
+        self.tok = AutoTokenizer.from_pretrained(self.model_path)
+        self.train_ids, _, _ = cli._packed(a, self.tok, "train", a.max_train_tokens)
+        self.heldout, self.bpt = cli._heldout(a, self.tok)
+        need = a.steps * a.batch_size * a.grad_accum
+        print(f"compare: {self.train_ids.shape[0]} calibration sequences x {self.train_ids.shape[1]} tokens "
+              f"({need} sequences per stage, {'repeating' if need > self.train_ids.shape[0] else 'no repeat'}), "
+              f"{self.heldout.shape[0]} held-out sequences, device {self.device}, dtype {a.dtype}", flush=True)
+
+    def fresh(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+
+    def train_args(self, stage: int):
+        from .train import TrainArgs
+
+        a = self.args
+        steps = a.steps if stage == 1 else a.recovery_steps
+        return TrainArgs(steps=steps, batch_size=a.batch_size, grad_accum=a.grad_accum,
+                         lr=a.lr if stage == 1 else a.recovery_lr, eval_every=0, save_every=a.save_every,
+                         seed=a.seed)
+
+    def wide_overrides(self) -> dict:
+        a = self.args
+        return dict(router_rank=a.router_rank, router_input=a.router_input, loss_mode="flops",
+                    tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
+                    ffn_group_size=a.ffn_group_size)
+
+    # ------------------------------------------------------------ building methods
+
+    def _offsets(self, model) -> None:
+        from .modeling import calibrate_offsets
+
+        if self.args.offsets == "none":
+            return
+        n = self.args.offset_batches * self.args.batch_size
+        calibrate_offsets(model, self.train_ids[:n].split(self.args.batch_size), mode=self.args.offsets)
+
+    def _check_final(self, final: Path, settings: dict) -> bool:
+        from .serialization import read_meta
+
+        if not final.is_dir():
+            return False
+        saved = read_meta(final).get("compare_settings")
+        if saved != settings:
+            raise ValueError(f"{final} was built with other settings ({saved}) than this run ({settings}): "
+                             "use another --runs directory or delete it")
+        return True
+
+    def build(self, family: str, stage: int, target: float) -> Path:
+        """Train (or reuse) one method; returns its final directory."""
+        from . import baselines, modeling
+        from .recovery import LoraArgs, load_recovered, recover, save_recovered
+        from .train import train
+
+        run = self.root / f"{family}-{_pct(target)}"
+        final = run / f"stage{stage}" / "final"
+        targs = self.train_args(stage)
+        settings = {"train": asdict(targs), "wide": self.wide_overrides(), "target": target,
+                    "offsets": self.args.offsets, "static_calib_sequences": self.args.static_calib_sequences,
+                    "static_normalize": self.args.static_normalize, "dtype": self.args.dtype}
+        if stage == 2:
+            settings["lora"] = {"r": self.args.lora_r, "alpha": self.args.lora_alpha,
+                                "dropout": self.args.lora_dropout, "freeze_routers": self.args.freeze_routers}
+        if self._check_final(final, settings):
+            return final
+        extra = {"method": family, "stage": stage, "target": target, "compare_settings": settings}
+        if stage == 2:
+            base = self.build(family, 1, target)
+            model = load_recovered(self.fresh(), base)
+            static = baselines.apply_static_file(model, base)
+            lora = LoraArgs(r=self.args.lora_r, alpha=self.args.lora_alpha, dropout=self.args.lora_dropout)
+            print(f"  stage 2 (LoRA) for {family} at {target:.0%}: {targs.steps} steps", flush=True)
+            recover(model, self.train_ids, targs, run / "stage2", lora=lora,
+                    freeze_routers=self.args.freeze_routers or static is not None, resume=True,
+                    progress=not self.args.quiet, extra=extra)
+            model.eval()
+            if static is None:
+                self._offsets(model)
+            save_recovered(model, final, extra=extra,
+                           write_more=(lambda d: static.save(d)) if static is not None else None)
+            return final
+        model = self.fresh()
+        if family == "static_width":
+            n = self.args.static_calib_sequences
+            batches = self.train_ids[:n].split(self.args.batch_size)
+            cfg = baselines.method_config("static_width", model.config, target, **self.wide_overrides())
+            modeling.wrap(model, cfg)
+            pruning = baselines.static_width(model, batches, target, normalize=self.args.static_normalize)
+            r = pruning.rates(modeling.get_state(model).geometry)
+            print(f"  static width at {target:.0%}: removes {r['flop_rate']:.3f} of routable MACs "
+                  f"(attention {r['attn_rate']:.3f}, FFN {r['ffn_rate']:.3f})", flush=True)
+            save_recovered(model, final, extra={**extra, "static_rates": r}, write_more=pruning.save)
+            return final
+        cfg = baselines.method_config(family, model.config, target, **self.wide_overrides())
+        modeling.wrap(model, cfg)
+        modeling.freeze_backbone(model)
+        print(f"  stage 1 for {family} at {target:.0%}: {targs.steps} steps", flush=True)
+        train(model, self.train_ids, targs, run / "stage1", resume=True, progress=not self.args.quiet)
+        model.eval()
+        self._offsets(model)
+        save_recovered(model, final, extra=extra)
+        return final
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval_key(self, name: str, target) -> str:
+        a = self.args
+        sig = {"tasks": list(a.tasks), "limit": a.limit, "max_eval_sequences": a.max_eval_sequences,
+               "seq_len": a.seq_len, "data": a.data, "dtype": a.dtype, "model": self.model_path,
+               "steps": a.steps, "recovery_steps": a.recovery_steps, "seed": a.seed, "lr": a.lr,
+               "recovery_lr": a.recovery_lr, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
+               "wide": self.wide_overrides(), "offsets": a.offsets, "heldout_fraction": a.heldout_fraction,
+               "static": [a.static_calib_sequences, a.static_normalize],
+               "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers]}
+        h = hashlib.sha1(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{name}@{target}|{h}"
+
+    def evaluate(self, name: str, target) -> dict:
+        from . import cli
+        from .recovery import load_recovered
+
+        key = self.eval_key(name, target)
+        if key in self.cache:
+            print(f"  cached evaluation of {name} at {target}", flush=True)
+            return self.cache[key]
+        family, stage, label = METHOD_ROWS[name]
+        t0 = time.perf_counter()
+        if family is None:
+            model = self.fresh()
+        else:
+            final = self.build(family, stage, target)
+            model = load_recovered(self.fresh(), final)
+        t_build = time.perf_counter() - t0
+        print(f"  evaluating {label} at {target if target is not None else 0:.0%}", flush=True)
+        rec = cli._evaluate_one(model, self.tok, self.args, self.heldout, self.bpt, family or "dense", stage)
+        rec["model"] = Path(self.model_path).name
+        rec.update(name=name, label=label, target=target, build_s=t_build,
+                   eval_s=time.perf_counter() - t0 - t_build)
+        if family is not None:
+            a = self.args
+            steps = a.steps if family != "static_width" else 0
+            rec["train_tokens"] = (steps + (a.recovery_steps if stage == 2 else 0)) * a.batch_size * a.grad_accum * a.seq_len
+        self.cache[key] = rec
+        tmp = self.cache_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.cache, indent=1))
+        tmp.replace(self.cache_path)
+        del model
+        return rec
+
+    # ------------------------------------------------------------ the whole run
+
+    def run(self) -> list:
+        a = self.args
+        self.load_data()
+        jobs = [("dense", None)] if "dense" in a.methods else []
+        jobs += [(m, t) for t in a.targets for m in a.methods if m != "dense"]
+        records = []
+        t0 = time.perf_counter()
+        for i, (name, target) in enumerate(jobs, 1):
+            tgt = "" if target is None else f" at {target:.0%}"
+            print(f"[{i}/{len(jobs)}] {METHOD_ROWS[name][2]}{tgt} ({(time.perf_counter() - t0) / 60:.1f} min so far)",
+                  flush=True)
+            records.append(self.evaluate(name, target))
+            write_outputs(records, a.out, a, command=self.command())
+        return records
+
+    @staticmethod
+    def command() -> str:
+        return "wide " + " ".join(sys.argv[1:])
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def relative_to_reference(records: list) -> None:
+    """Adds rel_avg_vs_depth / rel_ppl_vs_depth (percent) against dynamic depth pruning at the
+    same target and stage 1 (the paper's calibration-only reference)."""
+    ref = {r["target"]: r for r in records if r.get("name") == REFERENCE}
+    for r in records:
+        base = ref.get(r.get("target"))
+        if base is None or r is base:
+            continue
+        if r.get("avg") is not None and base.get("avg"):
+            r["rel_avg_vs_depth"] = 100.0 * (r["avg"] - base["avg"]) / base["avg"]
+        if r.get("ppl") and base.get("ppl"):
+            r["rel_ppl_vs_depth"] = 100.0 * (r["ppl"] - base["ppl"]) / base["ppl"]
+
+
+def table(records: list, tasks) -> str:
+    head = ["method", "stage", "target", "FLOP sparsity", "group sparsity", "ppl", "bpb", *tasks, "avg",
+            "avg vs depth", "ppl vs depth"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def f(v, p=3):
+        return "-" if v is None else f"{v:.{p}f}"
+
+    def rel(v):
+        return "-" if v is None else f"{v:+.1f}%"
+
+    for r in records:
+        cells = [r.get("label", r.get("method")), str(r.get("stage")),
+                 "-" if r.get("target") is None else f"{r['target']:.0%}",
+                 f(r.get("sparsity")), f(r.get("group_sparsity")), f(r.get("ppl"), 2), f(r.get("bpb"))]
+        cells += [f(r.get(t)) for t in tasks] + [f(r.get("avg")), rel(r.get("rel_avg_vs_depth")),
+                                                 rel(r.get("rel_ppl_vs_depth"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    dense = next((r for r in records if r.get("name") == "dense"), None)
+    names = [n for n in METHOD_ROWS if n != "dense" and any(r.get("name") == n for r in records)]
+    for n in names:
+        rows = sorted((r for r in records if r.get("name") == n), key=lambda r: r["sparsity"])
+        xs = [r["sparsity"] for r in rows]
+        style = "-" if METHOD_ROWS[n][1] == 1 else "--"
+        if any(r.get("avg") is not None for r in rows):
+            ax1.plot(xs, [r.get("avg") for r in rows], style, marker="o", label=METHOD_ROWS[n][2])
+        ax2.plot(xs, [r["ppl"] for r in rows], style, marker="o", label=METHOD_ROWS[n][2])
+    if dense is not None:
+        if dense.get("avg") is not None:
+            ax1.axhline(dense["avg"], color="k", lw=0.8, ls=":", label="Dense")
+        ax2.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="Dense")
+    ax1.set_xlabel("realised FLOP-weighted sparsity")
+    ax1.set_ylabel("average zero-shot accuracy")
+    ax2.set_xlabel("realised FLOP-weighted sparsity")
+    ax2.set_ylabel("held-out perplexity")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    model = records[0].get("model", "") if records else ""
+    fig.suptitle(f"{model}: quality against sparsity (same token budget and seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(records: list, out_stem, args, command: str) -> None:
+    import platform
+
+    import torch
+
+    relative_to_reference(records)
+    out = Path(out_stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and "cuda" in str(args.device or "cuda") \
+        else (platform.processor() or "cpu")
+    doc = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": command,
+           "settings": {"steps": args.steps, "recovery_steps": args.recovery_steps, "batch_size": args.batch_size,
+                        "grad_accum": args.grad_accum, "seq_len": args.seq_len, "seed": args.seed,
+                        "lr": args.lr, "recovery_lr": args.recovery_lr, "limit": args.limit,
+                        "max_eval_sequences": args.max_eval_sequences, "targets": list(args.targets),
+                        "dtype": args.dtype},
+           "records": records}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    tasks = list(args.tasks)
+    lines = [f"# {out.stem}", "", f"Command: `{command}`", "",
+             f"Date: {doc['date']}; torch {doc['torch']}; device {device}", "",
+             table(records, tasks), "",
+             "Sparsity is realised on the held-out text (FLOP-weighted: share of the routable q+o and "
+             "gate+up+down MACs skipped; group: the paper's unweighted mean of module rates). Task columns are "
+             "acc_norm where lm-eval reports it, else acc. 'vs depth' is the relative change against token-level "
+             "dynamic depth pruning (calibration only) at the same target.", ""]
+    if args.limit:
+        lines.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        plot(records, out.with_suffix(".png"))
+    except Exception as e:  # a missing plot must not lose the table of a long run
+        print(f"warning: plot failed: {e}", file=sys.stderr)
+
+
+def add_arguments(p) -> None:
+    """Options of ``wide compare`` (the model/data/eval options come from the CLI helpers)."""
+    g = p.add_argument_group("comparison")
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHOD_ROWS),
+                   help="methods to run (default: %(default)s)")
+    g.add_argument("--targets", nargs="+", type=float, default=[0.25, 0.5],
+                   help="FLOP-weighted sparsity targets (default: %(default)s)")
+    g.add_argument("--runs", default="runs/compare", help="run directory root, reused on a rerun (default: %(default)s)")
+    g.add_argument("--out", default="bench/results/quality_smollm2",
+                   help="results stem: OUT.json, OUT.md, OUT.png (default: %(default)s)")
+    g.add_argument("--quiet", action="store_true", help="no per-step progress bars")
+    t = p.add_argument_group("shared training budget")
+    t.add_argument("--steps", type=int, default=240, help="stage-1 optimizer steps (default: %(default)s)")
+    t.add_argument("--recovery-steps", type=int, default=None, help="stage-2 steps (default: --steps)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=2e-3, help="stage-1 learning rate (default: %(default)s)")
+    t.add_argument("--recovery-lr", type=float, default=2e-4, help="stage-2 learning rate (default: %(default)s)")
+    t.add_argument("--save-every", type=int, default=20, help="checkpoint period in steps (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="shared seed (default: %(default)s)")
+    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed calibration tokens")
+    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
+                   help="router offset calibration after training (default: %(default)s)")
+    t.add_argument("--offset-batches", type=int, default=8, help="batches for offset calibration (default: %(default)s)")
+    r = p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)")
+    r.add_argument("--router-rank", type=int, default=16, help="(default: %(default)s)")
+    r.add_argument("--router-input", default="residual", choices=["residual", "normed"], help="(default: %(default)s)")
+    r.add_argument("--ffn-group-size", type=int, default=128, help="WIDE / static FFN group (default: %(default)s)")
+    r.add_argument("--sparsity-coef", type=float, default=20.0, help="(default: %(default)s)")
+    r.add_argument("--tau-start", type=float, default=5.0, help="(default: %(default)s)")
+    r.add_argument("--tau-end", type=float, default=0.5, help="(default: %(default)s)")
+    s = p.add_argument_group("static width pruning and LoRA")
+    s.add_argument("--static-calib-sequences", type=int, default=32,
+                   help="calibration sequences for channel importance (default: %(default)s)")
+    s.add_argument("--static-normalize", default="layer", choices=["layer", "module", "none"],
+                   help="how attention and FFN scores are made comparable (default: %(default)s)")
+    s.add_argument("--lora-r", type=int, default=16, help="(default: %(default)s)")
+    s.add_argument("--lora-alpha", type=int, default=32, help="(default: %(default)s)")
+    s.add_argument("--lora-dropout", type=float, default=0.1, help="(default: %(default)s)")
+    s.add_argument("--freeze-routers", action="store_true", help="stage 2 trains adapters only")
+
+
+def run(args) -> list:
+    if args.recovery_steps is None:
+        args.recovery_steps = args.steps
+    for t in args.targets:
+        if not 0.0 < t < 1.0:
+            raise ValueError(f"targets must lie in (0, 1), got {t}")
+    records = Comparison(args).run()
+    print(table(records, list(args.tasks)))
+    print(f"wrote {Path(args.out).with_suffix('.md')}, .json and .png")
+    return records
+
+
+__all__ = ["METHOD_ROWS", "DEFAULT_METHODS", "Comparison", "table", "plot", "write_outputs", "add_arguments", "run"]

@@ -1,0 +1,212 @@
+"""Stage 2: LoRA recovery on top of stage-1 routers (METHOD.md section 5).
+
+Adapters are injected in place with PEFT (``inject_adapter_in_model``) rather than through a
+``PeftModel`` wrapper, so the wrapped HF model stays the object that owns ``wide_routers``
+and ``wide_state`` and every other part of ``wide`` keeps working on it. PEFT swaps
+``o_proj`` / ``down_proj`` for ``lora.Linear``; the routing hooks are then moved onto the
+new modules (``install_hooks``) so the mask also gates the LoRA branch, not only the base
+layer's input.
+
+A recovery directory is a router checkpoint (``routers.safetensors`` + ``wide_config.json``)
+plus PEFT's own adapter files (``adapter_model.safetensors`` with PEFT's key layout and
+``adapter_config.json``), so ``PeftModel.from_pretrained`` can read the adapters too. The
+same files go inside the training checkpoint through ``save_extra``, which keeps one atomic
+write per checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .modeling import get_state, install_hooks
+from .serialization import CheckpointError, load, read_meta, save_routers
+from .train import TrainArgs, train
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+FINAL_DIR = "recovered"
+# PeftModel.save_pretrained writes keys relative to the PeftModel, one level above the HF model.
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraArgs:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.1
+    targets: Sequence[str] = LORA_TARGETS
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.targets), bias="none")
+
+
+def has_lora(model) -> bool:
+    return any("lora_" in n for n, _ in model.named_parameters())
+
+
+def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = False) -> list:
+    """Inject LoRA adapters into a wrapped model, in place; returns the parameters to train
+    (adapters, plus the routers unless ``freeze_routers``).
+
+    PEFT freezes everything that is not an adapter, routers included, so router gradients are
+    switched back on here.
+    """
+    from peft import inject_adapter_in_model
+
+    get_state(model)
+    if has_lora(model):
+        raise ValueError("model already has LoRA adapters")
+    lora = lora or LoraArgs()
+    cfg = lora.peft_config()
+    cfg.base_model_name_or_path = getattr(model.config, "_name_or_path", None)
+    inject_adapter_in_model(cfg, model)
+    install_hooks(model)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    # PEFT gives adapters the base layer's dtype; bf16 adapters would lose most 2e-4 updates.
+    for p in adapters:
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+    for p in model.wide_routers.parameters():
+        p.requires_grad_(not freeze_routers)
+    routers = [] if freeze_routers else list(model.wide_routers.parameters())
+    return adapters + routers
+
+
+def adapter_state_dict(model) -> dict:
+    from peft import get_peft_model_state_dict
+
+    return {_PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def write_adapters(model, directory: Union[str, Path]) -> None:
+    """PEFT's adapter files into ``directory`` (which must exist)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    save_file(adapter_state_dict(model), str(directory / ADAPTER_FILE), metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(str(directory))
+
+
+def read_adapters(model, directory: Union[str, Path]) -> None:
+    """Load adapter tensors from ``directory`` into a model that already has adapters of the
+    same shape; every adapter tensor must be present."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(directory) / ADAPTER_FILE
+    try:
+        sd = load_file(str(path))
+    except Exception as e:  # safetensors' error type moved between releases
+        raise CheckpointError(f"{path} is missing, corrupt or unreadable: {e}") from e
+    sd = {k[len(_PEFT_PREFIX):] if k.startswith(_PEFT_PREFIX) else k: v for k, v in sd.items()}
+    device = next(model.parameters()).device
+    res = set_peft_model_state_dict(model, {k: v.to(device) for k, v in sd.items()})
+    missing = [k for k in res.missing_keys if "lora_" in k]
+    if res.unexpected_keys or missing:
+        raise CheckpointError(f"adapters in {directory} do not match the model: "
+                              f"unexpected {res.unexpected_keys[:4]}, missing {missing[:4]}")
+
+
+def lora_args_from_dir(directory: Union[str, Path]) -> LoraArgs:
+    cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
+    return LoraArgs(r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],
+                    targets=tuple(sorted(cfg["target_modules"])))
+
+
+def merge(model):
+    """Fold the adapters into the base weights and put plain ``nn.Linear`` modules back, so
+    the model is an ordinary HF model plus routers (and the routed kernels apply). In place;
+    returns the model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    get_state(model)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, module.get_base_layer())
+            replaced += 1
+    if not replaced:
+        raise ValueError("model has no LoRA adapters to merge")
+    # The PEFT bookkeeping would otherwise make later PEFT calls think adapters are present.
+    model.__dict__.pop("peft_config", None)
+    install_hooks(model)
+    return model
+
+
+def save_recovered(model, path, *, extra: Optional[dict] = None, write_more=None) -> Path:
+    """Routers + adapters (+ whatever ``write_more`` adds) in one atomic directory."""
+    def write(tmp: Path) -> None:
+        if has_lora(model):
+            write_adapters(model, tmp)
+        if write_more is not None:
+            write_more(tmp)
+
+    return save_routers(model, path, extra=extra, write_more=write)
+
+
+def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
+    """Base model (a model or a local HF directory) + everything a method directory holds, in
+    one call: routers, LoRA adapters if any (merged by default), a static pruning mask if any.
+
+    Works on stage-1 router directories too, so it is the one loader for every method.
+    """
+    from .baselines import apply_static_file
+
+    path = Path(path)
+    meta = read_meta(path)
+    if base is None:
+        base = meta.get("base_model")
+        if not base:
+            raise CheckpointError(f"{path} records no base model: pass one")
+    if isinstance(base, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        hf_kwargs.setdefault("dtype", torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(base), **hf_kwargs)
+    load(base, path)
+    if (path / ADAPTER_FILE).is_file():
+        add_lora(base, lora_args_from_dir(path))
+        read_adapters(base, path)
+        if merge_adapters:
+            merge(base)
+    apply_static_file(base, path)
+    return base.eval()
+
+
+def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: Optional[LoraArgs] = None,
+            freeze_routers: bool = False, eval_ids: Optional[torch.Tensor] = None, resume: bool = True,
+            progress: bool = True, stop_at: Optional[int] = None, extra: Optional[dict] = None,
+            write_more=None) -> dict:
+    """Stage 2 on a model wrapped with stage-1 routers: add LoRA, train adapters (+ routers)
+    with ``wide.train.train``, save ``out_dir/recovered`` (routers + adapters, unmerged).
+
+    ``args.lr`` should be the stage-2 rate (2e-4 in the paper). The model keeps its adapters
+    unmerged on return; call ``merge(model)`` for inference.
+    """
+    lora = lora or LoraArgs()
+    params = add_lora(model, lora, freeze_routers=freeze_routers)
+    result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
+                   progress=progress, save_extra=lambda d: write_adapters(model, d),
+                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at)
+    if result.get("stopped_at") is not None:
+        return result
+    meta = {"stage": 2, "lora": {**asdict(lora), "targets": list(lora.targets)},
+            "freeze_routers": freeze_routers, **(extra or {})}
+    save_recovered(model, Path(out_dir) / FINAL_DIR, extra=meta, write_more=write_more)
+    result["recovered_dir"] = str(Path(out_dir) / FINAL_DIR)
+    return result
+
+
+__all__ = ["LORA_TARGETS", "LoraArgs", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
+           "save_recovered", "load_recovered", "recover"]

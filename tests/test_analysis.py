@@ -1,0 +1,82 @@
+"""Router analysis outputs, and the comparison's table / JSON / plot writers."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import wide
+from wide import analysis, compare
+from wide.evaluate import TASKS
+from wide.modeling import get_state
+
+
+def test_analysis_counts_by_hand(tmp_path):
+    model = tiny_model("llama")
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32, attn_group_size=2))  # 2 attn, 3 ffn groups
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    fixed = {(l, k): (torch.rand(2, 8, get_state(model).geometry.groups(k), generator=g) > 0.5).float()
+             for l in range(2) for k in ("attn", "ffn")}
+    fixed[(1, "attn")][:] = torch.tensor([1.0, 0.0])  # one mask for every token
+    get_state(model).mask_fn = lambda layer, kind, x: fixed[(layer, kind)]
+    res = analysis.analyze(model, [ids], tmp_path / "an")
+    assert res["tokens"] == 16
+    for (l, k), m in fixed.items():
+        info = res["layers"][k][l]
+        flat = m.reshape(-1, m.shape[-1])
+        assert info["sparsity"] == pytest.approx(1 - float(flat.mean()))
+        assert info["fire_rate"] == pytest.approx(flat.mean(0).tolist())
+        assert info["distinct_masks"] == len({tuple(r) for r in flat.int().tolist()})
+        assert sum(info["groups_run_hist"]) == 16
+    assert res["layers"]["attn"][1]["distinct_masks"] == 1
+    assert res["layers"]["attn"][1]["top_masks"][0] == {"mask": "10", "share": 1.0}
+    whole = torch.cat([fixed[k].reshape(16, -1) for k in sorted(fixed)], 1)
+    assert res["distinct_model_masks"] == len({tuple(r) for r in whole.int().tolist()})
+    saved = json.loads((tmp_path / "an.json").read_text())
+    assert saved["layers"]["ffn"][0]["fire_rate"] == res["layers"]["ffn"][0]["fire_rate"]
+    assert (tmp_path / "an.png").stat().st_size > 1000
+
+
+def test_analysis_excludes_padding():
+    model = tiny_model("llama")
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    masks = analysis.collect_masks(model, [torch.randint(0, 96, (2, 5))])
+    assert all(m.shape[0] == 10 for m in masks.values())
+    am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    seen = []
+    get_state(model).mask_observers.append(lambda l, k, m, v: seen.append(float(v.sum())))
+    model(input_ids=torch.randint(0, 96, (2, 5)), attention_mask=am)
+    assert set(seen) == {8.0}
+
+
+def fake_records():
+    recs = [{"op": "quality", "model": "tiny", "name": "dense", "label": "Dense", "method": "dense", "stage": 0,
+             "target": None, "sparsity": 0.0, "group_sparsity": 0.0, "ppl": 10.0, "bpb": 1.0}]
+    for name, fam, stage, acc, ppl in [("wide", "wide", 1, 0.5, 20.0), ("dynamic_depth", "dynamic_depth", 1, 0.4, 40.0),
+                                       ("wide_lora", "wide", 2, 0.55, 15.0)]:
+        recs.append({"op": "quality", "model": "tiny", "name": name, "label": compare.METHOD_ROWS[name][2],
+                     "method": fam, "stage": stage, "target": 0.5, "sparsity": 0.5, "group_sparsity": 0.45,
+                     "ppl": ppl, "bpb": 1.5, **{t: acc for t in TASKS}, "avg": acc})
+    recs[0].update({t: 0.6 for t in TASKS}, avg=0.6)
+    return recs
+
+
+def test_comparison_outputs(tmp_path):
+    recs = fake_records()
+    args = SimpleNamespace(steps=2, recovery_steps=2, batch_size=4, grad_accum=1, seq_len=16, seed=0, lr=2e-3,
+                           recovery_lr=2e-4, limit=5, max_eval_sequences=2, targets=[0.5], dtype="float32",
+                           tasks=list(TASKS), device="cpu")
+    compare.write_outputs(recs, tmp_path / "q", args, command="wide compare --steps 2")
+    doc = json.loads((tmp_path / "q.json").read_text())
+    assert doc["command"] == "wide compare --steps 2" and len(doc["records"]) == 4
+    wide_rec = next(r for r in doc["records"] if r["name"] == "wide")
+    for key in ("op", "model", "method", "stage", "sparsity", "group_sparsity", "ppl", "bpb", *TASKS, "avg"):
+        assert key in wide_rec
+    assert wide_rec["rel_avg_vs_depth"] == pytest.approx(25.0)
+    assert wide_rec["rel_ppl_vs_depth"] == pytest.approx(-50.0)
+    md = (tmp_path / "q.md").read_text()
+    assert "| WIDE (calibration) | 1 | 50% |" in md and "+25.0%" in md
+    assert (tmp_path / "q.png").stat().st_size > 1000

@@ -1,0 +1,132 @@
+"""Stage 2: LoRA save/load/merge round trip, masking of the LoRA branch, resume."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import tiny_model
+
+import wide
+from wide import recovery
+from wide.modeling import get_state
+from wide.train import TrainArgs
+
+
+def routed(seed=0):
+    model = tiny_model("llama", seed=seed)
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32, attn_group_size=1))
+    with torch.no_grad():
+        for p in model.wide_routers.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def randomize_adapters(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:  # lora_B starts at zero, which would hide a broken merge
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def skip_rate(model, ids):
+    with wide.track_sparsity(model) as tr:
+        model(ids)
+    return float(tr.summary().group_rate)
+
+
+def test_save_load_merge_round_trip(tmp_path):
+    model = routed()
+    params = recovery.add_lora(model)
+    assert any(p is q for p in params for q in model.wide_routers.parameters())  # routers keep training
+    randomize_adapters(model)
+    model.eval()
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+    assert 0.1 < skip_rate(model, ids) < 0.9
+    unmerged = model(ids).logits
+    recovery.save_recovered(model, tmp_path / "rec", extra={"stage": 2})
+    files = {p.name for p in (tmp_path / "rec").iterdir()}
+    assert {"routers.safetensors", "wide_config.json", "adapter_model.safetensors", "adapter_config.json"} <= files
+    assert json.loads((tmp_path / "rec" / "adapter_config.json").read_text())["r"] == 16
+
+    loaded = recovery.load_recovered(tiny_model("llama"), tmp_path / "rec", merge_adapters=False)
+    torch.testing.assert_close(loaded(ids).logits, unmerged, rtol=0, atol=0)
+
+    merged = recovery.load_recovered(tiny_model("llama"), tmp_path / "rec")
+    assert type(merged.model.layers[0].self_attn.o_proj) is nn.Linear
+    assert not recovery.has_lora(merged)
+    torch.testing.assert_close(merged(ids).logits, unmerged, rtol=1e-5, atol=1e-5)
+
+    recovery.merge(model)
+    torch.testing.assert_close(model(ids).logits, unmerged, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no LoRA"):
+        recovery.merge(model)
+
+
+def test_mask_gates_the_lora_branch_too():
+    # A token that skips every group of a module must get nothing from that module, LoRA included.
+    model = routed()
+    recovery.add_lora(model)
+    randomize_adapters(model)
+    model.eval()
+    ids = torch.randint(0, 96, (1, 6))
+    state = get_state(model)
+    state.mask_fn = lambda layer, kind, x: torch.zeros(*x.shape[:-1], state.geometry.groups(kind))
+    seen = []
+    h = model.model.layers[0].self_attn.o_proj.lora_B["default"].register_forward_hook(
+        lambda m, a, o: seen.append(o.detach().abs().max()))
+    model(ids)
+    h.remove()
+    assert float(seen[0]) == 0.0
+
+
+def test_adapters_load_with_peft_too(tmp_path):
+    from peft import PeftModel
+
+    model = routed()
+    recovery.add_lora(model)
+    randomize_adapters(model)
+    recovery.save_recovered(model, tmp_path / "rec")
+    peft_model = PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "rec")
+    a = model.model.layers[1].mlp.up_proj.lora_A["default"].weight
+    b = peft_model.base_model.model.model.layers[1].mlp.up_proj.lora_A["default"].weight
+    torch.testing.assert_close(a, b)
+
+
+def _stage2(tmp_path, stage1, steps, **kw):
+    torch.manual_seed(0)  # adapter init
+    model = recovery.load_recovered(tiny_model("llama"), stage1)
+    ids = torch.randint(0, 96, (16, 8), generator=torch.Generator().manual_seed(0))
+    args = TrainArgs(steps=steps, batch_size=2, lr=2e-3, eval_every=0, save_every=2, seed=1)
+    return model, recovery.recover(model, ids, args, tmp_path, progress=False, **kw)
+
+
+def test_stage2_resume_equals_uninterrupted(tmp_path):
+    wide.save_routers(routed(), tmp_path / "s1")
+    full_model, full = _stage2(tmp_path / "full", tmp_path / "s1", 5)
+    _, part = _stage2(tmp_path / "part", tmp_path / "s1", 5, stop_at=3)
+    assert part["stopped_at"] == 3 and (tmp_path / "part" / "checkpoint" / "adapter_model.safetensors").is_file()
+    resumed_model, resumed = _stage2(tmp_path / "part", tmp_path / "s1", 5, resume=True)
+    for a, b in zip(full["history"], resumed["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    sd_full, sd_res = full_model.state_dict(), resumed_model.state_dict()
+    changed = 0
+    for k in sd_full:
+        torch.testing.assert_close(sd_full[k], sd_res[k], rtol=1e-5, atol=1e-6, msg=k)
+        changed += "lora_B" in k and bool(sd_full[k].abs().sum() > 0)
+    assert changed > 0  # the adapters did train
+    # the final directory holds both, and loads back to the same model
+    again = recovery.load_recovered(tiny_model("llama"), full["recovered_dir"], merge_adapters=False)
+    ids = torch.randint(0, 96, (2, 8))
+    full_model.eval()
+    torch.testing.assert_close(again(ids).logits, full_model(ids).logits, rtol=1e-6, atol=1e-6)
+    assert json.loads((tmp_path / "full" / "recovered" / "wide_config.json").read_text())["stage"] == 2
+
+
+def test_freeze_routers_trains_adapters_only(tmp_path):
+    wide.save_routers(routed(), tmp_path / "s1")
+    model, _ = _stage2(tmp_path / "run", tmp_path / "s1", 2, freeze_routers=True)
+    before = wide.load(tiny_model("llama"), tmp_path / "s1")
+    for p, q in zip(model.wide_routers.parameters(), before.wide_routers.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
