@@ -307,8 +307,10 @@ def plot(records: list, path) -> None:
     ax2.set_xlabel("realised FLOP-weighted sparsity")
     ax2.set_ylabel("held-out perplexity")
     ax2.set_yscale("log")
+    xmax = max([r.get("sparsity") or 0.0 for r in records] + [0.5])
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
+        ax.set_xlim(-0.02, xmax + 0.05)  # one target alone would otherwise zoom into rounding noise
     ax1.legend(fontsize=8)
     model = records[0].get("model", "") if records else ""
     fig.suptitle(f"{model}: quality against sparsity (same token budget and seed)")
