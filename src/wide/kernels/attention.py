@@ -24,8 +24,10 @@ Decode (:func:`decode_attention`)
     contiguous k/v [B, Tk_max, Hkv, D] or paged k/v [num_blocks, block_size, Hkv, D] with
     ``block_table`` [B, max_blocks]. Split-KV flash decoding: one program per (split, sequence,
     KV head) handles all query heads of that KV head, returns before any K/V load when none of
-    them is active, and writes fp32 partials; a combine kernel merges the splits in fp32 and
-    writes zeros for inactive heads.
+    them is active, and writes fp32 partials; the last split of each (sequence, KV head) to
+    finish (an atomic arrival counter) merges them in fp32, in the same launch. Split 0 of an
+    inactive KV head writes its zeros. Concurrent calls on one stream are serialised by the
+    stream; each stream gets its own counters.
 
 Both are graph-capturable: grids depend on shapes only, counts stay on the device.
 """
@@ -213,10 +215,37 @@ def _check_groups(G, Hq, Hkv):
 if HAS_TRITON:
 
     @triton.jit
+    def _seq_window(qlen_ptr, klen_ptr, b, T, Tk,
+                    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, LEFT: tl.constexpr):
+        # Derived in-kernel (not with torch ops on the host) to keep the eager launch path short.
+        if HAS_QLEN:
+            ql = tl.load(qlen_ptr + b).to(tl.int32)
+        else:
+            ql = T
+        if HAS_KLEN:
+            kl = tl.load(klen_ptr + b).to(tl.int32)
+        else:
+            kl = Tk
+        if LEFT:
+            q0 = T - ql
+            q1 = T
+            kstart = Tk - kl
+            kend = Tk
+            delta = Tk - T
+        else:
+            q0 = 0
+            q1 = ql
+            kstart = 0
+            kend = kl
+            delta = kl - ql
+        return q0, q1, kstart, kend, delta
+
+    @triton.jit
     def _route_rows_kernel(
-        mask_ptr, perm_ptr, count_ptr, qstart_ptr, qend_ptr,
-        T, G,
+        mask_ptr, perm_ptr, count_ptr, qlen_ptr, klen_ptr,
+        T, Tk, G,
         stride_mb, stride_mt, stride_mg,
+        HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, LEFT: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):
         # One program per (sequence, group): a running prefix sum over rows gives each active
@@ -226,8 +255,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         b = pid // G
         g = pid % G
-        q0 = tl.load(qstart_ptr + b)
-        q1 = tl.load(qend_ptr + b)
+        q0, q1, _ks, _ke, _dl = _seq_window(qlen_ptr, klen_ptr, b, T, Tk, HAS_QLEN, HAS_KLEN, LEFT)
         base_m = mask_ptr + b * stride_mb + g * stride_mg
         base_p = perm_ptr + pid.to(tl.int64) * T
         n_act = 0
@@ -288,14 +316,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _prefill_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, perm_ptr, count_ptr, kstart_ptr, kend_ptr, delta_ptr,
-        T, Hq, G, qk_scale, T_BUCKET,
+        q_ptr, k_ptr, v_ptr, o_ptr, perm_ptr, count_ptr, qlen_ptr, klen_ptr,
+        T, Tk, Hq, G, qk_scale, T_BUCKET,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         stride_ob, stride_ot, stride_oh,
         HEADS_PER_KV: tl.constexpr, HEADS_PER_G: tl.constexpr,
         CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, LEFT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # Heads vary fastest so the heaviest (last) tiles of every head start first and the
@@ -321,10 +350,9 @@ if HAS_TRITON:
                      mask=in_t[:, None])
             return
         active = offs_r < count
-        kstart = tl.load(kstart_ptr + b)
-        kend = tl.load(kend_ptr + b)
+        _q0, _q1, kstart, kend, delta = _seq_window(qlen_ptr, klen_ptr, b, T, Tk,
+                                                    HAS_QLEN, HAS_KLEN, LEFT)
         if CAUSAL:
-            delta = tl.load(delta_ptr + b)
             kmax_row = tl.where(active, rows + delta, -1)
             kmax_row = tl.minimum(kmax_row, kend - 1)
             row_hi = tl.max(kmax_row, 0) + 1
@@ -376,13 +404,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, lens_ptr, table_ptr, po_ptr, plse_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, lens_ptr, table_ptr, po_ptr, plse_ptr, cnt_ptr, o_ptr,
         Hq, Hkv, G, qk_scale, chunk, block_size,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
-        stride_mb, stride_tb,
-        NUM_SPLITS: tl.constexpr,
+        stride_mb, stride_tb, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
         HEADS_PER_KV: tl.constexpr, HEADS_PER_G: tl.constexpr,
         PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -399,9 +427,15 @@ if HAS_TRITON:
         n = tl.load(lens_ptr + b)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
+        any_on = tl.max(row_on.to(tl.int32), 0) > 0
+        o_rows = o_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh
         # The whole point: an inactive KV head (or an empty split) returns before any K/V load.
-        # The combine kernel re-derives both conditions, so nothing needs to be written here.
-        if (tl.max(row_on.to(tl.int32), 0) == 0) | (lo >= hi):
+        # Split 0 owns the zeros of an inactive KV head (or of an empty sequence).
+        if (~any_on) | (lo >= hi):
+            if (split == 0) & ((~any_on) | (n <= 0)):
+                tl.store(o_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :],
+                         tl.zeros([BLOCK_H, HEAD_DIM], dtype=o_ptr.dtype.element_ty),
+                         mask=h_ok[:, None])
             return
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -443,6 +477,35 @@ if HAS_TRITON:
                  mask=h_ok[:, None])
         tl.store(plse_ptr + out_rows, m_i + tl.math.log2(l_i), mask=h_ok)
 
+        # The last split to finish merges all of them (no second launch: that kernel boundary
+        # cost about as much as the whole split pass for short caches). The barrier orders every
+        # thread's partial stores before the gpu-scope acq_rel counter update (the CUTLASS
+        # semaphore pattern); the winner resets the counter so the buffer is reusable at once.
+        n_live = tl.minimum((n + chunk - 1) // chunk, NUM_SPLITS)
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid, 1)
+        if prev == n_live - 1:
+            tl.debug_barrier()
+            base = (b * Hq + heads).to(tl.int64) * NUM_SPLITS
+            offs_s = tl.arange(0, SPLITS_P2)
+            all_lse = tl.load(plse_ptr + base[:, None] + offs_s[None, :],
+                              mask=h_ok[:, None] & (offs_s[None, :] < n_live), other=-1.0e30,
+                              cache_modifier=".cg")
+            mx = tl.max(all_lse, 1)
+            o_acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+            w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for sp in range(0, n_live):
+                lse_s = tl.load(plse_ptr + base + sp, mask=h_ok, other=-1.0e30, cache_modifier=".cg")
+                w = tl.math.exp2(lse_s - mx)
+                part = tl.load(po_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
+                o_acc += part * w[:, None]
+                w_sum += w
+            res = tl.where(row_on[:, None], o_acc / w_sum[:, None], 0.0)
+            tl.store(o_rows[:, None] + offs_d[None, :], res.to(o_ptr.dtype.element_ty),
+                     mask=h_ok[:, None])
+            tl.atomic_xchg(cnt_ptr + pid, 0)
+
     # Decode is bandwidth-bound: what matters is the bytes in flight per SM, traded between
     # tile depth (BLOCK_N, stages) and resident CTAs (72 KB smem at 64/3 -> 3 CTAs per SM).
     _DECODE_CONFIGS = [
@@ -455,46 +518,19 @@ if HAS_TRITON:
         configs=_DECODE_CONFIGS, key=["HEAD_DIM", "PAGED", "BLOCK_H", "NUM_SPLITS", "chunk"]
     )(_decode_split_kernel)
 
-    @triton.jit
-    def _decode_combine_kernel(
-        po_ptr, plse_ptr, mask_ptr, lens_ptr, o_ptr,
-        Hq, chunk,
-        stride_mb, stride_ob, stride_oh,
-        NUM_SPLITS: tl.constexpr, HEADS_PER_G: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        b = pid // Hq
-        h = pid % Hq
-        offs_d = tl.arange(0, HEAD_DIM)
-        on = tl.load(mask_ptr + b * stride_mb + h // HEADS_PER_G) != 0
-        o_base = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
-        if on:
-            n = tl.load(lens_ptr + b)
-            offs_s = tl.arange(0, SPLITS_P2)
-            s_ok = (offs_s < NUM_SPLITS) & (offs_s * chunk < n)
-            rows = pid.to(tl.int64) * NUM_SPLITS + offs_s
-            lse = tl.load(plse_ptr + rows, mask=s_ok, other=-float("inf"))
-            mx = tl.max(lse, 0)
-            w = tl.where(s_ok, tl.math.exp2(lse - mx), 0.0)
-            part = tl.load(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                           mask=s_ok[:, None], other=0.0)
-            out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-            tl.store(o_base + offs_d, out.to(o_ptr.dtype.element_ty))
-        else:
-            tl.store(o_base + offs_d, tl.zeros([HEAD_DIM], dtype=o_ptr.dtype.element_ty))
-
 
 # --------------------------------------------------------------------------------------------
 # Python entry points
 # --------------------------------------------------------------------------------------------
 
 
-def route_rows(mask: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor):
+def route_rows(mask: torch.Tensor, q_lens: Optional[torch.Tensor] = None,
+               k_lens: Optional[torch.Tensor] = None, padding_side: str = "right", Tk: Optional[int] = None):
     """Per (sequence, group), rows ordered active-first (increasing), and the active counts.
 
-    mask [B, T, G] bool; rows outside ``[q_start[b], q_end[b])`` count as inactive.
-    Returns ``perm`` int32 [B, G, T] and ``count`` int32 [B, G]; no host sync.
+    mask [B, T, G] bool; padding rows (from ``q_lens``/``padding_side``) count as inactive.
+    Returns ``perm`` int32 [B, G, T] (a permutation of 0..T-1 per (b, g): active rows first,
+    then the inactive ones) and ``count`` int32 [B, G]; no host sync.
     """
     B, T, G = mask.shape
     perm = torch.empty(B, G, T, dtype=torch.int32, device=mask.device)
@@ -502,30 +538,13 @@ def route_rows(mask: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor):
     m8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     block_t = min(4096, triton.next_power_of_2(max(T, 16)))
     _route_rows_kernel[(B * G,)](
-        m8, perm, count, q_start, q_end, T, G,
-        m8.stride(0), m8.stride(1), m8.stride(2), BLOCK_T=block_t,
+        m8, perm, count, q_lens if q_lens is not None else count,
+        k_lens if k_lens is not None else count, T, Tk if Tk is not None else T, G,
+        m8.stride(0), m8.stride(1), m8.stride(2),
+        HAS_QLEN=q_lens is not None, HAS_KLEN=k_lens is not None, LEFT=padding_side == "left",
+        BLOCK_T=block_t,
     )
     return perm, count
-
-
-def _seq_bounds(B, T, Tk, q_lens, k_lens, padding_side, device):
-    """int32 per-sequence row window, key window and causal offset (device ops only)."""
-    i32 = torch.int32
-    ql = q_lens.to(i32) if q_lens is not None else torch.full((B,), T, dtype=i32, device=device)
-    kl = k_lens.to(i32) if k_lens is not None else torch.full((B,), Tk, dtype=i32, device=device)
-    if padding_side == "right":
-        q_start = torch.zeros(B, dtype=i32, device=device)
-        q_end = ql
-        kstart = torch.zeros(B, dtype=i32, device=device)
-        kend = kl
-        delta = kl - ql
-    else:
-        q_start = T - ql
-        q_end = torch.full((B,), T, dtype=i32, device=device)
-        kstart = Tk - kl
-        kend = torch.full((B,), Tk, dtype=i32, device=device)
-        delta = torch.full((B,), Tk - T, dtype=i32, device=device)
-    return q_start.contiguous(), q_end.contiguous(), kstart.contiguous(), kend.contiguous(), delta.contiguous()
 
 
 def prefill_attention(
@@ -588,11 +607,11 @@ def prefill_attention(
         return torch.zeros_like(q)
 
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    q_start, q_end, kstart, kend, delta = _seq_bounds(B, T, Tk, q_lens, k_lens, padding_side, q.device)
-    perm, count = route_rows(mask, q_start, q_end)
+    perm, count = route_rows(mask, q_lens, k_lens, padding_side, Tk)
     out = torch.empty_like(q)
     args = (
-        q, k, v, out, perm, count, kstart, kend, delta, T, Hq, G, scale * _LOG2E,
+        q, k, v, out, perm, count, q_lens if q_lens is not None else count,
+        k_lens if k_lens is not None else count, T, Tk, Hq, G, scale * _LOG2E,
         # Only an autotuning key (powers of two up to 16k): re-tune per size class, not per T.
         min(triton.next_power_of_2(T), 16384),
         q.stride(0), q.stride(1), q.stride(2),
@@ -600,7 +619,8 @@ def prefill_attention(
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
     )
-    kw = dict(HEADS_PER_KV=Hq // Hkv, HEADS_PER_G=Hq // G, CAUSAL=bool(causal), HEAD_DIM=D)
+    kw = dict(HEADS_PER_KV=Hq // Hkv, HEADS_PER_G=Hq // G, CAUSAL=bool(causal), HEAD_DIM=D,
+              HAS_QLEN=q_lens is not None, HAS_KLEN=k_lens is not None, LEFT=padding_side == "left")
     if block_m is not None or block_n is not None or _interpret() or not q.is_cuda:
         bm = block_m or (16 if _interpret() else 128)
         bn = block_n or (16 if _interpret() else 64)
@@ -614,6 +634,26 @@ def prefill_attention(
 
 
 _SM_COUNT = {}
+_COUNTERS = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused split combine, one buffer per stream.
+
+    Each decode call leaves them at zero again (the last split resets its counter), so a buffer
+    is reused without a memset; per-stream buffers keep concurrent streams apart. Sized
+    generously so that growing it (a new allocation) is rare and never needed mid-capture
+    for usual batch sizes.
+    """
+    if device.type == "cuda":
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = ("cpu", 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _num_sms(device: torch.device) -> int:
@@ -626,12 +666,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(B: int, Hkv: int, Tk_max: int, device: torch.device, *,
-                  min_chunk: int = 128, waves: int = 4) -> tuple:
+                  min_chunk: int = 128, waves: int = 12) -> tuple:
     """Split count and keys per split, from shapes only (graph-safe).
 
     Sized so that B*Hkv*splits is about ``waves`` times the SM count when every head is
-    active: at 50% sparsity half the programs return at once, and the rest still fill the
-    chip about twice over. A split holds at least ``min_chunk`` keys, a multiple of 128 so that
+    active: at 50% sparsity half the programs return at once and the rest still give each SM
+    ~6 resident-or-queued programs. Measured on the H200 (run 1): 4 waves left B=8 and B=32
+    at Tk=32k at 3.0-3.8 TB/s; doubling the splits gave 1.6x and 1.2x. A split holds at least ``min_chunk`` keys, a multiple of 128 so that
     every BLOCK_N divides it.
     """
     target = waves * _num_sms(device)
@@ -723,15 +764,17 @@ def decode_attention(
     po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
     table = block_table if paged else lens  # any int pointer; never read when not paged
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    cnt = _split_counters(B * Hkv, q.device)
     args = (
-        q, k_cache, v_cache, m8, lens, table, po, plse,
+        q, k_cache, v_cache, m8, lens, table, po, plse, cnt, out,
         Hq, Hkv, G, scale * _LOG2E, chunk, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        m8.stride(0), block_table.stride(0) if paged else 0,
+        m8.stride(0), block_table.stride(0) if paged else 0, out.stride(0), out.stride(1),
     )
-    kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
+    kw = dict(NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
               PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
     grid = (splits, B * Hkv)
     pinned = block_n is not None or num_warps is not None or num_stages is not None
@@ -741,11 +784,4 @@ def decode_attention(
                                    num_stages=num_stages or 3)
     else:
         _decode_split_kernel_tuned[grid](*args, **kw)
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    _decode_combine_kernel[(B * Hq,)](
-        po, plse, m8, lens, out, Hq, chunk,
-        m8.stride(0), out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEADS_PER_G=Hq // G, HEAD_DIM=D,
-        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4,
-    )
     return out
