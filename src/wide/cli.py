@@ -206,29 +206,6 @@ def _heldout(args, tok):
     return ids, bpt
 
 
-def cmd_eval(args) -> list:
-    from . import serialization
-    from .evaluate import markdown_table
-
-    model, tok, _ = _load(args)
-    heldout, bpt = _heldout(args, tok)
-    records = []
-    if args.dense or not args.routers:
-        records.append(_evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
-    for rdir in args.routers or []:
-        meta = serialization.read_meta(rdir)
-        if hasattr(model, "wide_state"):
-            from .modeling import unwrap
-            unwrap(model)
-        serialization.load(model, rdir)
-        model.eval()
-        records.append(_evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
-                                     meta.get("stage", 1)))
-    _write_results(args, records)
-    print(markdown_table(records, args.tasks or ()))
-    return records
-
-
 def _write_results(args, records) -> None:
     from .evaluate import markdown_table
 
@@ -296,15 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--routers", nargs="*", default=None, help="router directories to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
-    e.set_defaults(func=cmd_eval)
     e.add_argument("--analyze", action="store_true",
                    help="also analyse each router directory's routing on held-out text: per-layer sparsity, "
                         "group fire rates, distinct masks (heat map PNG + JSON beside OUT, or in the directory)")
     e.add_argument("--analyze-sequences", type=int, default=32,
                    help="held-out sequences the analysis reads (default: %(default)s)")
-    # Recovery directories carry adapters or static masks that the plain router loader
-    # ignores; they (and --analyze) go through wide.recovery.load_recovered.
-    e.set_defaults(func=cmd_eval_recovered)
+    e.set_defaults(func=cmd_eval)
 
     d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense",
                        description="The quick start: fetches SmolLM2-135M and the data, calibrates routers at 50%% "
@@ -459,17 +433,8 @@ def cmd_compare(args) -> list:
     return run(args)
 
 
-def _needs_recovery_loader(rdir) -> bool:
-    from .baselines import STATIC_FILE
-    from .recovery import ADAPTER_FILE
-
-    return (Path(rdir) / ADAPTER_FILE).is_file() or (Path(rdir) / STATIC_FILE).is_file()
-
-
-def cmd_eval_recovered(args) -> list:
-    """``wide eval`` for directories with adapters or static masks, and with --analyze."""
-    if not args.analyze and not any(_needs_recovery_loader(r) for r in args.routers or []):
-        return cmd_eval(args)
+def cmd_eval(args) -> list:
+    """Dense and/or saved routers (stage 1, stage 2 adapters, static masks), optionally analysed."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -489,6 +454,8 @@ def cmd_eval_recovered(args) -> list:
         model = load_recovered(model.to(args.device or _default_device()), rdir)
         records.append(_evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                      meta.get("stage", 1)))
+        if meta.get("run"):  # how the routers were trained: steps, tokens, wall time, machine, command
+            records[-1]["training"] = meta["run"]
         if args.analyze:
             name = "_".join(Path(rdir).resolve().parts[-2:])
             stem = Path(f"{args.out}_analysis_{name}") if args.out else Path(rdir).parent / f"analysis_{Path(rdir).name}"
