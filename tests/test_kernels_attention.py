@@ -223,10 +223,6 @@ def test_decode_never_reads_inactive_kv_heads():
     out = decode_attention(q, kp, vp, mask, lens, num_splits=2)
     ref = decode_attention_reference(q, k, v, mask, lens)
     assert _rel(out, ref) < 1e-2
-    # The fused combine leaves its arrival counters at zero for the next call.
-    from wide.kernels import attention as A
-
-    assert all(int(c.abs().sum()) == 0 for c in A._COUNTERS.values())
 
 
 def test_decode_finer_groups_and_block_sizes():

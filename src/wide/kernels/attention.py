@@ -24,10 +24,10 @@ Decode (:func:`decode_attention`)
     contiguous k/v [B, Tk_max, Hkv, D] or paged k/v [num_blocks, block_size, Hkv, D] with
     ``block_table`` [B, max_blocks]. Split-KV flash decoding: one program per (split, sequence,
     KV head) handles all query heads of that KV head, returns before any K/V load when none of
-    them is active, and writes fp32 partials; the last split of each (sequence, KV head) to
-    finish (an atomic arrival counter) merges them in fp32, in the same launch. Split 0 of an
-    inactive KV head writes its zeros. Concurrent calls on one stream are serialised by the
-    stream; each stream gets its own counters.
+    them is active, and writes fp32 partials; a combine kernel merges the splits in fp32 and
+    writes zeros for inactive heads. (A fused "last split combines" variant with atomic arrival
+    counters was measured slower on the H200 - its serial merge loop sat on the critical path,
+    e.g. B=1 Tk=4k 17.0 us vs 10.6 us - and was dropped; see bench/results/attention_notes.md.)
 
 Both are graph-capturable: grids depend on shapes only, counts stay on the device.
 """
@@ -404,13 +404,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, lens_ptr, table_ptr, po_ptr, plse_ptr, cnt_ptr, o_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, lens_ptr, table_ptr, po_ptr, plse_ptr,
         Hq, Hkv, G, qk_scale, chunk, block_size,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
-        stride_mb, stride_tb, stride_ob, stride_oh,
-        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+        stride_mb, stride_tb,
+        NUM_SPLITS: tl.constexpr,
         HEADS_PER_KV: tl.constexpr, HEADS_PER_G: tl.constexpr,
         PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -427,15 +427,9 @@ if HAS_TRITON:
         n = tl.load(lens_ptr + b)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
-        any_on = tl.max(row_on.to(tl.int32), 0) > 0
-        o_rows = o_ptr + b.to(tl.int64) * stride_ob + heads * stride_oh
         # The whole point: an inactive KV head (or an empty split) returns before any K/V load.
-        # Split 0 owns the zeros of an inactive KV head (or of an empty sequence).
-        if (~any_on) | (lo >= hi):
-            if (split == 0) & ((~any_on) | (n <= 0)):
-                tl.store(o_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :],
-                         tl.zeros([BLOCK_H, HEAD_DIM], dtype=o_ptr.dtype.element_ty),
-                         mask=h_ok[:, None])
+        # The combine kernel re-derives both conditions, so nothing needs to be written here.
+        if (tl.max(row_on.to(tl.int32), 0) == 0) | (lo >= hi):
             return
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -477,35 +471,6 @@ if HAS_TRITON:
                  mask=h_ok[:, None])
         tl.store(plse_ptr + out_rows, m_i + tl.math.log2(l_i), mask=h_ok)
 
-        # The last split to finish merges all of them (no second launch: that kernel boundary
-        # cost about as much as the whole split pass for short caches). The barrier orders every
-        # thread's partial stores before the gpu-scope acq_rel counter update (the CUTLASS
-        # semaphore pattern); the winner resets the counter so the buffer is reusable at once.
-        n_live = tl.minimum((n + chunk - 1) // chunk, NUM_SPLITS)
-        tl.debug_barrier()
-        prev = tl.atomic_add(cnt_ptr + pid, 1)
-        if prev == n_live - 1:
-            tl.debug_barrier()
-            base = (b * Hq + heads).to(tl.int64) * NUM_SPLITS
-            offs_s = tl.arange(0, SPLITS_P2)
-            all_lse = tl.load(plse_ptr + base[:, None] + offs_s[None, :],
-                              mask=h_ok[:, None] & (offs_s[None, :] < n_live), other=-1.0e30,
-                              cache_modifier=".cg")
-            mx = tl.max(all_lse, 1)
-            o_acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-            w_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for sp in range(0, n_live):
-                lse_s = tl.load(plse_ptr + base + sp, mask=h_ok, other=-1.0e30, cache_modifier=".cg")
-                w = tl.math.exp2(lse_s - mx)
-                part = tl.load(po_ptr + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=h_ok[:, None], other=0.0, cache_modifier=".cg")
-                o_acc += part * w[:, None]
-                w_sum += w
-            res = tl.where(row_on[:, None], o_acc / w_sum[:, None], 0.0)
-            tl.store(o_rows[:, None] + offs_d[None, :], res.to(o_ptr.dtype.element_ty),
-                     mask=h_ok[:, None])
-            tl.atomic_xchg(cnt_ptr + pid, 0)
-
     # Decode is bandwidth-bound: what matters is the bytes in flight per SM, traded between
     # tile depth (BLOCK_N, stages) and resident CTAs (72 KB smem at 64/3 -> 3 CTAs per SM).
     _DECODE_CONFIGS = [
@@ -517,6 +482,35 @@ if HAS_TRITON:
     _decode_split_kernel_tuned = triton.autotune(
         configs=_DECODE_CONFIGS, key=["HEAD_DIM", "PAGED", "BLOCK_H", "NUM_SPLITS", "chunk"]
     )(_decode_split_kernel)
+
+    @triton.jit
+    def _decode_combine_kernel(
+        po_ptr, plse_ptr, mask_ptr, lens_ptr, o_ptr,
+        Hq, chunk,
+        stride_mb, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, HEADS_PER_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        b = pid // Hq
+        h = pid % Hq
+        offs_d = tl.arange(0, HEAD_DIM)
+        on = tl.load(mask_ptr + b * stride_mb + h // HEADS_PER_G) != 0
+        o_base = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+        if on:
+            n = tl.load(lens_ptr + b)
+            offs_s = tl.arange(0, SPLITS_P2)
+            s_ok = (offs_s < NUM_SPLITS) & (offs_s * chunk < n)
+            rows = pid.to(tl.int64) * NUM_SPLITS + offs_s
+            lse = tl.load(plse_ptr + rows, mask=s_ok, other=-float("inf"))
+            mx = tl.max(lse, 0)
+            w = tl.where(s_ok, tl.math.exp2(lse - mx), 0.0)
+            part = tl.load(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=s_ok[:, None], other=0.0)
+            out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+            tl.store(o_base + offs_d, out.to(o_ptr.dtype.element_ty))
+        else:
+            tl.store(o_base + offs_d, tl.zeros([HEAD_DIM], dtype=o_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
@@ -634,26 +628,6 @@ def prefill_attention(
 
 
 _SM_COUNT = {}
-_COUNTERS = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused split combine, one buffer per stream.
-
-    Each decode call leaves them at zero again (the last split resets its counter), so a buffer
-    is reused without a memset; per-stream buffers keep concurrent streams apart. Sized
-    generously so that growing it (a new allocation) is rare and never needed mid-capture
-    for usual batch sizes.
-    """
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = ("cpu", 0)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def _num_sms(device: torch.device) -> int:
@@ -764,17 +738,15 @@ def decode_attention(
     po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
     table = block_table if paged else lens  # any int pointer; never read when not paged
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    cnt = _split_counters(B * Hkv, q.device)
     args = (
-        q, k_cache, v_cache, m8, lens, table, po, plse, cnt, out,
+        q, k_cache, v_cache, m8, lens, table, po, plse,
         Hq, Hkv, G, scale * _LOG2E, chunk, block_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        m8.stride(0), block_table.stride(0) if paged else 0, out.stride(0), out.stride(1),
+        m8.stride(0), block_table.stride(0) if paged else 0,
     )
-    kw = dict(NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
+    kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
               PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
     grid = (splits, B * Hkv)
     pinned = block_n is not None or num_warps is not None or num_stages is not None
@@ -784,4 +756,11 @@ def decode_attention(
                                    num_stages=num_stages or 3)
     else:
         _decode_split_kernel_tuned[grid](*args, **kw)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    _decode_combine_kernel[(B * Hq,)](
+        po, plse, m8, lens, out, Hq, chunk,
+        m8.stride(0), out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, HEADS_PER_G=Hq // G, HEAD_DIM=D,
+        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4,
+    )
     return out
