@@ -1,0 +1,785 @@
+"""``wide.accelerate(model)``: run a routed model on the routed kernels, with a static KV cache.
+
+The HF model stays as it is (its hooks give the masked PyTorch path, which is what training,
+evaluation and ``model.generate()`` use). ``accelerate`` builds an :class:`AcceleratedModel`
+beside it that shares its weights and has its own forward, in the gpt-fast style:
+
+* a preallocated KV cache ``[B, max_len, Hkv, D]`` per layer, written in place, so the decode
+  step has fixed shapes and is captured once per (batch, cache length) in a CUDA graph;
+* batched prompts are right-padded and carry per-sequence lengths (``q_lens``/``k_lens`` in
+  prefill, ``seq_lens`` in decode, one RoPE position per sequence), so each sequence sees
+  exactly the keys and positions it would see alone;
+* per layer and module the router runs once per step on the same input as in the HF path
+  (residual or normed, per the config) and gives one bool mask ``[tokens, groups]``; one
+  :class:`~wide.kernels.RouteIndex` of it serves Q (``gemm_mn``) and O (``gemm_k``), another
+  gate/up (``ffn_up``) and down (``gemm_k``). K/V projections run dense on every token (every
+  token's keys are needed by later tokens) and go to the cache; attention runs on
+  ``prefill_attention`` / ``decode_attention``, which skip inactive head groups.
+
+Decode is launch-bound at small batch: a layer of plain PyTorch ops is ~50 tiny kernels.
+Two small Triton kernels here cut that down, for the routed and the dense engine alike: one
+fuses the residual add, RMSNorm and the router (a group runs iff its margin >= 0) per token;
+one applies RoPE to q and k and writes k and v into the cache. They round exactly where the
+HF ops round, so outputs match the masked path up to fp32 summation order.
+
+Backends: ``"triton"`` (the kernels; CUDA with compute capability >= 8.0, or the CPU under
+``TRITON_INTERPRET=1`` for tests) and ``"torch"`` (the same computation with dense matmuls
+and masks, for CPUs and other GPUs). ``mode="dense"`` runs the same engine with no routing
+(fused QKV and gate/up matmuls, SDPA prefill, flash decoding), which is the baseline the
+end-to-end benchmark divides by.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .modeling import Geometry, get_state
+
+__all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
+           "ACCELERATED_MODEL_TYPES"]
+
+# q/k/v bias (qwen2) and q/k norms (qwen3) are not wired into the fused decode kernels.
+ACCELERATED_MODEL_TYPES = ("llama", "mistral")
+BACKENDS = ("auto", "triton", "torch")
+MODES = ("routed", "dense")
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------ fused decode helpers
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
+                           rdw_ptr, rdb_ptr, ruw_ptr, rub_ptr, off_ptr, m_ptr,
+                           H, G, stride_x, stride_d, stride_res, stride_y, stride_m,
+                           HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
+                           R: tl.constexpr, BLOCK: tl.constexpr, G_PAD: tl.constexpr):
+        # One program per token: residual add, RMSNorm (HF rounding), router margin >= 0.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        offs_r = tl.arange(0, R)
+        ss = tl.zeros([BLOCK], dtype=tl.float32)
+        hacc = tl.zeros([R], dtype=tl.float32)
+        for c0 in range(0, H, BLOCK):
+            cols = c0 + offs
+            ok = cols < H
+            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+            if HAS_DELTA:
+                d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+                x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+                tl.store(res_ptr + row * stride_res + cols, x, mask=ok)
+            xf = x.to(tl.float32)
+            ss += xf * xf
+            if ROUTE and not NORMED_IN:
+                w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
+                hacc += tl.sum(w * xf[None, :], axis=1)
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+        for c0 in range(0, H, BLOCK):
+            cols = c0 + offs
+            ok = cols < H
+            if HAS_DELTA:
+                x = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+            else:
+                x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
+            n = (x.to(tl.float32) * rstd).to(x.dtype)
+            y = (n.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+            tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+            if ROUTE and NORMED_IN:
+                w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
+                hacc += tl.sum(w * y.to(tl.float32)[None, :], axis=1)
+        if ROUTE:
+            h = hacc + tl.load(rdb_ptr + offs_r)
+            gs = tl.arange(0, G_PAD)
+            g_ok = gs < G
+            # Rows 2g (execute) and 2g+1 (skip) of the router's second linear.
+            u0 = tl.load(ruw_ptr + (2 * gs)[:, None] * R + offs_r[None, :], mask=g_ok[:, None], other=0.0)
+            u1 = tl.load(ruw_ptr + (2 * gs + 1)[:, None] * R + offs_r[None, :], mask=g_ok[:, None], other=0.0)
+            l0 = tl.sum(u0 * h[None, :], axis=1) + tl.load(rub_ptr + 2 * gs, mask=g_ok, other=0.0)
+            l1 = tl.sum(u1 * h[None, :], axis=1) + tl.load(rub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
+            margin = l0 - l1 + tl.load(off_ptr)
+            tl.store(m_ptr + row * stride_m + gs, (margin >= 0).to(tl.uint8), mask=g_ok)
+
+    @triton.jit
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
+                           Hq, stride_q, stride_k, stride_v, stride_cb, stride_ct, stride_ch,
+                           HALF: tl.constexpr):
+        # Program (b, h): h < Hq rotates q head h in place; otherwise KV head h - Hq is rotated
+        # and written, with v, to the cache at the sequence's position. Rounds like HF's
+        # q*cos + rotate_half(q)*sin in the model dtype.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        d = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + pos * 2 * HALF + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * 2 * HALF + d).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d).to(tl.float32)
+        if h < Hq:
+            base = q_ptr + b * stride_q + h * 2 * HALF
+        else:
+            base = k_ptr + b * stride_k + (h - Hq) * 2 * HALF
+        x1 = tl.load(base + d)
+        x2 = tl.load(base + HALF + d)
+        dt = x1.dtype
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+        if h < Hq:
+            tl.store(base + d, o1)
+            tl.store(base + HALF + d, o2)
+        else:
+            kh = h - Hq
+            dst = b * stride_cb + pos * stride_ct + kh * stride_ch
+            tl.store(kc_ptr + dst + d, o1)
+            tl.store(kc_ptr + dst + HALF + d, o2)
+            vb = v_ptr + b * stride_v + kh * 2 * HALF
+            tl.store(vc_ptr + dst + d, tl.load(vb + d))
+            tl.store(vc_ptr + dst + HALF + d, tl.load(vb + HALF + d))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x, cos, sin):
+    """HF's q*cos + rotate_half(q)*sin; x [..., T, H, D], cos/sin broadcastable [..., T, 1, D]."""
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _hf_rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # module.forward, not module(...): the norms carry wide's routing hooks, which would
+    # evaluate the routers a second time and record masks for the HF path.
+    return norm.forward(x)
+
+
+@dataclass
+class _Layer:
+    attn_norm: nn.Module
+    ffn_norm: nn.Module
+    wq: torch.Tensor
+    wkv: torch.Tensor  # [2*Hkv*D, H], k rows then v rows
+    wo: torch.Tensor
+    wg: torch.Tensor
+    wu: torch.Tensor
+    wd: torch.Tensor
+    wqkv: Optional[torch.Tensor] = None  # dense engine only
+    wgu: Optional[torch.Tensor] = None  # dense engine only
+    routers: dict = field(default_factory=dict)  # kind -> TokenRouter (or None)
+
+
+@dataclass
+class GenerationResult:
+    """``tokens[i]``: the new token ids of prompt i (up to and including EOS);
+    ``texts`` when a tokenizer was given; prefill and per-token decode times in seconds."""
+
+    tokens: list
+    texts: Optional[list] = None
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+
+
+def _linear_plain(mod: nn.Module, name: str, layer: int) -> torch.Tensor:
+    if not isinstance(mod, nn.Linear) or hasattr(mod, "lora_A") or hasattr(mod, "base_layer"):
+        raise ValueError(f"layer {layer} {name} is a {type(mod).__name__}, not a plain nn.Linear: "
+                         "merge LoRA adapters (wide.recovery) before wide.accelerate")
+    if mod.bias is not None:
+        raise ValueError(f"layer {layer} {name} has a bias; wide.accelerate supports bias-free "
+                         "Llama/Mistral projections only")
+    return mod.weight
+
+
+class AcceleratedModel:
+    """Static-cache inference engine over a wrapped (or, for ``mode="dense"``, any)
+    Llama/Mistral HF model. Shares the HF model's weights; see the module docstring."""
+
+    def __init__(self, model, backend: str = "auto", mode: str = "routed",
+                 cuda_graphs: bool = True):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        cfg = model.config
+        mtype = getattr(cfg, "model_type", None)
+        if mtype not in ACCELERATED_MODEL_TYPES:
+            raise ValueError(f"wide.accelerate supports {ACCELERATED_MODEL_TYPES} models; this one is "
+                             f"{mtype!r} (use the masked PyTorch path: the wrapped model itself)")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"wide.accelerate needs a SiLU-gated MLP, got hidden_act={cfg.hidden_act!r}")
+        self.model = model
+        self.mode = mode
+        self.state = get_state(model) if mode == "routed" else getattr(model, "wide_state", None)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {self.dtype}: use float32, float16 or bfloat16")
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.hidden = cfg.hidden_size
+        self.inter = cfg.intermediate_size
+        self.backend = self._pick_backend(backend)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        if self.state is not None and mode == "routed":
+            geo: Geometry = self.state.geometry
+            self.attn_gs = geo.attn_group_size
+            self.ffn_gs = geo.ffn_group_size
+            self.attn_groups, self.ffn_groups = geo.attn_groups, geo.ffn_groups
+            self.cfg = self.state.config
+        else:
+            self.attn_gs = self.num_heads // self.num_kv
+            self.attn_groups = self.num_kv
+            self.ffn_gs, self.ffn_groups, self.cfg = self.inter, 1, None
+        if self.backend == "triton":
+            self._check_kernel_shapes()
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.lm_head = model.lm_head
+        self.rotary = inner.rotary_emb
+        self.layers = []
+        for i, layer in enumerate(inner.layers):
+            a, m = layer.self_attn, layer.mlp
+            wq = _linear_plain(a.q_proj, "q_proj", i)
+            wk = _linear_plain(a.k_proj, "k_proj", i)
+            wv = _linear_plain(a.v_proj, "v_proj", i)
+            wo = _linear_plain(a.o_proj, "o_proj", i)
+            wg = _linear_plain(m.gate_proj, "gate_proj", i)
+            wu = _linear_plain(m.up_proj, "up_proj", i)
+            wd = _linear_plain(m.down_proj, "down_proj", i)
+            L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq,
+                       torch.cat([wk, wv]).detach(), wo, wg, wu, wd)
+            if mode == "dense":
+                # As gpt-fast does: one GEMM for q/k/v and one for gate/up.
+                L.wqkv = torch.cat([wq, wk, wv]).detach()
+                L.wgu = torch.cat([wg, wu]).detach()
+            elif self.state is not None:
+                lr = model.wide_routers[i]
+                L.routers = {"attn": lr.router("attn"), "ffn": lr.router("ffn")}
+            self.layers.append(L)
+        self._cache_key = None
+        self._graphs = {}
+        self._rope_len = 0
+
+    # -------------------------------------------------------------- set-up and checks
+
+    def _pick_backend(self, backend: str) -> str:
+        dev = self.device
+        kernels_ok = HAS_TRITON and (
+            (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 8)
+            or (dev.type == "cpu" and _interpret()))
+        if backend == "auto":
+            return "triton" if kernels_ok and self.head_dim in (64, 128) and self._groups_ok() else "torch"
+        if backend == "triton":
+            if not HAS_TRITON:
+                raise ValueError("backend='triton' needs Triton installed")
+            if dev.type == "cpu" and not _interpret():
+                raise ValueError("backend='triton' on the CPU runs only under TRITON_INTERPRET=1 "
+                                 "(tests); use backend='torch' or a CUDA GPU")
+            if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] < 8:
+                raise ValueError(f"backend='triton' needs compute capability >= 8.0, this GPU has "
+                                 f"{torch.cuda.get_device_capability(dev)}; use backend='torch'")
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"backend='triton' does not run on {dev.type}")
+            if dev.type == "cpu" and self.dtype == torch.bfloat16:
+                raise ValueError("bfloat16 matmuls are wrong in the Triton interpreter: test in "
+                                 "float32 or float16")
+        return backend
+
+    def _groups_ok(self) -> bool:
+        st = self.state
+        return st is None or st.geometry.ffn_group_size % 16 == 0
+
+    def _check_kernel_shapes(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"the attention kernels need head_dim 64 or 128, this model has "
+                             f"{self.head_dim}; use backend='torch'")
+        if self.mode == "routed" and self.ffn_gs % 16:
+            raise ValueError(f"the routed GEMM kernels need ffn_group_size to be a multiple of 16, "
+                             f"got {self.ffn_gs}; re-wrap with e.g. "
+                             f"{[d for d in range(16, self.inter + 1, 16) if self.inter % d == 0][:6]}"
+                             " or use backend='torch'")
+
+    def _ensure_rope(self, n: int) -> None:
+        if n <= self._rope_len:
+            return
+        n = max(n, 2 * self._rope_len)
+        pos = torch.arange(n, device=self.device)[None]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, pos)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [n, D]
+        self._rope_len = n
+
+    def setup_cache(self, batch: int, max_len: int) -> None:
+        """Allocate the static KV cache (a no-op if one of this size exists)."""
+        key = (batch, max_len)
+        if self._cache_key == key:
+            return
+        self._graphs.clear()
+        self.k_cache = self.v_cache = None
+        shape = (batch, max_len, self.num_kv, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self._cache_key = key
+        self._ensure_rope(max_len)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.tok = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def free_cache(self) -> None:
+        self._graphs.clear()
+        self.k_cache = self.v_cache = None
+        self._cache_key = None
+
+    # -------------------------------------------------------------- routing
+
+    def _routed(self, kind: str) -> bool:
+        if self.mode != "routed":
+            return False
+        cfg = self.cfg
+        return cfg.routes_attention if kind == "attn" else cfg.routes_ffn
+
+    def _mask_torch(self, i: int, kind: str, resid: torch.Tensor, normed: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Bool mask [..., groups] of module ``kind`` in layer ``i`` (None: runs dense)."""
+        cfg, st = self.cfg, self.state
+        if not self._routed(kind):
+            return None
+        x = normed if cfg.router_input == "normed" else resid
+        if cfg.tie_modules and kind == "ffn":
+            return attn_mask[..., :1].expand(*attn_mask.shape[:-1], self.ffn_groups)
+        if st.mask_fn is not None:
+            x3 = x if x.dim() == 3 else x[:, None]
+            m = st.mask_fn(i, kind, x3)
+            m = None if m is None else (m.reshape(x3.shape[0], x3.shape[1], -1) != 0)
+            if m is None:
+                return None
+            m = m if x.dim() == 3 else m[:, 0]
+        else:
+            m = self.layers[i].routers[kind].margin(x) >= 0
+        if cfg.tie_modules:
+            m = m[..., :1].expand(*m.shape[:-1], self.attn_groups)
+        return m
+
+    def _norm_route(self, i, kind, x, delta):
+        """Decode: (new residual, normed, mask [B, G] bool or None)."""
+        L = self.layers[i]
+        norm = L.attn_norm if kind == "attn" else L.ffn_norm
+        # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
+        fused_route = (self._routed(kind) and self.state.mask_fn is None
+                       and not self.cfg.tie_modules)
+        if self.backend != "triton":
+            resid = x if delta is None else x + delta
+            normed = _hf_rms(norm, resid)
+            return resid, normed, self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
+        B, H = x.shape
+        resid = x if delta is None else torch.empty_like(x)
+        normed = torch.empty_like(x)
+        router = L.routers.get(kind) if fused_route else None
+        G = router.num_groups if router is not None else 1
+        mask = torch.empty((B, G), dtype=torch.bool, device=x.device) if router is not None else None
+        dummy = norm.weight
+        _norm_route_kernel[(B,)](
+            x, delta if delta is not None else x, resid, normed, norm.weight, norm.variance_epsilon,
+            router.down.weight if router is not None else dummy,
+            router.down.bias if router is not None else dummy,
+            router.up.weight if router is not None else dummy,
+            router.up.bias if router is not None else dummy,
+            router.offset if router is not None else dummy,
+            mask.view(torch.uint8) if mask is not None else normed,
+            H, G, x.stride(0), (delta if delta is not None else x).stride(0), resid.stride(0),
+            normed.stride(0), mask.stride(0) if mask is not None else 0,
+            HAS_DELTA=delta is not None, ROUTE=router is not None,
+            NORMED_IN=self.cfg is not None and self.cfg.router_input == "normed",
+            R=router.down.out_features if router is not None else 16,
+            BLOCK=min(1024, triton.next_power_of_2(H)),
+            G_PAD=max(16, triton.next_power_of_2(G)))
+        if router is None and self._routed(kind):
+            mask = self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
+        return resid, normed, mask
+
+    # -------------------------------------------------------------- prefill
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, lens: Optional[torch.Tensor] = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run right-padded prompts ``ids [B, T]`` with lengths ``lens [B]`` through the model,
+        writing their keys/values to cache positions 0..len-1. Returns logits at each
+        sequence's last prompt token [B, V] (or [B, T, V] with ``all_logits``)."""
+        B, T = ids.shape
+        if self._cache_key is None or self._cache_key[0] != B or self._cache_key[1] < T:
+            raise ValueError(f"call setup_cache(batch={B}, max_len>={T}) first")
+        if lens is None:
+            lens = torch.full((B,), T, dtype=torch.long, device=self.device)
+        lens = lens.to(self.device)
+        lens32 = lens.to(torch.int32)
+        valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
+        kern = self.backend == "triton"
+        Hq, Hkv, D = self.num_heads, self.num_kv, self.head_dim
+        cos = self.cos[:T][None, :, None, :]
+        sin = self.sin[:T][None, :, None, :]
+        x = self.embed(ids)
+        for i, L in enumerate(self.layers):
+            hn = _hf_rms(L.attn_norm, x)
+            ma = self._mask_torch(i, "attn", x, hn, None)
+            self._amask = ma
+            if ma is not None:
+                ma = ma & valid[..., None]
+            h2 = hn.reshape(B * T, -1)
+            if self.mode == "dense":
+                qkv = F.linear(h2, L.wqkv)
+                q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
+            else:
+                kv = F.linear(h2, L.wkv)
+                if ma is not None and kern:
+                    ma2 = ma.reshape(B * T, -1)
+                    from .kernels import build_route, gemm_mn
+                    route_a = build_route(ma2)
+                    q = gemm_mn(h2, L.wq, ma2, self.attn_gs * D, route=route_a)
+                else:
+                    q = F.linear(h2, L.wq)
+            q = _rope(q.reshape(B, T, Hq, D), cos, sin)
+            k = _rope(kv[:, :Hkv * D].reshape(B, T, Hkv, D), cos, sin)
+            v = kv[:, Hkv * D:].reshape(B, T, Hkv, D)
+            self.k_cache[i][:, :T] = k
+            self.v_cache[i][:, :T] = v
+            if ma is not None and kern:
+                from .kernels import gemm_k, prefill_attention
+                att = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), ma,
+                                        q_lens=lens32, k_lens=lens32, padding_side="right")
+                o = gemm_k(att.reshape(B * T, Hq * D), L.wo, ma2, self.attn_gs * D, route=route_a)
+            else:
+                att = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                    enable_gqa=Hq != Hkv).transpose(1, 2)
+                if ma is not None:
+                    att = att * ma.repeat_interleave(Hq // self.attn_groups, dim=-1)[..., None].to(att.dtype)
+                o = F.linear(att.reshape(B * T, Hq * D), L.wo)
+            x = x + o.view(B, T, -1)
+            hn = _hf_rms(L.ffn_norm, x)
+            mf = self._mask_torch(i, "ffn", x, hn, self._amask)
+            if mf is not None:
+                mf = mf & valid[..., None]
+            x = x + self._ffn(L, hn.reshape(B * T, -1), None if mf is None else mf.reshape(B * T, -1)).view(B, T, -1)
+        self._amask = None
+        if not all_logits:
+            x = x[torch.arange(B, device=self.device), lens - 1]
+        return self.lm_head(_hf_rms(self.final_norm, x)).float()
+
+    def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.mode == "dense":
+            gu = F.linear(h, L.wgu)
+            g, u = gu.chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, L.wd)
+        if mf is None:
+            return F.linear(F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu), L.wd)
+        if self.backend == "triton":
+            from .kernels import build_route, ffn_up, gemm_k
+            route = build_route(mf)
+            u = ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route)
+            return gemm_k(u, L.wd, mf, self.ffn_gs, route=route)
+        u = F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu)
+        u = u * mf.repeat_interleave(self.ffn_gs, dim=-1).to(u.dtype)
+        return F.linear(u, L.wd)
+
+    # -------------------------------------------------------------- decode
+
+    def _decode_eager(self, tok: torch.Tensor, pos: torch.Tensor, record: Optional[list] = None):
+        """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V]."""
+        B = tok.shape[0]
+        Hq, Hkv, D = self.num_heads, self.num_kv, self.head_dim
+        kern = self.backend == "triton"
+        x = self.embed(tok)
+        delta = None
+        seq_lens = (pos + 1).to(torch.int32)
+        if kern:
+            from .kernels import build_route, decode_attention, ffn_up, gemm_k, gemm_mn
+        for i, L in enumerate(self.layers):
+            x, hn, ma = self._norm_route(i, "attn", x, delta)
+            self._amask = ma
+            if record is not None:
+                record.append((i, "attn", ma))
+            if self.mode == "dense":
+                qkv = F.linear(hn, L.wqkv)
+                q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
+            else:
+                kv = F.linear(hn, L.wkv)
+                if ma is not None and kern:
+                    route_a = build_route(ma)
+                    q = gemm_mn(hn, L.wq, ma, self.attn_gs * D, route=route_a)
+                else:
+                    q = F.linear(hn, L.wq)
+            if kern:
+                _rope_cache_kernel[(B, Hq + Hkv)](
+                    q, kv, kv[:, Hkv * D:], self.cos, self.sin, pos, self.k_cache[i], self.v_cache[i],
+                    Hq, q.stride(0), kv.stride(0), kv.stride(0), self.k_cache[i].stride(0),
+                    self.k_cache[i].stride(1), self.k_cache[i].stride(2), HALF=D // 2)
+                qh = q.unflatten(-1, (Hq, D))
+                att = decode_attention(qh, self.k_cache[i], self.v_cache[i],
+                                       ma if ma is not None else self._all_heads(B), seq_lens)
+                att = att.reshape(B, Hq * D)
+                if ma is not None:
+                    o = gemm_k(att, L.wo, ma, self.attn_gs * D, route=route_a)
+                else:
+                    o = F.linear(att, L.wo)
+            else:
+                c, s = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+                qh = _rope(q.unflatten(-1, (Hq, D)), c, s)
+                k = _rope(kv[:, :Hkv * D].reshape(B, Hkv, D), c, s)
+                bi = torch.arange(B, device=self.device)
+                self.k_cache[i][bi, pos] = k
+                self.v_cache[i][bi, pos] = kv[:, Hkv * D:].reshape(B, Hkv, D)
+                keymask = torch.arange(self.k_cache[i].shape[1], device=self.device)[None, :] < seq_lens[:, None]
+                att = F.scaled_dot_product_attention(
+                    qh[:, :, None], self.k_cache[i].transpose(1, 2), self.v_cache[i].transpose(1, 2),
+                    attn_mask=keymask[:, None, None, :], enable_gqa=Hq != Hkv)[:, :, 0]
+                if ma is not None:
+                    att = att * ma.repeat_interleave(Hq // self.attn_groups, dim=-1)[..., None].to(att.dtype)
+                o = F.linear(att.reshape(B, Hq * D), L.wo)
+            x, hn, mf = self._norm_route(i, "ffn", x, o)
+            if record is not None:
+                record.append((i, "ffn", mf))
+            if mf is not None and kern:
+                route_f = build_route(mf)
+                u = ffn_up(hn, L.wg, L.wu, mf, self.ffn_gs, route=route_f)
+                delta = gemm_k(u, L.wd, mf, self.ffn_gs, route=route_f)
+            else:
+                delta = self._ffn(L, hn, mf)
+        self._amask = None
+        if kern:
+            x, hn, _ = self._norm_route_final(x, delta)
+        else:
+            hn = _hf_rms(self.final_norm, x + delta)
+        return self.lm_head(hn).float()
+
+    def _all_heads(self, B: int) -> torch.Tensor:
+        m = getattr(self, "_ones", None)
+        if m is None or m.shape[0] != B:
+            m = self._ones = torch.ones(B, self.attn_groups, dtype=torch.bool, device=self.device)
+        return m
+
+    def _norm_route_final(self, x, delta):
+        B, H = x.shape
+        resid, normed = torch.empty_like(x), torch.empty_like(x)
+        w = self.final_norm.weight
+        _norm_route_kernel[(B,)](
+            x, delta, resid, normed, w, self.final_norm.variance_epsilon, w, w, w, w, w, normed,
+            H, 1, x.stride(0), delta.stride(0), resid.stride(0), normed.stride(0), 0,
+            HAS_DELTA=True, ROUTE=False, NORMED_IN=False, R=16,
+            BLOCK=min(1024, triton.next_power_of_2(H)), G_PAD=16)
+        return resid, normed, None
+
+    @torch.no_grad()
+    def decode(self, tok: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, V] for new tokens ``tok [B]`` at positions ``pos`` (default: the
+        engine's position buffer, advanced by :meth:`generate`). CUDA-graph replay on GPU."""
+        if self._cache_key is None:
+            raise ValueError("call setup_cache first")
+        if pos is not None:
+            self.pos.copy_(pos)
+        self.tok.copy_(tok)
+        if not self.cuda_graphs:
+            return self._decode_eager(self.tok, self.pos)
+        B = tok.shape[0]
+        g = self._graphs.get(B)
+        if g is None:
+            g = self._capture()
+            self._graphs[B] = g
+        graph, out = g
+        graph.replay()
+        return out
+
+    def _capture(self):
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Warm-up on the capture stream: autotuning, compilation and per-stream scratch
+        # buffers must exist before capture. It writes k/v at the current positions, which
+        # the real step then overwrites.
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_eager(self.tok, self.pos)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = self._decode_eager(self.tok, self.pos)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return graph, out
+
+    # -------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id=None, seed: Optional[int] = None,
+                 pad_to: Optional[int] = None) -> GenerationResult:
+        """Generate for a batch of prompts (lists of token ids, any lengths)."""
+        import time
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        B = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        T = int(lens.max())
+        max_len = max(pad_to or 0, T + max_new_tokens)
+        max_len = -(-max_len // 128) * 128  # fewer distinct cache sizes, fewer graph captures
+        self.setup_cache(B, max_len)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        ids, lens = ids.to(self.device), lens.to(self.device)
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos = _eos_set(eos_token_id)
+        if eos is not None:
+            eos = eos.to(self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        logits = self.prefill(ids, lens)
+        tok = sample_logits(logits, temperature, top_k, top_p, gen)
+        sync()
+        t1 = time.perf_counter()
+        out = [tok]
+        self.pos.copy_(lens)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        if eos is not None:
+            done |= torch.isin(tok, eos)
+        steps = 0
+        for _ in range(max_new_tokens - 1):
+            if eos is not None and bool(done.all()):
+                break
+            logits = self.decode(tok)
+            self.pos += 1
+            tok = sample_logits(logits, temperature, top_k, top_p, gen)
+            out.append(tok)
+            steps += 1
+            if eos is not None:
+                done |= torch.isin(tok, eos)
+        sync()
+        t2 = time.perf_counter()
+        seqs = torch.stack(out, dim=1).tolist()
+        if eos is not None:
+            eset = set(eos.tolist())
+            seqs = [s[:next((j + 1 for j, t in enumerate(s) if t in eset), len(s))] for s in seqs]
+        return GenerationResult(tokens=seqs, ttft_s=t1 - t0, tpot_s=(t2 - t1) / max(steps, 1))
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [B, T, V] of unpadded prompts (for checks against the HF path)."""
+        B, T = ids.shape
+        if self._cache_key is None or self._cache_key[0] != B or self._cache_key[1] < T:
+            self.setup_cache(B, -(-T // 128) * 128)
+        return self.prefill(ids.to(self.device), all_logits=True)
+
+
+def _eos_set(eos_token_id):
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long) if ids else None
+
+
+def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]: greedy at temperature 0, else temperature, then
+    top-k, then nucleus (top-p) filtering and one multinomial draw per row."""
+    if temperature is None or temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_l, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_l, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_l)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def accelerate(model, backend: str = "auto", mode: str = "routed",
+               cuda_graphs: bool = True) -> AcceleratedModel:
+    """Build the static-cache engine for a wrapped model (see the module docstring).
+
+    The HF model is not modified: ``model(...)`` and ``model.generate(...)`` keep running the
+    masked PyTorch path. The engine is also kept as ``model.wide_engine`` for
+    :func:`generate`.
+    """
+    engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs)
+    if mode == "routed":
+        model.wide_engine = engine
+    return engine
+
+
+def generate(model, tokenizer_or_ids, prompts=None, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+             eos_token_id=None, seed: Optional[int] = None) -> GenerationResult:
+    """Generate with the accelerated engine.
+
+    ``model``: a wrapped HF model (accelerated on first use) or an :class:`AcceleratedModel`.
+    ``tokenizer_or_ids``: a tokenizer (then ``prompts`` is a string or list of strings and the
+    result carries ``texts``), or the prompts as token ids: a 1-D/2-D tensor, a list of ints or
+    a list of lists of ints (any lengths).
+    """
+    engine = model if isinstance(model, AcceleratedModel) else (
+        getattr(model, "wide_engine", None) or accelerate(model))
+    tokenizer = None
+    if hasattr(tokenizer_or_ids, "encode") and not isinstance(tokenizer_or_ids, torch.Tensor):
+        tokenizer = tokenizer_or_ids
+        if prompts is None:
+            raise ValueError("give the prompts (a string or list of strings) with the tokenizer")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [tokenizer.encode(t) for t in texts]
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    else:
+        ids = _as_id_lists(tokenizer_or_ids)
+    res = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+    if tokenizer is not None:
+        res.texts = [tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+    return res
+
+
+def _as_id_lists(x) -> list:
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 1:
+            return [x.tolist()]
+        if x.dim() == 2:
+            return x.tolist()
+        raise ValueError(f"token id tensor must be 1-D or 2-D, got {x.dim()}-D")
+    x = list(x)
+    if x and all(isinstance(t, int) for t in x):
+        return [x]
+    if x and all(isinstance(p, (list, tuple, torch.Tensor)) for p in x):
+        return [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in x]
+    raise ValueError("prompts must be token ids (tensor, list of ints or list of lists) or come "
+                     "with a tokenizer")
