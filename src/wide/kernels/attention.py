@@ -645,8 +645,8 @@ def decode_splits(B: int, Hkv: int, Tk_max: int, device: torch.device, *,
 
     Sized so that B*Hkv*splits is about ``waves`` times the SM count when every head is
     active: at 50% sparsity half the programs return at once and the rest still give each SM
-    ~6 resident-or-queued programs. Measured on the H200 (run 1): 4 waves left B=8 and B=32
-    at Tk=32k at 3.0-3.8 TB/s; doubling the splits gave 1.6x and 1.2x. A split holds at least ``min_chunk`` keys, a multiple of 128 so that
+    ~6 resident-or-queued programs. Measured on the H200 (run 1): at 4 waves B=8 and B=32
+    at Tk=32k read 3.05 and 3.80 TB/s; doubling the splits raised that to 3.52 and 4.17. A split holds at least ``min_chunk`` keys, a multiple of 128 so that
     every BLOCK_N divides it.
     """
     target = waves * _num_sms(device)
