@@ -128,6 +128,9 @@ def cmd_calibrate(args) -> dict:
     from .serialization import save_routers
     from .train import FINAL_DIR, TrainArgs, train
 
+    if getattr(args, "dry_run", False):
+        return _dry_run(args)
+    ctx = _dist_context(args)
     model, tok, model_path = _load(args)
     train_ids, _, _ = _packed(args, tok, "train", args.max_train_tokens)
     eval_ids, _, _ = _packed(args, tok, "heldout")
@@ -136,13 +139,17 @@ def cmd_calibrate(args) -> dict:
     cfg = _wide_config(args)
     modeling.wrap(model, cfg)
     modeling.freeze_backbone(model)
+    if ctx is not None:
+        from .distributed import shard_model
+
+        shard_model(model, ctx, activation_checkpointing=getattr(args, "activation_checkpointing", False))
     targs = TrainArgs(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       weight_decay=args.weight_decay, warmup_frac=args.warmup_frac,
                       max_grad_norm=args.max_grad_norm, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, save_every=args.save_every, seed=args.seed)
     t0 = time.perf_counter()
     result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
-                   stop_at=getattr(args, "stop_at", None))
+                   stop_at=getattr(args, "stop_at", None), dist=ctx)
     wall = time.perf_counter() - t0
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
@@ -158,12 +165,62 @@ def cmd_calibrate(args) -> dict:
         "steps": args.steps, "tokens": args.steps * targs.sequences_per_step * train_ids.shape[1],
         "wall_s": wall, "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
         "machine": _machine(), "offsets": args.offsets, "date": datetime.date.today().isoformat(),
+        "world_size": ctx.world_size if ctx is not None else 1,
     }
+    if ctx is not None and not ctx.is_main:
+        return run
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": args.steps, "run": run})
     (Path(args.out) / "run.json").write_text(json.dumps(run, indent=2))
     print(f"routers saved to {Path(args.out) / FINAL_DIR} ({wall / 60:.1f} min, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _dist_context(args):
+    """FSDP2 data parallelism under torchrun, or on one process with --fsdp."""
+    from . import distributed
+
+    if not (getattr(args, "fsdp", False) or distributed.under_torchrun()):
+        return None
+    ctx = distributed.init()
+    # Each rank loads the full model onto its own device; fully_shard then keeps one shard.
+    args.device = str(ctx.device)
+    return ctx
+
+
+def _dry_run(args) -> dict:
+    """Memory and time per rank of a planned run, without loading weights."""
+    import os
+
+    from .distributed import estimate, hf_config
+
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    model = args.model if args.model != DEFAULT else "smollm2-135m"
+    est = estimate(hf_config(model), _wide_config(args), world_size=world, seq_len=args.seq_len,
+                   batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps,
+                   activation_checkpointing=args.activation_checkpointing,
+                   param_bytes=2 if args.dtype != "float32" else 4, mfu=args.mfu, gpu=args.gpu)
+    print(f"wide calibrate --dry-run: {model}, {world} rank(s), global micro-batch {args.batch_size} x "
+          f"{args.seq_len} tokens, grad-accum {args.grad_accum}, activation checkpointing "
+          f"{'on' if args.activation_checkpointing else 'off'}, backbone {args.dtype}")
+    print(est.table())
+    return {"peak_gib": est.peak_gib, "step_s": est.step_s, **est.detail}
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed (FSDP2)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard the backbone with FSDP2 and use the data-parallel loop (global --batch-size, "
+                        "DCP checkpoints); automatic under torchrun, where --batch-size is the global micro-batch")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer in backward: less memory, one more forward")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the per-rank memory and time estimate for --model (a HF directory or a preset: "
+                        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, smollm2-135m) and exit")
+    g.add_argument("--world-size", type=int, default=None, help="ranks for --dry-run (default: WORLD_SIZE or 1)")
+    g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed by --dry-run (default: %(default)s)")
+    g.add_argument("--gpu", default="h200", choices=["h200", "h100", "a100", "l40s"],
+                   help="GPU whose bf16 peak --dry-run assumes (default: %(default)s)")
 
 
 def _machine() -> dict:
@@ -262,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate_args(c)
     c.add_argument("--out", required=True, help="run directory: checkpoint/, routers/, history.json, run.json")
     c.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if it exists")
+    _add_distributed_args(c)
     c.set_defaults(func=cmd_calibrate)
 
     e = sub.add_parser("eval", help="perplexity, bits/byte and zero-shot accuracy, dense and routed",

@@ -133,6 +133,7 @@ def train(
     save_extra: Optional[Callable[[Path], None]] = None,
     load_extra: Optional[Callable[[Path], None]] = None,
     stop_at: Optional[int] = None,
+    dist=None,
 ) -> dict:
     """Train ``parameters`` (default: the routers) of a wrapped model on packed sequences.
 
@@ -141,7 +142,29 @@ def train(
     ``load_extra`` let stage 2 put its adapters in the same checkpoint. ``stop_at`` ends
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
     ``resume=True`` call continues the same run.
+
+    ``dist`` (a ``wide.distributed.DistContext``; default: the one ``wide.distributed.init``
+    installed, if any) runs this loop as one rank of a data-parallel run: ``batch_size`` is
+    then the global micro-batch, the sparsity loss is that of the global batch, and
+    checkpoints are DCP checkpoints that resume on any number of processes.
     """
+    from . import distributed as _dist
+
+    dist = dist if dist is not None else _dist.current()
+    session = _dist.TrainingSession(dist, model, args.seed) if dist is not None else None
+    main = dist is None or dist.is_main
+    try:
+        return _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress and main,
+                      save_extra, load_extra, stop_at, dist, session, main)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra, load_extra,
+           stop_at, dist, session, main) -> dict:
+    from . import distributed as _dist
+
     state = get_state(model)
     cfg = state.config
     out_dir = Path(out_dir)
@@ -166,7 +189,20 @@ def train(
     np.random.seed(args.seed)
 
     ckpt = out_dir / CHECKPOINT_DIR
-    if resume and ckpt.exists():
+    if resume and ckpt.exists() and _dist.is_dcp_checkpoint(ckpt):
+        ts = _dist.load_checkpoint(dist or _dist.DistContext(), model, opt, ckpt)
+        saved_args = ts["args"]
+        changed = {k: (saved_args[k], getattr(args, k)) for k in _RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
+        if changed:
+            raise ValueError(f"cannot resume {ckpt}: these settings differ from the saved run: {changed}")
+        if load_extra is not None:
+            load_extra(ckpt)
+        sched.load_state_dict(ts["scheduler"])
+        start_step = ts["step"]
+        history = ts["history"]
+        if progress:
+            print(f"resumed from {ckpt} (written by {ts.get('world_size', 1)} processes) at step {start_step}/{args.steps}")
+    elif resume and ckpt.exists():
         ts = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
         saved_args = ts["args"]
         changed = {k: (saved_args[k], getattr(args, k)) for k in _RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
@@ -182,10 +218,16 @@ def train(
         history = ts["history"]
         if progress:
             print(f"resumed from {ckpt} at step {start_step}/{args.steps}")
-    elif resume:
+    elif resume and progress:
         print(f"no checkpoint in {ckpt}: starting a new run")
 
     def checkpoint(step: int) -> None:
+        if dist is not None:
+            _dist.save_checkpoint(dist, model, opt, ckpt, step=step, write_more=save_extra, trainer_state={
+                "step": step, "scheduler": sched.state_dict(), "args": asdict(args), "history": history,
+                "tau": cfg.temperature(step, args.steps)})
+            return
+
         def write(tmp: Path) -> None:
             torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "rng": _rng_state(), "args": asdict(args), "history": history,
@@ -203,21 +245,29 @@ def train(
     for step in bar:
         state.tau = cfg.temperature(step, args.steps)
         opt.zero_grad(set_to_none=True)
+        if session is not None:
+            session.seed_step(args.seed, step)
         ce_sum, pen_sum, flop_sum, grp_sum = 0.0, 0.0, 0.0, 0.0
         for micro in range(args.grad_accum):
-            x = train_ids[batch_indices(train_ids.shape[0], args, step, micro)].to(device)
+            idx = batch_indices(train_ids.shape[0], args, step, micro)
+            if session is not None:
+                idx = session.local_indices(idx, step, micro)
+            x = train_ids[idx].to(device)
             out = model(input_ids=x, labels=x)
-            sp = forward_sparsity(model)
+            sp = forward_sparsity(model) if session is None else session.sparsity()
             pen = sparsity_penalty(sp, cfg)
-            loss = (out.loss + cfg.sparsity_coef * pen) / args.grad_accum
+            scale = 1.0 if session is None else session.penalty_scale
+            loss = (out.loss + cfg.sparsity_coef * scale * pen) / args.grad_accum
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step} (ce={float(out.loss)}): "
                                          "lower the learning rate or check the data")
             loss.backward()
-            ce_sum += float(out.loss.detach())
+            ce_sum += float(out.loss.detach()) if dist is None else dist.mean(out.loss)
             pen_sum += float(pen.detach())
             flop_sum += float(sp.flop_rate.detach())
             grp_sum += float(sp.group_rate.detach())
+        if session is not None:
+            session.reduce_gradients(params)
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
         sched.step()
@@ -244,8 +294,11 @@ def train(
             return {"history": history, "final_dir": None, "stopped_at": done}
     state.tau = None
     model.eval()
-    save_routers(model, out_dir / FINAL_DIR, extra={"step": args.steps})
-    (out_dir / "history.json").write_text(json.dumps(history, indent=1))
+    if main:
+        save_routers(model, out_dir / FINAL_DIR, extra={"step": args.steps})
+        (out_dir / "history.json").write_text(json.dumps(history, indent=1))
+    if dist is not None:
+        dist.barrier()
     return {"history": history, "final_dir": str(out_dir / FINAL_DIR)}
 
 

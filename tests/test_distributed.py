@@ -1,0 +1,135 @@
+"""FSDP2 data-parallel calibration: 2 gloo processes match one process on the same global
+batch, and a checkpoint written by 2 processes resumes on 1. Also the --dry-run estimator."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import tiny_model
+
+import wide
+from wide import distributed
+from wide.config import WideConfig
+from wide.distributed import DistContext
+from wide.train import TrainArgs, train
+
+STEPS, STOP = 5, 3
+
+
+def _ids():
+    return torch.randint(0, 96, (24, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _args():
+    # batch_size is the global micro-batch: 2 sequences per rank on 2 ranks.
+    return TrainArgs(steps=STEPS, batch_size=4, grad_accum=2, eval_every=0, save_every=0, seed=3)
+
+
+def _model():
+    model = tiny_model("llama")
+    wide.wrap(model, WideConfig(ffn_group_size=32))
+    wide.freeze_backbone(model)
+    return model
+
+
+def _routers(model):
+    return {k: v.detach().clone() for k, v in model.wide_routers.state_dict().items()}
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    ctx = distributed.init("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    try:
+        model = _model()
+        distributed.shard_model(model, ctx)
+        assert type(model.model.layers[0]).__name__.startswith("FSDP")
+        res = train(model, _ids(), _args(), Path(tmp) / "run", progress=False, stop_at=STOP)
+        torch.save({"history": res["history"], "routers": _routers(model)}, Path(tmp) / f"rank{rank}.pt")
+    finally:
+        distributed.shutdown()
+
+
+def _assert_same_history(a, b):
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b):
+        for key in ("loss", "ce", "flop_sparsity", "group_sparsity", "grad_norm"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+
+
+def _assert_same_routers(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_two_gloo_processes_match_one_and_resume_on_one(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    dist_run = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    other = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    _assert_same_routers(dist_run["routers"], other["routers"])  # replicated routers stay in sync
+
+    torch.set_num_threads(1)
+    ref3_model = _model()
+    ref3 = train(ref3_model, _ids(), _args(), tmp_path / "ref3", progress=False, stop_at=STOP, dist=DistContext())
+    _assert_same_history(dist_run["history"], ref3["history"])
+    _assert_same_routers(dist_run["routers"], _routers(ref3_model))
+    # The routing really was stochastic and sparse, so matching is not trivial.
+    assert len({round(h["flop_sparsity"], 6) for h in ref3["history"]}) > 1
+
+    ref_model = _model()
+    ref = train(ref_model, _ids(), _args(), tmp_path / "ref", progress=False, dist=DistContext())
+
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert (ckpt / distributed.DCP_DIR).is_dir() and (ckpt / "routers.safetensors").is_file()
+    assert json.loads((ckpt / "wide_config.json").read_text())["world_size"] == 2
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]  # no staging left
+    resumed_model = _model()
+    resumed = train(resumed_model, _ids(), _args(), tmp_path / "run", progress=False, resume=True,
+                    dist=DistContext())
+    _assert_same_history(resumed["history"], ref["history"])
+    _assert_same_routers(_routers(resumed_model), _routers(ref_model))
+    # The finished run is an ordinary router directory.
+    loaded = wide.load(tiny_model("llama"), tmp_path / "run" / "routers")
+    _assert_same_routers(_routers(loaded), _routers(ref_model))
+
+
+def test_global_batch_must_split_evenly():
+    with pytest.raises(ValueError, match="divisible"):
+        DistContext(rank=0, world_size=3).local_slice(4)
+
+
+def test_keyed_noise_ignores_the_split():
+    model = _model()
+    noise = distributed.KeyedGumbel(model, seed=1)
+    noise.key = (2, 0, 0)
+    whole = noise.noise((4, 5, 3, 2), 1, "ffn", torch.device("cpu"))
+    noise.key = (2, 0, 2)
+    tail = noise.noise((2, 5, 3, 2), 1, "ffn", torch.device("cpu"))
+    torch.testing.assert_close(whole[2:], tail, rtol=0, atol=0)
+    noise.key = (3, 0, 2)
+    assert not torch.equal(noise.noise((2, 5, 3, 2), 1, "ffn", torch.device("cpu")), tail)
+
+
+def test_estimate_llama_8b():
+    cfg = distributed.hf_config("llama-3.1-8b")
+    wc = WideConfig()
+    one = distributed.estimate(cfg, wc, world_size=1, seq_len=4096, batch_size=1)
+    assert one.detail["total_params"] == pytest.approx(8.03e9, rel=0.01)
+    assert one.rows[0][1] == pytest.approx(8.03e9 * 2 / 2 ** 30, rel=0.01)
+    four = distributed.estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4)
+    assert four.rows[0][1] == pytest.approx(one.rows[0][1] / 4)
+    assert four.detail["tokens_per_rank"] == one.detail["tokens_per_rank"] == 4096
+    ac = distributed.estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4, activation_checkpointing=True)
+    assert ac.peak_gib < four.peak_gib and ac.step_s > four.step_s
+    assert "estimated peak" in ac.table()
+
+
+def test_cli_dry_run(capsys):
+    from wide.cli import main
+
+    assert main(["calibrate", "--dry-run", "--model", "llama-3.1-8b", "--world-size", "8", "--seq-len", "4096",
+                 "--batch-size", "8", "--out", "/nonexistent/unused"]) == 0
+    out = capsys.readouterr().out
+    assert "backbone parameters (sharded)" in out and "estimated peak" in out and "8 x h200" in out
