@@ -1,0 +1,511 @@
+"""End-to-end benchmark: TTFT and TPOT of the accelerated engine, routed vs dense, and HF generate.
+
+    PYTHONPATH=src python3 -m wide.benchmarks.e2e --out-dir bench/results      # H200
+    python -m wide.benchmarks.e2e --tiny --out-dir /tmp/e2e                      # CPU smoke run
+
+Model: the Llama-3.1-8B configuration (default RoPE, no llama3 frequency scaling: the
+timing does not depend on it) with random bf16 weights built on the GPU. Routers: wide's
+own random routers (kaiming init) with offsets calibrated per module on a random prompt so
+each module skips the target fraction of its groups (``calibrate_offsets(mode="per_module")``);
+the masks are therefore what real rank-16 routers produce from the residual stream, not
+i.i.d. draws. Realised rates are measured and reported.
+
+Engines, all in one process and run: ``dense`` = the same static-cache engine with no routing
+(fused QKV and gate/up cuBLAS GEMMs, SDPA flash prefill, flash-decoding attention with all
+heads, same fused norm and RoPE/cache kernels, same CUDA-graph decode); ``routed`` = the
+routed kernels; ``hf`` = plain ``transformers`` ``model.generate()`` on the dense model (SDPA,
+its default dynamic cache, no routing). Correctness is checked first (bf16 vs the masked
+PyTorch path of the HF model, rel. err. < 1e-2); a failed check is recorded and printed.
+
+TTFT = prefill of one prompt to its first token's logits. TPOT = one CUDA-graph decode step
+plus greedy sampling, averaged over ``--decode-steps`` steps after a ``--decode-ctx``-token
+prompt. Records are written after every measurement, so a run cut short keeps what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+NAME = "e2e"
+
+
+def _now():
+    return time.perf_counter()
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, reps: int, warmup: int = 1) -> float:
+        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = _now()
+                fn()
+                times.append(_now() - t0)
+        return statistics.median(times)
+
+
+def build_model(tiny: bool, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          max_position_embeddings=4096, tie_word_embeddings=False)
+    else:  # Llama-3.1-8B shapes
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, max_position_embeddings=32768, rope_theta=500000.0,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def weight_bytes(model) -> dict:
+    cfg = model.config
+    h, i, e = cfg.hidden_size, cfg.intermediate_size, model.lm_head.weight.element_size()
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * d * h * e
+    kv = 2 * cfg.num_key_value_heads * d * h * e
+    return {"q": q, "o": q, "kv": kv, "gate_up": 2 * i * h * e, "down": i * h * e,
+            "lm_head": cfg.vocab_size * h * e, "layers": cfg.num_hidden_layers}
+
+
+def bytes_fraction(model, records, B: int) -> dict:
+    """Weight bytes a decode step reads, over dense, from the recorded masks of eager steps.
+
+    ``union``: each routed matrix is read for the groups some sequence of the batch uses (what
+    gemm_mn/ffn_up and the decode path of gemm_k read). ``kernel``: the same, except that
+    gemm_k on more than 16 rows with many narrow groups (FFN down, flat loop) reads all of its
+    weight: see wide/kernels/gemm_k.py.
+    """
+    wb = weight_bytes(model)
+    L = wb["layers"]
+    dense = L * (wb["q"] + wb["o"] + wb["kv"] + wb["gate_up"] + wb["down"]) + wb["lm_head"]
+    steps = {}
+    for step, layer, kind, m in records:
+        steps.setdefault(step, []).append((layer, kind, m))
+    fr_u, fr_k, tok = [], [], []
+    for items in steps.values():
+        u = k = L * wb["kv"] + wb["lm_head"]
+        seen = {"attn": set(), "ffn": set()}
+        for layer, kind, m in items:
+            seen[kind].add(layer)
+            if m is None:
+                continue
+            frac = float(m.any(0).float().mean())
+            tok.append(float(m.float().mean()))
+            if kind == "attn":
+                u += frac * (wb["q"] + wb["o"])
+                k += frac * (wb["q"] + wb["o"])
+            else:
+                u += frac * (wb["gate_up"] + wb["down"])
+                k += frac * wb["gate_up"] + (wb["down"] if B > 16 else frac * wb["down"])
+        for kind, full in (("attn", wb["q"] + wb["o"]), ("ffn", wb["gate_up"] + wb["down"])):
+            dense_layers = L - len([1 for la, kd, m in items if kd == kind and m is not None])
+            u += dense_layers * full
+            k += dense_layers * full
+        fr_u.append(u / dense)
+        fr_k.append(k / dense)
+    return {"weight_bytes_frac_union": statistics.mean(fr_u), "weight_bytes_frac_kernel": statistics.mean(fr_k),
+            "active_frac_per_token": statistics.mean(tok) if tok else 1.0, "dense_weight_bytes": dense}
+
+
+def set_offsets(model, offsets: dict) -> None:
+    for key, val in offsets.items():
+        layer, kind = key.split(".")
+        model.wide_routers[int(layer)].router(kind).offset.fill_(val)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="wide bench e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke test)")
+    ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--sparsities", default="0.5,0.25,0.75")
+    ap.add_argument("--prompt-lens", default="4096,1024,16384")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--decode-ctx", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new measurement after this many seconds")
+    args = ap.parse_args(argv)
+
+    import wide
+    from wide.inference import AcceleratedModel, accelerate
+
+    t_start = _now()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if not args.tiny and device.type != "cuda":
+        print("wide bench e2e needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    sparsities = [float(s) for s in args.sparsities.split(",") if s]
+    prompt_lens = [int(s) for s in args.prompt_lens.split(",") if s]
+    batches = [int(s) for s in args.batches.split(",") if s]
+    if args.tiny:
+        prompt_lens = list(dict.fromkeys(min(p, 48) for p in prompt_lens))[:1]
+        sparsities = sparsities[:2]
+        args.decode_ctx = min(args.decode_ctx, 32)
+        args.decode_steps = min(args.decode_steps, 4)
+        args.reps = min(args.reps, 2)
+        batches = list(dict.fromkeys(min(b, 4) for b in batches))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python -m wide.benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "model": "Llama-3.1-8B config, random weights" if not args.tiny else "tiny random Llama",
+            "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)",
+            "records": [], "checks": [], "errors": []}
+    records = meta["records"]
+
+    def save():
+        (out_dir / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
+        (out_dir / f"{args.name}.md").write_text(markdown(meta))
+
+    def over_budget():
+        return args.budget_s is not None and _now() - t_start > args.budget_s
+
+    def guarded(what, fn):
+        try:
+            return fn()
+        except Exception as exc:  # keep measuring the rest; the error goes in the results
+            tb = traceback.format_exc()
+            print(f"[e2e] {what} FAILED: {exc}\n{tb}", flush=True)
+            meta["errors"].append({"what": what, "error": repr(exc), "traceback": tb[-2000:]})
+            save()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return None
+
+    model = build_model(args.tiny, device, dtype)
+    print(f"[e2e] model built in {_now() - t_start:.1f}s", flush=True)
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=128 if not args.tiny else 32))
+    geo = model.wide_state.geometry
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand_ids(b, t):
+        return torch.randint(0, vocab, (b, t), generator=gen).to(device)
+
+    calib = rand_ids(1, 512 if not args.tiny else 48)
+    offsets, realised = {}, {}
+    for s in sparsities:
+        offsets[s] = wide.calibrate_offsets(model, [calib], target=s, mode="per_module", rounds=2)
+        with torch.no_grad(), wide.track_sparsity(model) as tr:
+            model(input_ids=rand_ids(1, calib.shape[1]))
+        realised[s] = tr.summary().as_dict()
+        realised[s].pop("per_layer")
+    meta["realised_sparsity"] = {str(k): v for k, v in realised.items()}
+    print(f"[e2e] calibrated {sparsities} in {_now() - t_start:.1f}s: "
+          f"{ {k: round(v['group_rate'], 3) for k, v in realised.items()} }", flush=True)
+
+    routed = accelerate(model)
+    dense = AcceleratedModel(model, mode="dense")
+    print(f"[e2e] backend {routed.backend}, graphs {routed.cuda_graphs}", flush=True)
+    timer = Timer(device)
+    state = model.wide_state
+
+    # ---------------------------------------------------------------- correctness
+    def check_prefill():
+        T = 256 if not args.tiny else 24
+        ids = rand_ids(1, T)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        fixed = {(i, k): (torch.rand(T, geo.groups(k), generator=g) > 0.5).to(device)
+                 for i in range(geo.dims.num_layers) for k in ("attn", "ffn")}
+        at = {"row": None}
+
+        def mask_fn(layer, kind, x):  # fixed masks, so both paths route identically
+            n = x.shape[1]
+            m = fixed[(layer, kind)]
+            return (m[:n] if at["row"] is None else m[at["row"]:at["row"] + 1])[None].expand(x.shape[0], -1, -1)
+
+        state.mask_fn = mask_fn
+        try:
+            with torch.no_grad():
+                ref = model(input_ids=ids).logits.float()
+            got = routed.logits(ids)
+            e1 = float((got - ref).norm() / ref.norm())
+            # decode of the last token (eager: the mask_fn is position-dependent)
+            routed.setup_cache(1, -(-T // 128) * 128 + 128)
+            routed.prefill(ids[:, :-1])
+            at["row"] = T - 1
+            with torch.no_grad():
+                pos = torch.full((1,), T - 1, dtype=torch.long, device=device)
+                dl = routed._decode_eager(ids[:, -1], pos)
+            e2 = float((dl - ref[:, -1]).norm() / ref[:, -1].norm())
+            at["row"] = None
+            state.mask_fn = lambda layer, kind, x: torch.ones(*x.shape[:-1], geo.groups(kind), device=x.device)
+            with torch.no_grad():
+                ref_d = model(input_ids=ids).logits.float()
+            e3 = float((dense.logits(ids) - ref_d).norm() / ref_d.norm())
+        finally:
+            state.mask_fn = None
+        routed.free_cache()
+        dense.free_cache()
+        # graph replay equals the eager step (real routers)
+        set_offsets(model, offsets[sparsities[0]])
+        p = rand_ids(2, 40 if not args.tiny else 8)
+        routed.setup_cache(2, 128)
+        routed.prefill(p)
+        pos = torch.full((2,), p.shape[1], dtype=torch.long, device=device)
+        tok = rand_ids(2, 1)[:, 0]
+        with torch.no_grad():
+            eager = routed._decode_eager(tok, pos).clone()
+        graphed = routed.decode(tok, pos).clone()
+        e4 = float((graphed - eager).norm() / eager.norm())
+        routed.free_cache()
+        for name, err in (("prefill logits, routed kernels vs masked HF path", e1),
+                          ("decode step logits, routed kernels vs masked HF path", e2),
+                          ("dense engine logits vs HF dense", e3),
+                          ("CUDA-graph decode vs eager decode (real routers)", e4)):
+            ok = err < 1e-2
+            meta["checks"].append({"check": name, "rel_err": err, "ok": ok})
+            print(f"[e2e] check {name}: rel err {err:.2e} {'OK' if ok else 'FAILED'}", flush=True)
+        save()
+
+    guarded("correctness", check_prefill)
+
+    # ---------------------------------------------------------------- TTFT
+    def ttft(engine, T, engine_name, s):
+        ids = rand_ids(1, T)
+        engine.setup_cache(1, -(-T // 128) * 128 + 128)
+        reps = args.reps if T <= 4096 else max(2, args.reps // 2)
+        sec = timer(lambda: engine.prefill(ids), reps=reps, warmup=2)
+        engine.free_cache()
+        return {"op": "e2e_ttft", "B": 1, "prompt_len": T, "engine": engine_name, "sparsity": s,
+                "ms": sec * 1e3}
+
+    def tpot(engine, B, engine_name, s, record_masks: bool):
+        ctx, n = args.decode_ctx, args.decode_steps
+        ids = rand_ids(B, ctx)
+        engine.setup_cache(B, -(-(ctx + n + 8) // 128) * 128)
+        first = engine.prefill(ids).argmax(-1)
+        start = torch.full((B,), ctx, dtype=torch.long, device=device)
+
+        def loop():
+            engine.pos.copy_(start)
+            tok = first
+            for _ in range(n):
+                logits = engine.decode(tok)
+                engine.pos += 1
+                tok = logits.argmax(-1)
+
+        sec = timer(loop, reps=max(2, args.reps // 2), warmup=1) / n
+        rec = {"op": "e2e_tpot", "B": B, "prompt_len": ctx, "engine": engine_name, "sparsity": s,
+               "ms": sec * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n}
+        if record_masks:
+            masks = []
+            engine.pos.copy_(start)
+            tok = first
+            with torch.no_grad():
+                for step in range(4):
+                    rec_list = []
+                    tok = engine._decode_eager(tok, engine.pos, record=rec_list).argmax(-1)
+                    engine.pos += 1
+                    masks += [(step, layer, kind, m) for layer, kind, m in rec_list]
+            rec.update(bytes_fraction(model, masks, B))
+        engine.free_cache()
+        return rec
+
+    def hf_times(B, T, n):
+        state.mask_fn = lambda *a: None  # hooks stay, routing off: the plain dense model
+        try:
+            ids = rand_ids(B, T)
+            am = torch.ones_like(ids)
+            kw = dict(attention_mask=am, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+            def run(k):
+                return lambda: model.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw)
+
+            t1 = timer(run(1), reps=2, warmup=1)
+            tn = timer(run(n + 1), reps=2, warmup=0)
+        finally:
+            state.mask_fn = None
+        return t1, (tn - t1) / n
+
+    def add(rec, base_key=None):
+        # speedup = dense engine time over this engine's, same run and shape
+        if rec["engine"] != "dense":
+            for r in records:
+                if r["op"] == rec["op"] and r["engine"] == "dense" and r["B"] == rec["B"] \
+                        and r["prompt_len"] == rec["prompt_len"]:
+                    rec["dense_ms"] = r["ms"]
+                    rec["speedup"] = r["ms"] / rec["ms"]
+        records.append(rec)
+        print(f"[e2e] {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
+              f"s={rec.get('sparsity')}: {rec['ms']:.3f} ms"
+              + (f"  speedup {rec['speedup']:.2f}x" if 'speedup' in rec else "")
+              + (f"  bytes {rec['weight_bytes_frac_kernel']:.3f}" if 'weight_bytes_frac_kernel' in rec else ""),
+              flush=True)
+        save()
+
+    # Order: what the targets need first (4k TTFT and B=1 TPOT at 50 %), then the rest.
+    s0 = sparsities[0]
+    plan = []
+    for j, T in enumerate(prompt_lens):
+        plan.append(("ttft", T, "dense", None))
+        for s in sparsities:
+            plan.append(("ttft", T, "routed", s))
+        if j == 0:
+            for B in batches[:1]:
+                plan.append(("tpot", B, "dense", None))
+                for s in sparsities:
+                    plan.append(("tpot", B, "routed", s))
+            if not args.no_hf:
+                plan += [("hf", batches[0], "hf", None), ("hf_ttft", T, "hf", None)]
+    for B in batches[1:]:
+        plan.append(("tpot", B, "dense", None))
+        for s in sparsities:
+            plan.append(("tpot", B, "routed", s))
+    if not args.no_hf:
+        plan += [("hf_ttft", T, "hf", None) for T in prompt_lens[1:2]]
+        plan += [("hf", B, "hf", None) for B in batches[1:]]
+    for kind, x, eng_name, s in plan:
+        if over_budget():
+            meta["errors"].append({"what": f"{kind} {x} {eng_name} {s}", "error": "skipped: time budget"})
+            continue
+        if s is not None:
+            set_offsets(model, offsets[s])
+        eng = routed if eng_name == "routed" else dense
+        if kind == "ttft":
+            rec = guarded(f"ttft {x} {eng_name} {s}", lambda: ttft(eng, x, eng_name, s))
+        elif kind == "tpot":
+            rec = guarded(f"tpot {x} {eng_name} {s}", lambda: tpot(eng, x, eng_name, s, True))
+        elif kind == "hf":
+            r = guarded(f"hf B={x}", lambda: hf_times(x, args.decode_ctx, min(args.decode_steps, 16)))
+            rec = None
+            if r is not None:
+                add({"op": "e2e_tpot", "B": x, "prompt_len": args.decode_ctx, "engine": "hf_generate",
+                     "sparsity": None, "ms": r[1] * 1e3})
+        else:
+            r = guarded(f"hf ttft {x}", lambda: hf_times(1, x, 1))
+            rec = None
+            if r is not None:
+                add({"op": "e2e_ttft", "B": 1, "prompt_len": x, "engine": "hf_generate",
+                     "sparsity": None, "ms": r[0] * 1e3})
+        if rec is not None:
+            add(rec)
+    meta["wall_s"] = _now() - t_start
+    save()
+    guarded("plot", lambda: plot(meta, out_dir / f"{args.name}.png"))
+    print(markdown(meta), flush=True)
+    return 0
+
+
+def markdown(meta: dict) -> str:
+    lines = [f"# End-to-end TTFT / TPOT ({meta['device']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
+             f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
+    if meta.get("realised_sparsity"):
+        lines += ["Realised sparsity on a fresh random prompt (group rate; attention / FFN):", ""]
+        for s, v in meta["realised_sparsity"].items():
+            lines.append(f"- target {s}: attn {v['attn_rate']:.3f}, ffn {v['ffn_rate']:.3f}, "
+                         f"FLOP-weighted {v['flop_rate']:.3f}")
+        lines.append("")
+    if meta["checks"]:
+        lines += ["| correctness check (bf16) | rel err | ok |", "|---|---|---|"]
+        lines += [f"| {c['check']} | {c['rel_err']:.2e} | {'yes' if c['ok'] else 'NO'} |" for c in meta["checks"]]
+        lines.append("")
+    recs = meta["records"]
+    for op, title, key in (("e2e_ttft", "Time to first token (batch 1)", "prompt_len"),
+                           ("e2e_tpot", "Time per output token (CUDA-graph decode)", "B")):
+        rows = [r for r in recs if r["op"] == op]
+        if not rows:
+            continue
+        lines += [f"## {title}", "",
+                  "| B | prompt | engine | sparsity | ms | dense engine ms | speedup vs dense engine |"
+                  + (" weight bytes read (union / kernels) | active per token |" if op == "e2e_tpot" else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|---|" if op == "e2e_tpot" else "")]
+        for r in sorted(rows, key=lambda r: (r[key], r["engine"], r.get("sparsity") or 0)):
+            sp = "-" if r.get("sparsity") is None else f"{r['sparsity']:.2f}"
+            line = (f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | "
+                    f"{r.get('dense_ms', r['ms'] if r['engine'] == 'dense' else float('nan')):.3f} | "
+                    f"{r['speedup']:.2f}x |" if "speedup" in r else
+                    f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | - | - |")
+            if op == "e2e_tpot":
+                if "weight_bytes_frac_union" in r:
+                    line += (f" {r['weight_bytes_frac_union']:.3f} / {r['weight_bytes_frac_kernel']:.3f} |"
+                             f" {r['active_frac_per_token']:.3f} |")
+                else:
+                    line += " - | - |"
+            lines.append(line)
+        lines.append("")
+    if meta.get("errors"):
+        lines += ["Errors / skipped:", ""] + [f"- {e['what']}: {e['error']}" for e in meta["errors"]] + [""]
+    return "\n".join(lines)
+
+
+def plot(meta: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = meta["records"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, op, key, title in ((axes[0], "e2e_ttft", "prompt_len", "TTFT speedup over dense engine"),
+                               (axes[1], "e2e_tpot", "B", "TPOT speedup over dense engine")):
+        sps = sorted({r["sparsity"] for r in recs if r["op"] == op and r["engine"] == "routed"})
+        for s in sps:
+            rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "routed"
+                           and r["sparsity"] == s and "speedup" in r), key=lambda r: r[key])
+            if rows:
+                ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows], "o-", label=f"routed {s:.0%}")
+        rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "hf_generate"), key=lambda r: r[key])
+        dense = {r[key]: r["ms"] for r in recs if r["op"] == op and r["engine"] == "dense"}
+        rows = [r for r in rows if r[key] in dense]
+        if rows:
+            ax.plot([str(r[key]) for r in rows], [dense[r[key]] / r["ms"] for r in rows], "s--",
+                    label="HF generate (dense)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("prompt tokens" if key == "prompt_len" else "batch")
+        ax.set_ylabel("x dense engine")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"wide end to end, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
