@@ -18,6 +18,7 @@ from .modeling import (
     unwrap,
     wrap,
 )
+from .inference import AcceleratedModel, accelerate, generate
 from .serialization import CheckpointError, from_pretrained, load, save_routers
 
 __version__ = "0.1.0"
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "WideConfig", "wrap", "unwrap", "load", "save_routers", "from_pretrained", "CheckpointError",
     "calibrate_offsets", "forward_sparsity", "freeze_backbone", "router_parameters",
-    "sparsity_loss", "track_sparsity",
+    "sparsity_loss", "track_sparsity", "accelerate", "generate", "AcceleratedModel",
 ]

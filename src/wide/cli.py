@@ -354,9 +354,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="GPU benchmarks of the routed kernels (needs CUDA)",
                        description="Run a GPU benchmark; extra arguments go to the benchmark (see its --help).")
-    b.add_argument("which", choices=["kernels", "attention"], help="which benchmark")
+    b.add_argument("which", choices=["kernels", "attention", "e2e"], help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench)
+
+    gn = sub.add_parser("generate", help="generate text with the accelerated engine (routed kernels, static cache)",
+                        description="Load a model and saved routers, wide.accelerate it and generate: static KV "
+                                    "cache, routed prefill, CUDA-graph decode on GPU (PyTorch masked path on CPU).")
+    _add_model_args(gn)
+    gn.add_argument("--routers", default=None, help="routers directory (stage 1 or 2); omit for the dense engine")
+    gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gn.add_argument("--max-new-tokens", type=int, default=64)
+    gn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gn.add_argument("--top-k", type=int, default=None)
+    gn.add_argument("--top-p", type=float, default=None)
+    gn.add_argument("--seed", type=int, default=None)
+    gn.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    gn.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("recover", help="stage 2: LoRA recovery on top of stage-1 routers",
                        description="Stage 2: add LoRA adapters (r=16, alpha=32, dropout 0.1 on q,k,v,o,gate,up,down) "
@@ -397,6 +411,24 @@ def _add_eval_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--max-eval-sequences", type=int, default=None, help="cap on held-out sequences for perplexity")
     e.add_argument("--exact-bpb", action="store_true",
                    help="tokenise the held-out text once more to count its tokens exactly for bits/byte")
+
+
+def cmd_generate(args):
+    from .inference import AcceleratedModel, accelerate, generate
+    from .recovery import load_recovered
+
+    model, tok, _ = _load(args)
+    if args.routers:
+        engine = accelerate(load_recovered(model, args.routers), backend=args.backend)
+    else:
+        engine = AcceleratedModel(model, backend=args.backend, mode="dense")
+    res = generate(engine, tok, args.prompt, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for prompt, text in zip(args.prompt, res.texts):
+        print(f"--- {prompt!r}\n{text}")
+    print(f"[{engine.mode}, backend {engine.backend}] time to first token {res.ttft_s * 1e3:.1f} ms, "
+          f"{res.tpot_s * 1e3:.2f} ms per output token")
+    return 0
 
 
 def cmd_bench(args):
