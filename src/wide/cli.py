@@ -79,6 +79,29 @@ def _wide_config(args):
                       sparsity_coef=args.sparsity_coef, tau_start=args.tau_start, tau_end=args.tau_end)
 
 
+def _add_optim_args(p: argparse.ArgumentParser, lr: float) -> None:
+    """The training-loop flags, shared by stage 1 (calibrate) and stage 2 (recover)."""
+    t = p.add_argument_group("optimisation")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=lr, help="AdamW peak learning rate (default: %(default)s)")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s)")
+    t.add_argument("--warmup-frac", type=float, default=0.1, help="linear warm-up share of the steps (default: %(default)s)")
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default: %(default)s)")
+    t.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period in steps, 0 = never (default: %(default)s)")
+    t.add_argument("--eval-batches", type=int, default=8, help="held-out batches per periodic evaluation (default: %(default)s)")
+    t.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="seed for data order, init and Gumbel noise (default: %(default)s)")
+    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed training tokens (default: all)")
+    t.add_argument("--stop-at", type=int, default=None,
+                   help="end this invocation after this step with a checkpoint; --resume continues the run")
+    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
+                   help="after training, calibrate router offsets so inference hits the target exactly on "
+                        "calibration text: one shift for all routers, one per router, or none (default: %(default)s)")
+    t.add_argument("--offset-batches", type=int, default=8, help="batches used for offset calibration (default: %(default)s)")
+
+
 def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
     g.add_argument("--target", type=float, default=0.5,
@@ -102,25 +125,7 @@ def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparsity-coef", type=float, default=20.0, help="weight of |target - rate| (default: %(default)s)")
     g.add_argument("--tau-start", type=float, default=5.0, help="Gumbel temperature at step 0 (default: %(default)s)")
     g.add_argument("--tau-end", type=float, default=0.5, help="Gumbel temperature at the last step (default: %(default)s)")
-    t = p.add_argument_group("optimisation")
-    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate (default: %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: %(default)s)")
-    t.add_argument("--warmup-frac", type=float, default=0.1, help="linear warm-up share of the steps (default: %(default)s)")
-    t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default: %(default)s)")
-    t.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period in steps, 0 = never (default: %(default)s)")
-    t.add_argument("--eval-batches", type=int, default=8, help="held-out batches per periodic evaluation (default: %(default)s)")
-    t.add_argument("--save-every", type=int, default=50, help="checkpoint period in steps (default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0, help="seed for data order, init and Gumbel noise (default: %(default)s)")
-    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed training tokens (default: all)")
-    t.add_argument("--stop-at", type=int, default=None,
-                   help="end this invocation after this step with a checkpoint; --resume continues the run")
-    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
-                   help="after training, calibrate router offsets so inference hits the target exactly on "
-                        "calibration text: one shift for all routers, one per router, or none (default: %(default)s)")
-    t.add_argument("--offset-batches", type=int, default=8, help="batches used for offset calibration (default: %(default)s)")
+    _add_optim_args(p, lr=2e-3)
 
 
 def cmd_calibrate(args) -> dict:
@@ -442,7 +447,6 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--routers", required=True, help="stage-1 directory (e.g. RUN/routers from wide calibrate)")
     r.add_argument("--out", required=True, help="run directory: checkpoint/, recovered/, history.json")
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if it exists")
-    r.add_argument("--stop-at", type=int, default=None, help="end this invocation after this step (resume later)")
     r.add_argument("--merge-out", default=None,
                    help="also write the merged model (plain HF directory) with its routers in MERGE_OUT/routers")
     lo = r.add_argument_group("LoRA")
@@ -450,22 +454,7 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora-alpha", type=int, default=32, help="(default: %(default)s)")
     lo.add_argument("--lora-dropout", type=float, default=0.1, help="(default: %(default)s)")
     lo.add_argument("--freeze-routers", action="store_true", help="train the adapters only")
-    t = r.add_argument_group("optimisation")
-    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate (default: %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
-    t.add_argument("--warmup-frac", type=float, default=0.1, help="(default: %(default)s)")
-    t.add_argument("--max-grad-norm", type=float, default=1.0, help="(default: %(default)s)")
-    t.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period, 0 = never (default: %(default)s)")
-    t.add_argument("--eval-batches", type=int, default=8, help="(default: %(default)s)")
-    t.add_argument("--save-every", type=int, default=50, help="checkpoint period (default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed training tokens")
-    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
-                   help="recalibrate router offsets after recovery (default: %(default)s)")
-    t.add_argument("--offset-batches", type=int, default=8, help="(default: %(default)s)")
+    _add_optim_args(r, lr=2e-4)
 
 
 def cmd_recover(args) -> dict:
