@@ -289,18 +289,22 @@ def _write_results(args, records) -> None:
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
-def cmd_demo(args):
-    """The README's main command: fetch, calibrate briefly at 50%, compare dense vs routed."""
-    for k, v in dict(model=DEFAULT, dtype="float32", device=None, data="wiki", text_field="text",
-                     heldout_fraction=0.1, target=0.5, attn_target=None, ffn_target=None, sparse_target="all",
-                     loss_mode="flops", attn_group_size=None, ffn_group_size=128, router_rank=16,
-                     router_input="residual", sparsity_coef=20.0, tau_start=5.0, tau_end=0.5, grad_accum=1,
-                     lr=2e-3, weight_decay=0.01, warmup_frac=0.1, max_grad_norm=1.0, eval_batches=4,
-                     seed=0, max_train_tokens=None, offsets="global", offset_batches=8, resume=True,
-                     exact_bpb=False, dense=True).items():
+def demo_args(args) -> argparse.Namespace:
+    """Complete the demo's few options with the defaults of `calibrate` and `eval`, taken from
+    their own parsers so that every option those commands read is present."""
+    parser = build_parser()
+    base = {**vars(parser.parse_args(["eval"])), **vars(parser.parse_args(["calibrate", "--out", args.out]))}
+    base.update(resume=True, dense=True, eval_batches=4)
+    for k, v in base.items():
         if not hasattr(args, k):
             setattr(args, k, v)
     args.eval_every = args.save_every = max(1, args.steps // 2)
+    return args
+
+
+def cmd_demo(args):
+    """The README's main command: fetch, calibrate briefly at 50%, compare dense vs routed."""
+    args = demo_args(args)
     run = cmd_calibrate(args)
     args.routers = [str(Path(args.out) / "routers")]
     args.max_eval_sequences = args.eval_sequences
