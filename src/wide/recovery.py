@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .modeling import get_state, install_hooks
-from .serialization import CheckpointError, load, read_meta, save_routers
+from .serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -164,16 +164,7 @@ def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
     from .baselines import apply_static_file
 
     path = Path(path)
-    meta = read_meta(path)
-    if base is None:
-        base = meta.get("base_model")
-        if not base:
-            raise CheckpointError(f"{path} records no base model: pass one")
-    if isinstance(base, (str, Path)):
-        from transformers import AutoModelForCausalLM
-
-        hf_kwargs.setdefault("dtype", torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(str(base), **hf_kwargs)
+    base = resolve_base_model(path, base, **hf_kwargs)
     load(base, path)
     if (path / ADAPTER_FILE).is_file():
         add_lora(base, lora_args_from_dir(path))

@@ -118,15 +118,11 @@ def load(model, path):
     return model
 
 
-def from_pretrained(path, base_model=None, **hf_kwargs):
-    """Load base model + routers in one call, like ``PeftModel.from_pretrained``.
-
-    ``base_model`` is a model, a local HF directory, or None to use the directory recorded
-    at save time.
-    """
-    meta = read_meta(path)
+def resolve_base_model(path, base_model=None, **hf_kwargs):
+    """The model a checkpoint applies to: ``base_model`` itself, a local HF directory to load,
+    or (None) the directory recorded in the checkpoint at save time."""
     if base_model is None:
-        base_model = meta.get("base_model")
+        base_model = read_meta(path).get("base_model")
         if not base_model:
             raise CheckpointError(f"{path} records no base model: pass base_model=")
     if isinstance(base_model, (str, Path)):
@@ -134,4 +130,13 @@ def from_pretrained(path, base_model=None, **hf_kwargs):
 
         hf_kwargs.setdefault("dtype", torch.float32)
         base_model = AutoModelForCausalLM.from_pretrained(str(base_model), **hf_kwargs)
-    return load(base_model, path)
+    return base_model
+
+
+def from_pretrained(path, base_model=None, **hf_kwargs):
+    """Load base model + routers in one call, like ``PeftModel.from_pretrained``.
+
+    ``base_model`` is a model, a local HF directory, or None to use the directory recorded
+    at save time.
+    """
+    return load(resolve_base_model(path, base_model, **hf_kwargs), path)
