@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .modeling import KINDS, get_state, track_sparsity
+from .modeling import KINDS, get_state, observed_pass, track_sparsity
 
 
 @torch.no_grad()
@@ -29,16 +29,7 @@ def collect_masks(model, batches: Iterable[torch.Tensor]) -> dict:
         keep = valid.flatten().bool()
         masks.setdefault((layer, kind), []).append(mask.flatten(0, -2)[keep].bool().cpu())
 
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    state.mask_observers.append(observe)
-    try:
-        for ids in batches:
-            model(input_ids=ids.to(device))
-    finally:
-        state.mask_observers.remove(observe)
-        model.train(was_training)
+    observed_pass(model, batches, state.mask_observers, observe)
     return {k: torch.cat(v) for k, v in masks.items()}
 
 

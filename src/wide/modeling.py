@@ -452,6 +452,22 @@ class _Tracker:
 
 
 @torch.no_grad()
+def observed_pass(model, batches, observers: list, observe) -> None:
+    """Run ``batches`` (input_ids tensors) in eval mode with ``observe`` added to ``observers``
+    (``state.input_observers`` or ``state.mask_observers``) for the duration."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    observers.append(observe)
+    try:
+        for ids in batches:
+            model(input_ids=ids.to(device))
+    finally:
+        observers.remove(observe)
+        model.train(was_training)
+
+
+@torch.no_grad()
 def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str = "global",
                       rounds: int = 2) -> dict:
     """Set router offsets so the deterministic inference masks hit ``target`` exactly on
@@ -472,7 +488,6 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
                if (r := lr.router(k)) is not None]
     for _, _, r in routers:
         r.offset.zero_()
-    device = next(model.parameters()).device
     batches = list(batches)
     if not batches:
         raise ValueError("offset calibration needs at least one batch")
@@ -487,15 +502,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
                 m = (r.margin(x) - r.offset).flatten(0, -2)
                 margins.setdefault((layer, kind), []).append(m[valid].cpu())
 
-        was_training = model.training
-        model.eval()
-        state.input_observers.append(observe)
-        try:
-            for ids in batches:
-                model(input_ids=ids.to(device))
-        finally:
-            state.input_observers.remove(observe)
-            model.train(was_training)
+        observed_pass(model, batches, state.input_observers, observe)
         return {k: torch.cat(v) for k, v in margins.items()}  # [tokens, G], offset excluded
 
     # Offsets change the routing of early layers and so the inputs of later routers: a
