@@ -130,3 +130,23 @@ def test_freeze_routers_trains_adapters_only(tmp_path):
     before = wide.load(tiny_model("llama"), tmp_path / "s1")
     for p, q in zip(model.wide_routers.parameters(), before.wide_routers.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_compare_merge_check_sets_merge_error_against_stage2_change(tmp_path):
+    from wide.compare import Comparison
+
+    model = routed()
+    recovery.save_recovered(model, tmp_path / "wide-50" / "stage1" / "final", extra={"stage": 1})
+    recovery.add_lora(model)
+    randomize_adapters(model)
+    recovery.save_recovered(model, tmp_path / "wide-50" / "stage2" / "final", extra={"stage": 2})
+    c = Comparison.__new__(Comparison)
+    c.heldout = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(5))
+    c.device = "cpu"
+    c.fresh = lambda: tiny_model("llama")
+    res = c.merge_check(tmp_path / "wide-50" / "stage2" / "final")
+    assert res["tokens"] == 48
+    assert res["logits_rel_err"] < 1e-5
+    assert res["stage2_change_rel"] > 1e-2  # the adapters did change the model
+    assert res["argmax_agreement"] == 1.0
+    assert c.merge_check(tmp_path / "wide-50" / "stage1" / "final") == {}  # nothing to merge

@@ -211,6 +211,8 @@ class Comparison:
         rec["model"] = Path(self.model_path).name
         rec.update(name=name, label=label, target=target, build_s=t_build,
                    eval_s=time.perf_counter() - t0 - t_build)
+        if stage == 2:
+            rec["merge_check"] = self.merge_check(final)
         if family is not None:
             a = self.args
             steps = a.steps if family != "static_width" else 0
@@ -221,6 +223,32 @@ class Comparison:
         tmp.replace(self.cache_path)
         del model
         return rec
+
+    def merge_check(self, final: Path) -> dict:
+        """Merged adapters (what is evaluated and served) against the unmerged PEFT layers, on
+        held-out text. The merge error is put beside the size of what stage 2 changed (the
+        unmerged model against its stage-1 starting point), so a tiny error cannot pass only
+        because the adapters did nothing."""
+        import torch
+
+        from .recovery import has_lora, load_recovered
+
+        ids = self.heldout[:4].to(self.device)
+        unmerged = load_recovered(self.fresh(), final, merge_adapters=False)
+        if not has_lora(unmerged):
+            return {}
+        with torch.no_grad():
+            a = unmerged(input_ids=ids).logits.float()
+            del unmerged
+            b = load_recovered(self.fresh(), final)(input_ids=ids).logits.float()
+            c = load_recovered(self.fresh(), final.parent.parent / "stage1" / "final")(input_ids=ids).logits.float()
+        res = {"logits_rel_err": float((b - a).norm() / a.norm()),
+               "stage2_change_rel": float((c - a).norm() / a.norm()),
+               "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+               "tokens": int(ids.numel())}
+        print(f"  merged vs unmerged: logits rel err {res['logits_rel_err']:.2e} (stage 2 changed them by "
+              f"{res['stage2_change_rel']:.2e}), argmax agreement {res['argmax_agreement']:.4f}", flush=True)
+        return res
 
     # ------------------------------------------------------------ the whole run
 
@@ -348,6 +376,12 @@ def write_outputs(records: list, out_stem, args, command: str) -> None:
              "dynamic depth pruning (calibration only) at the same target.", ""]
     if args.limit:
         lines.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
+    for r in records:
+        mc = r.get("merge_check")
+        if mc:
+            lines.append(f"- {r.get('label')} at {r['target']:.0%}: merged vs unmerged adapters, logits rel err "
+                         f"{mc['logits_rel_err']:.2e} (stage 2 moved the logits by {mc['stage2_change_rel']:.2e}), "
+                         f"greedy-token agreement {mc['argmax_agreement']:.4f} over {mc['tokens']} held-out tokens")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         plot(records, out.with_suffix(".png"))

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The quality comparison in bench/results/quality_smollm2.{md,json,png}: dense, WIDE stage 1
+# and 2, token-level dynamic depth, module skipping and static width pruning at 25% and 50%
+# FLOP-weighted sparsity, one token budget (400 x 16 x 256 tokens per stage) and seed.
+# One H200: ~13 min. A 2-core CPU: roughly a day (same command with DEVICE=cpu).
+# Resumable: rerun the same command after an interruption (finished methods are cached in RUNS).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wide compare --device "${DEVICE:-cuda}" --limit 200 --steps 400 --batch-size 16 --quiet \
+    --runs "${RUNS:-runs/compare}" --out bench/results/quality_smollm2 "$@"
