@@ -156,3 +156,21 @@ def test_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         accelerate(routed(), backend="triton")
     assert accelerate(routed()).backend == "torch"
+
+
+def test_choose_fastest_measures_once_per_key():
+    from wide.inference import choose_fastest
+
+    calls, choices = [], {}
+    timer = {"a": 2.0, "b": 1.0}
+
+    def t(fn):
+        calls.append(fn())
+        return timer[fn()]
+
+    fns = {"a": lambda: "a", "b": lambda: "b"}
+    assert choose_fastest(("k", 1), fns, choices, t, default="a") == "b"
+    assert choose_fastest(("k", 1), fns, choices, t, default="a") == "b"
+    assert calls == ["a", "b"]  # timed once, then cached
+    timer["a"] = 0.5
+    assert choose_fastest(("k", 2), fns, choices, t, default="b") == "a"

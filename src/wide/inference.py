@@ -46,6 +46,24 @@ __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sa
            "ACCELERATED_MODEL_TYPES"]
 
 # q/k/v bias (qwen2) and q/k norms (qwen3) are not wired into the fused decode kernels.
+# Which implementation runs each reduction-width projection (O, down), per (N, K, group, T
+# bucket), measured on first use. Filled only on CUDA with autotuning on; see _reduce_k.
+K_CHOICES: dict = {}
+
+
+def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, default: str) -> str:
+    """The name of the fastest of ``candidates`` (name -> zero-argument callable) by ``timer``,
+    cached in ``choices[key]``. While a CUDA graph is being captured nothing may be timed, so an
+    unmeasured key gets ``default`` (uncached)."""
+    if key in choices:
+        return choices[key]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return default
+    times = {name: timer(fn) for name, fn in candidates.items()}
+    choices[key] = min(times, key=times.get)
+    return choices[key]
+
+
 ACCELERATED_MODEL_TYPES = ("llama", "mistral")
 BACKENDS = ("auto", "triton", "torch")
 MODES = ("routed", "dense")
@@ -466,10 +484,10 @@ class AcceleratedModel:
             self.k_cache[i][:, :T] = k
             self.v_cache[i][:, :T] = v
             if ma is not None and kern:
-                from .kernels import gemm_k, prefill_attention
+                from .kernels import prefill_attention
                 att = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), ma,
                                         q_lens=lens32, k_lens=lens32, padding_side="right")
-                o = gemm_k(att.reshape(B * T, Hq * D), L.wo, ma2, self.attn_gs * D, route=route_a)
+                o = self._reduce_k(att.reshape(B * T, Hq * D), L.wo, ma2, self.attn_gs * D, route_a)
             else:
                 att = F.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -488,6 +506,32 @@ class AcceleratedModel:
             x = x[torch.arange(B, device=self.device), lens - 1]
         return self.lm_head(_hf_rms(self.final_norm, x)).float()
 
+    def _reduce_k(self, x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int, route):
+        """O and down projections. Their inputs are exact zeros in inactive groups (the attention
+        and ffn_up kernels write zeros there), so cuBLAS on the same input computes the same sum;
+        gemm_k wins only where skipping saves more than it costs. With i.i.d. masks over many
+        groups a prefill tile almost never has an empty group (bench/results/kernels.md: gemm_k
+        0.6-0.8x of cuBLAS at T >= 64), while decode reads only the used groups' weights. So the
+        faster of the two is measured once per shape and T bucket, on CUDA with autotuning on."""
+        from .kernels import gemm_k
+        from .kernels.routing import autotune_enabled, next_pow2
+
+        def routed():
+            return gemm_k(x, w, mask, group_size, route=route)
+
+        if self.device.type != "cuda" or not autotune_enabled():
+            return routed()
+
+        def dense():
+            return F.linear(x, w)
+
+        import triton.testing
+
+        key = (tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
+        pick = choose_fastest(key, {"gemm_k": routed, "cublas": dense}, K_CHOICES,
+                              lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25), default="gemm_k")
+        return routed() if pick == "gemm_k" else dense()
+
     def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
         if self.mode == "dense":
             gu = F.linear(h, L.wgu)
@@ -496,10 +540,10 @@ class AcceleratedModel:
         if mf is None:
             return F.linear(F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu), L.wd)
         if self.backend == "triton":
-            from .kernels import build_route, ffn_up, gemm_k
+            from .kernels import build_route, ffn_up
             route = build_route(mf)
             u = ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route)
-            return gemm_k(u, L.wd, mf, self.ffn_gs, route=route)
+            return self._reduce_k(u, L.wd, mf, self.ffn_gs, route)
         u = F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu)
         u = u * mf.repeat_interleave(self.ffn_gs, dim=-1).to(u.dtype)
         return F.linear(u, L.wd)
@@ -515,7 +559,7 @@ class AcceleratedModel:
         delta = None
         seq_lens = (pos + 1).to(torch.int32)
         if kern:
-            from .kernels import build_route, decode_attention, ffn_up, gemm_k, gemm_mn
+            from .kernels import build_route, decode_attention, ffn_up, gemm_mn
         for i, L in enumerate(self.layers):
             x, hn, ma = self._norm_route(i, "attn", x, delta)
             self._amask = ma
@@ -541,7 +585,7 @@ class AcceleratedModel:
                                        ma if ma is not None else self._all_heads(B), seq_lens)
                 att = att.reshape(B, Hq * D)
                 if ma is not None:
-                    o = gemm_k(att, L.wo, ma, self.attn_gs * D, route=route_a)
+                    o = self._reduce_k(att, L.wo, ma, self.attn_gs * D, route_a)
                 else:
                     o = F.linear(att, L.wo)
             else:
@@ -564,7 +608,7 @@ class AcceleratedModel:
             if mf is not None and kern:
                 route_f = build_route(mf)
                 u = ffn_up(hn, L.wg, L.wu, mf, self.ffn_gs, route=route_f)
-                delta = gemm_k(u, L.wd, mf, self.ffn_gs, route=route_f)
+                delta = self._reduce_k(u, L.wd, mf, self.ffn_gs, route_f)
             else:
                 delta = self._ffn(L, hn, mf)
         self._amask = None
