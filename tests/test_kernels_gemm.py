@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
 from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
-from wide.kernels.routing import RouteIndex, build_route, route_reference  # noqa: E402
+from wide.kernels.routing import (RouteIndex, build_route, route_reference,  # noqa: E402
+                                  used_groups_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
@@ -91,6 +92,24 @@ def test_route_token_tiles(T, ng, bm):
         assert tg[i, :c].cpu().tolist() == want
 
 
+@pytest.mark.parametrize("T", [0, 1, 3, 16, 40])
+@pytest.mark.parametrize("ng", [1, 5, 112])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
+def test_route_used_groups(T, ng, p):
+    gen = torch.Generator().manual_seed(T * 1000 + ng + int(p * 10))
+    mask = (torch.rand(T, ng, generator=gen) < p).to(DEVICE)
+    r = build_route(mask)
+    groups, count = r.used_groups()
+    assert groups.dtype == torch.int32 and count.dtype == torch.int32 and count.shape == (1,)
+    want = [g for g in range(ng) if any(bool(mask[t, g]) for t in range(T))]  # ascending
+    assert int(count) == len(want)
+    assert groups[:len(want)].cpu().tolist() == want
+    assert groups[len(want):].cpu().tolist() == [g for g in range(ng) if g not in want]
+    g_ref, c_ref = used_groups_reference(mask.cpu())
+    assert torch.equal(groups.cpu(), g_ref) and torch.equal(count.cpu(), c_ref)
+    assert r.used_groups()[0] is groups  # cached
+
+
 def triton_cdiv(a, b):
     return (a + b - 1) // b
 
@@ -148,6 +167,60 @@ def test_gemm_k(T, kind, dtype):
         assert rel_err(y, ref) < tol(dtype)
     if kind == "one_token":  # rows of tokens with no active group are exact zeros
         assert torch.all(y[torch.arange(T, device=DEVICE) != T // 2] == 0)
+
+
+DECODE_KINDS = ["random", "all", "none", "one_group", "one_token"]
+
+
+def make_decode_mask(T, ng, kind, gen):
+    if kind == "one_group":  # a single used group (some tokens active in it)
+        m = torch.zeros(T, ng, dtype=torch.bool)
+        g = int(torch.randint(ng, (1,), generator=gen))
+        m[:, g] = torch.rand(T, generator=gen) < 0.5
+        m[T - 1, g] = True
+        return m
+    return make_mask(T, ng, kind, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+@pytest.mark.parametrize("G,ng", [(16, 6), (32, 2), (64, 3)])
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype):
+    # Decode path: loops over the used groups only, split-K over the used steps (3 splits
+    # under the interpreter when K > 64, some of them empty for a single used group). The
+    # weight columns of unused groups and the X entries of inactive (token, group) pairs are
+    # poisoned with NaN: the kernel must never read them into the result.
+    gen = torch.Generator().manual_seed(4000 + 97 * T + G + ng)
+    N = 37  # ragged
+    x, (w,) = _inputs(T, G * ng, N, dtype, gen)
+    mask = make_decode_mask(T, ng, kind, gen).to(DEVICE)
+    ref = gemm_k_reference(x, w, mask, G)
+    cols = mask.repeat_interleave(G, 1)
+    xp = x.masked_fill(~cols, float("nan"))
+    wp = w.masked_fill(~cols.any(0)[None, :], float("nan"))
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_k(xp, wp, mask, G, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert not torch.isnan(y).any()
+    idle = ~mask.any(1)  # tokens with no active group: exact zeros
+    assert torch.all(y[idle] == 0)
+    if kind == "none":
+        assert torch.all(y == 0)
+    else:
+        assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 and INTERPRET else tol(dtype))
+
+
+def test_gemm_k_decode_many_groups_shared_route():
+    # 112 groups (the FFN down layout, narrow), one route reused by two calls
+    gen = torch.Generator().manual_seed(8)
+    T, G, ng, N = 2, 16, 112, 20
+    x, (w,) = _inputs(T, G * ng, N, torch.float32, gen)
+    mask = (torch.rand(T, ng, generator=gen) < 0.5).to(DEVICE)
+    route = build_route(mask)
+    ref = gemm_k_reference(x, w, mask, G)
+    for _ in range(2):
+        assert rel_err(gemm_k(x, w, mask, G, route=route), ref) < (1e-5 if INTERPRET else 5e-3)
 
 
 def test_gemm_k_many_groups_unsorted():

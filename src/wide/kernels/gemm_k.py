@@ -12,11 +12,17 @@ over that list only (block-level skipping; the indirect loads pipeline like MoE 
 loads the X rows of tokens inactive in the current group as zeros (intra-block skipping of
 their bytes). With i.i.d. random masks over many groups (e.g. FFN down: 112 groups) almost
 every (tile, group) pair has an active token, so prefill does close to dense work; see
-bench/results/kernels.md for the measured consequence. For T <= 16 (decode) there is one row
-tile, and only the weight columns of groups used by some token are read.
+bench/results/kernels.md for the measured consequence.
+
+Decode (T <= 16): one row tile of the tokens themselves. Each program derives, in registers
+from the mask, the ordered list of groups used by at least one token (no extra launch, no
+host sync) and loops over that list only, so the weight columns of unused groups cost no loop
+iteration at all (masked-off loads would still occupy the pipeline). Split-K divides the used
+steps equally between ``program_id(1)`` programs (fp32 partials, ordered reduce).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Optional
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_mn import _KC_ALIGN, decode_splits, splitk_reduce
+from .gemm_mn import splitk_reduce
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2)
 
@@ -37,10 +43,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
-                   T_BUCKET, ws_ptr, KC,
+                   T_BUCKET, ws_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
-                   NESTED: tl.constexpr, SKIP_W: tl.constexpr, SPLIT: tl.constexpr):
+                   NESTED: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+                   NG_PAD: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BM)
     num_n = tl.cdiv(N, BN)
@@ -76,23 +83,53 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                             mask=act[:, None], other=0.0)
                 b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc)
+    elif DECODE:
+        # Decode (T <= 16, one row tile): loop over the groups used by some token only, as
+        # one flat loop of BK-wide steps through the ordered list of used groups, so no
+        # iteration is spent on a group no token uses and every load moves bytes.
+        # The list is derived here, in registers, from the [T, NG] mask (a few KB, read from
+        # L2 by every program): bits[g] = tokens active in g, pos[g] = rank of g among the
+        # used groups (what RouteIndex.used_groups lists), so no extra launch is needed.
+        # Each step picks its entry (group id << 16 | token bits) with one tiny reduction:
+        # an in-loop load of a list entry would make the X/W loads indirect, and Triton's
+        # pipeliner then splits num_stages between the two levels (half the tiles in flight).
+        # Split-K: program_id(1) owns an equal share [j_lo, j_hi) of the *used* steps
+        # (balanced on the device from the count, no host sync) and writes an fp32 partial;
+        # programs with an empty share write zeros, which the ordered reduce adds.
+        # X rows of tokens inactive in the step's group load as zeros.
+        gp = tl.arange(0, NG_PAD)
+        mt = tl.load(mask_ptr + r[:, None] * stride_mt + gp[None, :],
+                     mask=row_in[:, None] & (gp < NG)[None, :], other=0).to(tl.int32)
+        bits = tl.sum(mt << r[:, None], axis=0)  # distinct bits: the sum is their OR
+        used = (bits != 0).to(tl.int32)
+        pos = tl.cumsum(used, axis=0) - 1
+        n_used = tl.sum(used, axis=0)
+        ent = tl.where(used != 0, gp * 65536 + bits, 0)
+        spg = GS // BK
+        n_steps = n_used * spg
+        s = tl.program_id(1)
+        n_s = tl.num_programs(1)
+        j_lo = (s * n_steps) // n_s
+        j_hi = ((s + 1) * n_steps) // n_s
+        for j in range(j_lo, j_hi):
+            gi = j // spg
+            e = tl.sum(tl.where(pos == gi, ent, 0), axis=0)
+            gid = e >> 16
+            act = (((e >> r) & 1) != 0) & row_in
+            k0 = gid * GS + (j - gi * spg) * BK
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
+                        mask=act[:, None], other=0.0)
+            b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
     else:
-        # One flat, direct-addressed loop over K (pipelines like a plain GEMM). X rows of
-        # tokens inactive in the current group are not loaded; with SKIP_W (decode) neither
-        # are the weight columns of groups no token uses, which is where decode saves bytes.
-        # Split-K (decode): program_id(1) owns [k_lo, k_lo + KC) and writes an fp32 partial.
-        k_lo = tl.program_id(1) * KC
-        for k0 in range(k_lo, tl.minimum(K, k_lo + KC), BK):
+        # Prefill with many groups: one flat, direct-addressed loop over K (pipelines like a
+        # plain GEMM); X rows of tokens inactive in the current group are not loaded.
+        for k0 in range(0, K, BK):
             gid = k0 // GS
             act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
-            if SKIP_W:
-                used = tl.max(act.to(tl.int32), axis=0)
-                wm = n_ok[None, :] & ((k[:, None] * 0 + used) > 0)
-                b = tl.load(w_rows + (k0 + k)[:, None], mask=wm, other=0.0)
-            else:
-                b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
+            b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
     if SPLIT:
         tl.store(ws_ptr + (tl.program_id(1) * T + tok[:, None]) * N + n[None, :], acc,
@@ -107,8 +144,10 @@ def _cfg(bn, bk, w, s):
 
 
 # BM is fixed before launch (the per-tile group lists depend on it), so only BN/BK/warps/
-# stages are tuned. Decode wants many small programs (bandwidth), prefill the usual tiles.
-_DECODE_CFGS = [_cfg(16, 128, 4, 4), _cfg(32, 128, 4, 4), _cfg(32, 64, 4, 6), _cfg(64, 128, 4, 4)]
+# stages are tuned. Decode wants many small programs (bandwidth) with deep pipelines (every
+# step of the used-group loop moves weight bytes), prefill the usual tiles.
+_DECODE_CFGS = [_cfg(16, 128, 4, 4), _cfg(32, 128, 4, 4), _cfg(32, 64, 4, 6), _cfg(64, 128, 4, 4),
+                _cfg(16, 128, 4, 6), _cfg(32, 128, 4, 5)]
 _PREFILL_CFGS = [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
                  _cfg(256, 64, 8, 4)]
 
@@ -196,26 +235,29 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
                          f"expected [{T}, {ng}]")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
+    if K == 0:
+        return y.zero_()
     bm = gemm_k_block_m(T, ng)
     nested = _use_nested(T, ng, group_size)
+    # Decode: one row tile (bm == 16), never nested; list entries pack group id << 16 with
+    # a 16-bit token mask, so group ids must stay below 2**15.
+    decode = T <= DIRECT_MAX_T and ng < 2 ** 15
     m = route.mask.view(torch.uint8)
     if nested:
         perm, tg, tc = route.token_tiles(bm)
-    else:  # flat loop: rows in token order, no lists needed (decode needs no routing launch)
+    else:  # flat loops: rows in token order, no lists needed (decode derives its own)
         perm, tg, tc = None, m, m
 
-    n_split = decode_splits(N // 32, K) if (bm == 16 and not nested) else 1
-    kc = K if n_split == 1 else triton.cdiv(triton.cdiv(K, n_split), _KC_ALIGN) * _KC_ALIGN
-    n_split = triton.cdiv(K, kc)
+    n_split = _decode_splits(N, K, x.device) if decode else 1
     wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
 
     def grid(meta):
         return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), n_split)
 
     args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
-            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc)
-    flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, SKIP_W=bm == 16,
-                 SPLIT=n_split > 1)
+            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp)
+    flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, DECODE=decode,
+                 SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode else 16)
     if autotune_enabled():
         _tuned[grid](*args, **flags)
     else:
@@ -225,6 +267,37 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     if n_split > 1:
         splitk_reduce(wsp, y)
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H100 / H200
+
+
+# Decode split-K: target programs per SM, and the fewest columns a split reads when every
+# group is used (about half of that at 50 % density).
+_DECODE_PROGRAMS_PER_SM = 4
+_DECODE_MIN_SPLIT_COLS = 1024
+
+
+def _decode_splits(N: int, K: int, device: torch.device) -> int:
+    """Split-K factor of the decode path.
+
+    A decode GEMV is bound by HBM bandwidth, which needs many loads in flight on every SM.
+    The splits share the *used* steps equally (balanced on the device), so every program is
+    active whatever the density: aim at ~4 programs per SM over the cdiv(N, 32) output tiles
+    of the nominal BN = 32 (4 programs x num_stages BK x BN tiles in flight per SM), but keep
+    each split's run of weights long enough to amortise its pipeline prologue and partial
+    write (>= 1024 columns with every group used, ~512 = 2 groups of 256 / 4 of 128 at 50 %).
+    E.g. Llama-3.1-8B down (N 4096, K 14336) and o (4096, 4096) on 132 SMs: 128 tiles x 4.
+    """
+    if interpret_mode():  # exercise the split path (and empty shares) on tiny test shapes
+        return 1 if K <= 64 else 3
+    tiles = triton.cdiv(N, 32)
+    want = max(1, (_DECODE_PROGRAMS_PER_SM * _num_sms(device)) // tiles)
+    return max(1, min(16, want, K // _DECODE_MIN_SPLIT_COLS))
 
 
 def _use_nested(T: int, num_groups: int, group_size: int) -> bool:

@@ -15,6 +15,10 @@ A routing mask is a bool tensor ``[T, n_groups]`` (True = the group runs for tha
   pattern (when there are few groups), cut into tiles of ``block_m`` rows, and for each tile
   the list of groups with at least one active token. Used by reduction-width routing
   (``gemm_k``), whose output rows must stay fixed over the whole reduction.
+* ``used_groups()`` -> ``(groups [n_groups] int32, count [1] int32)``: the groups active for
+  at least one token, ascending, then the unused ones (a permutation of ``0..n_groups-1``);
+  one single-program launch. The decode path of ``gemm_k`` loops over exactly this list, but
+  derives it in its own prologue (in registers) to save the launch.
 
 Share one ``RouteIndex`` between operators that use the same mask (FFN gate/up and down;
 attention Q and O): each derived tensor is computed once and cached on the object.
@@ -29,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["RouteIndex", "build_route", "route_reference"]
+__all__ = ["RouteIndex", "build_route", "route_reference", "used_groups_reference"]
 
 # Tokens at or below this count take the "direct" (decode) path: rows are the tokens
 # themselves with a per-row mask, so no reordering launch is needed.
@@ -127,6 +131,27 @@ def _tile_groups_kernel(mask_ptr, perm_ptr, tg_ptr, tc_ptr, T, NG, stride_mt,
     tl.store(tc_ptr + pid, tl.sum(flags, axis=0))
 
 
+@triton.jit
+def _used_groups_kernel(mask_ptr, ug_ptr, uc_ptr, T, NG, stride_mt,
+                        RB: tl.constexpr, NG_PAD: tl.constexpr):
+    # One program: OR the mask over the tokens, then place the used groups first (ascending)
+    # and the unused ones after them, so the list is a permutation and fully written.
+    gs = tl.arange(0, NG_PAD)
+    g_ok = gs < NG
+    flags = tl.zeros([NG_PAD], dtype=tl.int32)
+    for r0 in range(0, T, RB):
+        r = r0 + tl.arange(0, RB)
+        r_ok = r < T
+        m = tl.load(mask_ptr + r[:, None] * stride_mt + gs[None, :],
+                    mask=r_ok[:, None] & g_ok[None, :], other=0).to(tl.int32)
+        flags = tl.maximum(flags, tl.max(m, axis=0))
+    c = tl.cumsum(flags, axis=0)  # inclusive count of used groups up to g
+    cnt = tl.sum(flags, axis=0)
+    pos = tl.where(flags > 0, c - 1, cnt + gs - c)
+    tl.store(ug_ptr + pos, gs, mask=g_ok)
+    tl.store(uc_ptr, cnt)
+
+
 @dataclass
 class RouteIndex:
     """Device-side reordering of one routing mask ``[T, n_groups]`` (bool, True = active).
@@ -141,6 +166,8 @@ class RouteIndex:
       int32, tile_counts [n_tiles] int32)``; ``perm`` orders tokens by mask pattern (None =
       identity); ``tile_groups[i, :tile_counts[i]]`` are the groups active for any token of
       tile ``i`` (rows ``perm[i*block_m : (i+1)*block_m]``), ascending.
+      ``used_groups()``: ``(groups [n_groups] int32, count [1] int32)``; ``groups[:count]``
+      are the groups active for any token, ascending, followed by the unused groups.
     """
 
     mask: torch.Tensor
@@ -224,6 +251,19 @@ class RouteIndex:
             self._cache[key] = (perm, tg, tc)
         return self._cache[key]
 
+    def used_groups(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(groups [n_groups] int32, count [1] int32)``: used groups ascending, then unused."""
+        if "used" not in self._cache:
+            T, G = self.mask.shape
+            ug = torch.empty((G,), dtype=torch.int32, device=self.device)
+            uc = torch.zeros((1,), dtype=torch.int32, device=self.device)
+            if G > 0:
+                ng_pad = max(16, next_pow2(G))
+                rb = max(2, min(16, 8192 // ng_pad))  # keep the [RB, NG_PAD] tile ~8K elements
+                _used_groups_kernel[(1,)](self._mask_u8(), ug, uc, T, G, G, RB=rb, NG_PAD=ng_pad)
+            self._cache["used"] = (ug, uc)
+        return self._cache["used"]
+
 
 def build_route(mask: torch.Tensor) -> RouteIndex:
     """Wrap a bool mask ``[T, n_groups]``; derived index tensors are built on first use."""
@@ -235,3 +275,10 @@ def route_reference(mask: torch.Tensor):
     m = mask.t().to(torch.int8)
     order = torch.argsort(1 - m, dim=1, stable=True)
     return order.to(torch.int32), m.sum(dim=1).to(torch.int32)
+
+
+def used_groups_reference(mask: torch.Tensor):
+    """PyTorch reference for ``RouteIndex.used_groups()`` (used groups ascending, then unused)."""
+    used = mask.any(dim=0).to(torch.int8)
+    groups = torch.argsort(1 - used, stable=True)
+    return groups.to(torch.int32), used.sum().reshape(1).to(torch.int32)
