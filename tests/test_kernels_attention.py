@@ -161,6 +161,7 @@ def _check_decode(q, kc, vc, mask, lens, **kw):
     out = decode_attention(q, kc, vc, mask, lens, **kw)
     kw.pop("num_splits", None)
     kw.pop("block_n", None)
+    kw.pop("combine_block", None)
     ref = decode_attention_reference(q, kc, vc, mask, lens, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     head_on = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)
@@ -307,3 +308,129 @@ def test_graph_capture():
     torch.cuda.synchronize()
     assert _rel(po, prefill_attention_reference(q, k, v, mask)) < 1e-2
     assert _rel(do, decode_attention_reference(qd, kd, vd, md, lens)) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "random"])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_combine_many_splits(kind, hq, hkv, paged):
+    """24 splits merged 4 (or 16) at a time: several online-rescaling iterations, a partial
+    last block, and sequences that end after 24, 6 and 0 splits."""
+    gen = torch.Generator().manual_seed(hq * 7 + int(paged) + len(kind))
+    B, Tk = 3, 3000  # 24 splits of 128 keys (chunks are multiples of 128)
+    dtype = torch.float16 if hq != 6 else torch.float32
+    q = torch.randn(B, hq, D, generator=gen).to(dtype).to(DEV)
+    k = torch.randn(B, Tk, hkv, D, generator=gen).to(dtype).to(DEV)
+    v = torch.randn(B, Tk, hkv, D, generator=gen).to(dtype).to(DEV)
+    lens = torch.tensor([3000, 700, 0], dtype=torch.int32, device=DEV)
+    mask = _mask(kind, (B, hkv), gen).to(DEV)
+    if kind == "random":
+        mask[0, 0] = True
+        mask[1, 1] = True
+    kw = {}
+    if paged:
+        k, v, table = _paged(k, v, lens, 64, gen)
+        kw["block_table"] = table
+    # block_n=128: one key block per split, to keep the interpreter quick.
+    out = _check_decode(q, k, v, mask, lens, num_splits=24, block_n=128,
+                        combine_block=16 if kind == "random" else 4, **kw)
+    assert (out[2] == 0).all()  # an empty sequence gives zeros, active or not
+    if kind == "none":
+        assert (out == 0).all()
+
+
+def test_decode_split_candidates():
+    from wide.kernels import attention as A
+
+    cpu = torch.device("cpu")  # 8 "SMs" off CUDA: the heuristic targets 12 * 8 programs
+    for B, Hkv, Tk in [(1, 8, 32768), (1, 8, 4096), (8, 8, 32768), (32, 8, 4096), (2, 2, 5000),
+                       (1, 1, 1), (3, 4, 129), (1, 8, 100)]:
+        cands = A.decode_split_candidates(B, Hkv, Tk, cpu)
+        assert cands[0] == A.decode_splits(B, Hkv, Tk, cpu)  # the heuristic comes first
+        assert len(cands) == len(set(cands)) and 1 <= len(cands) <= 4
+        for splits, chunk in cands:
+            assert splits >= 1 and chunk % 128 == 0
+            assert (splits - 1) * chunk < max(Tk, 1) <= splits * chunk  # no empty split
+    base = A.decode_splits(1, 8, 32768, cpu)[0]
+    assert base == 12
+    assert [s for s, _ in A.decode_split_candidates(1, 8, 32768, cpu)] == [12, 3, 6, 24]
+    assert A.decode_split_candidates(1, 8, 100, cpu) == [(1, 128)]
+    assert A.decode_split_candidates(32, 8, 4096, cpu) == [(1, 4096), (2, 2048)]
+    # 2 * base splits would cut chunks below 128 keys: clipped to the 128-key plan.
+    assert max(s for s, _ in A.decode_split_candidates(1, 1, 1024, cpu)) == 8
+    assert A._split_plan(5000, 40) == (40, 128)
+    assert A._split_plan(4096, 64) == (32, 128)
+
+    # The plan: pinned count, else the cached (tuned) count for the shape key, else the heuristic.
+    q = torch.zeros(1, 32, 128, dtype=torch.float16)
+    kc = torch.zeros(1, 3000, 8, 128, dtype=torch.float16)
+    key = A._decode_key(q, kc, None, 3000)
+    assert key == (1, 4096, 32, 8, 128, False, torch.float16)
+    assert A.decode_split_plan(q, kc) == A.decode_splits(1, 8, 3000, cpu)
+    assert A.decode_split_plan(q, kc, num_splits=5) == A._split_plan(3000, 5)
+    A._DECODE_SPLITS_TUNED[key] = 3
+    try:
+        assert A.decode_split_plan(q, kc) == (3, 1024)
+        kp = torch.zeros(400, 16, 8, 128, dtype=torch.float16)
+        table = torch.zeros(1, 200, dtype=torch.int32)  # paged: another key
+        assert A.decode_split_plan(q, kp, table) == A.decode_splits(1, 8, 3200, cpu)
+    finally:
+        del A._DECODE_SPLITS_TUNED[key]
+    # Off CUDA (and under the interpreter) nothing is tuned.
+    assert A._autotune_enabled() is (os.environ.get("TRITON_INTERPRET") != "1"
+                                      and os.environ.get("WIDE_AUTOTUNE", "1") != "0")
+
+
+def test_decode_split_autotune_flow(monkeypatch):
+    """Tune once per shape key (outside capture), then reuse; never tune while capturing."""
+    from wide.kernels import attention as A
+
+    calls = []
+
+    def fake_tune(launch, cands):
+        calls.append(cands)
+        for splits, chunk in cands:  # every candidate must run and be correct
+            launch(splits, chunk)
+        return cands[-1][0]
+
+    monkeypatch.setattr(A, "_should_tune", lambda q: True)
+    monkeypatch.setattr(A, "_tune_decode_splits", fake_tune)
+    monkeypatch.setattr(A, "_DECODE_SPLITS_TUNED", {})
+    capturing = [False]
+    monkeypatch.setattr(A, "_is_capturing", lambda: capturing[0])
+    gen = torch.Generator().manual_seed(12)
+    B, Tk, hq, hkv = 1, 1000, 4, 1  # heuristic: 8 splits of 128 keys; candidates 8, 2, 4
+    q = torch.randn(B, hq, D, generator=gen).half().to(DEV)
+    k = torch.randn(B, Tk, hkv, D, generator=gen).half().to(DEV)
+    v = torch.randn(B, Tk, hkv, D, generator=gen).half().to(DEV)
+    lens = torch.tensor([1000], dtype=torch.int32, device=DEV)
+    mask = torch.ones(B, 1, dtype=torch.bool, device=DEV)
+    cpu = torch.device("cpu")
+    assert [s for s, _ in A.decode_split_candidates(B, hkv, Tk, cpu)] == [8, 2, 4]
+    capturing[0] = True  # a capture of an unseen shape: heuristic, nothing cached
+    _check_decode(q, k, v, mask, lens, block_n=128)
+    assert calls == [] and A._DECODE_SPLITS_TUNED == {}
+    capturing[0] = False
+    _check_decode(q, k, v, mask, lens, block_n=128)
+    assert len(calls) == 1
+    key = A._decode_key(q, k, None, Tk)
+    assert A._DECODE_SPLITS_TUNED == {key: 4}
+    assert A.decode_split_plan(q, k) == (4, 256)
+    capturing[0] = True
+    _check_decode(q, k, v, mask, lens, block_n=128)  # cached: no tuning, same plan
+    _check_decode(q, k[:, :900], v[:, :900], mask, lens.clamp(max=900), block_n=128)  # same key
+    assert len(calls) == 1
+    _check_decode(q, k, v, mask, lens, num_splits=3, block_n=128)  # pinned: never tuned
+    assert len(calls) == 1
+
+    def broken(launch, cands):
+        raise RuntimeError("no timer")
+
+    capturing[0] = False
+    monkeypatch.setattr(A, "_tune_decode_splits", broken)
+    with pytest.warns(UserWarning, match="autotuning failed"):
+        _check_decode(q, k[:, :400], v[:, :400], mask, lens.clamp(max=400), block_n=128)
+    assert A._DECODE_SPLITS_TUNED[A._decode_key(q, k, None, 400)] == A.decode_splits(B, hkv, 400, cpu)[0]
+
+    assert A._pick_splits([(8, 128), (2, 512), (4, 256)], [10.0, 9.9, 9.0]) == 4
+    assert A._pick_splits([(8, 128), (2, 512), (4, 256)], [10.0, 9.9, 9.85]) == 8  # within noise

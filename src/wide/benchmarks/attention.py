@@ -1,7 +1,10 @@
 """Benchmark: routed prefill/decode attention vs PyTorch SDPA (flash backend) on one GPU.
 
-Llama-3.1-8B heads (32 q / 8 kv, D=128, G=8 groups of 4 query heads = one GQA pack each),
-i.i.d. random masks. Every case is checked against the fp32 reference before it is timed.
+Llama-3.1-8B heads (32 q / 8 kv, D=128, G=8 groups of 4 query heads = one GQA pack each).
+Prefill masks are i.i.d. per (token, group); decode masks are balanced: every sequence has
+exactly round(sparsity * G) inactive groups, chosen at random per sequence, so the realised
+sparsity equals the nominal one (at B=1 an i.i.d. draw of 8 groups varies from 37.5% to 75%).
+Every case is checked against the fp32 reference before it is timed.
 
     PYTHONPATH=src python -m wide.benchmarks.attention [--quick] [--out bench/results]
 
@@ -245,19 +248,26 @@ def _paginate(k, v, block_size, gen):
     return kp, vp, perm.to(torch.int32)
 
 
+def balanced_mask(B, groups, sparsity, gen, device):
+    """[B, groups] bool with exactly round(sparsity * groups) False per row, at random places."""
+    n_off = int(round(sparsity * groups))
+    order = torch.rand(B, groups, device=device, generator=gen).argsort(dim=1)
+    return order >= n_off  # the n_off groups drawn first in each row are inactive
+
+
 def bench_decode(B, Tk, sparsity, gen, log, paged_block=0, l2_bytes=60e6, split_kw=None):
-    from wide.kernels.attention import decode_attention, decode_attention_reference
+    from wide.kernels.attention import decode_attention, decode_attention_reference, decode_split_plan
 
     split_kw = split_kw or {}
     dev = DEV
     kv_bytes = 2 * B * Tk * HKV * D * 2
-    copies = max(1, min(16, math.ceil(4 * l2_bytes / kv_bytes)))
+    copies = max(1, min(2 if _DRY else 16, math.ceil(4 * l2_bytes / kv_bytes)))
     sets = []
     for _ in range(copies):
         q = torch.randn(B, HQ, D, device=dev, generator=gen, dtype=DTYPE)
         k = torch.randn(B, Tk, HKV, D, device=dev, generator=gen, dtype=DTYPE)
         v = torch.randn(B, Tk, HKV, D, device=dev, generator=gen, dtype=DTYPE)
-        mask = torch.rand(B, G, device=dev, generator=gen) >= sparsity
+        mask = balanced_mask(B, G, sparsity, gen, dev)
         lens = torch.full((B,), Tk, dtype=torch.int32, device=dev)
         table = None
         if paged_block:
@@ -267,7 +277,10 @@ def bench_decode(B, Tk, sparsity, gen, log, paged_block=0, l2_bytes=60e6, split_
         sets.append((q, k, v, kc, vc, mask, lens, table))
 
     q, k, v, kc, vc, mask, lens, table = sets[0]
+    # The first call autotunes the split count for this shape (CUDA, no num_splits given);
+    # every later call, graph captures included, reuses it.
     out = decode_attention(q, kc, vc, mask, lens, block_table=table, **split_kw)
+    num_splits, chunk = decode_split_plan(q, kc, table, split_kw.get("num_splits"))
     ref = decode_attention_reference(q, k, v, mask, lens)
     rel = _rel(out, ref)
     head_on = mask.repeat_interleave(HQ // G, dim=1)
@@ -340,13 +353,14 @@ def bench_decode(B, Tk, sparsity, gen, log, paged_block=0, l2_bytes=60e6, split_
         "dense_eager_us": {k_: round(v_, 2) for k_, v_ in dense_eager.items()},
         "routed_eager_us": round(routed_eager, 2),
         "rotating_kv_sets": copies,
+        "num_splits": num_splits, "split_keys": chunk,
         "timing": "CUDA-graph replay median over rotating KV sets",
     }
     if split_kw:
         rec["split_kw"] = split_kw
     log(f"decode  B={B:2d} Tk={Tk:6d} s={sparsity:.2f} {rec['cache']:>18s}  dense {dense_us:8.1f} us "
         f"({dense_name})  routed {routed_us:8.1f} us  x{dense_us / routed_us:5.2f}  rel {rel:.2e}  "
-        f"{rec['gbps']} GB/s (dense {rec['dense_gbps']})  eager {routed_eager:.1f} vs {dense_eager}")
+        f"{rec['gbps']} GB/s (dense {rec['dense_gbps']})  splits {num_splits}x{chunk}  eager {routed_eager:.1f} vs {dense_eager}")
     del sets
     return rec
 
@@ -362,11 +376,15 @@ def write_markdown(path, meta, records):
         "",
         f"- device: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; {meta['date']}",
         f"- command: `{meta['command']}`",
-        "- Llama-3.1-8B heads: 32 q / 8 kv, D=128, G=8 groups (one GQA pack each), bf16, "
-        "i.i.d. random masks; `speedup` = dense / routed in the same run.",
+        "- Llama-3.1-8B heads: 32 q / 8 kv, D=128, G=8 groups (one GQA pack each), bf16; "
+        "`speedup` = dense / routed in the same run.",
+        "- masks: prefill i.i.d. per (token, group); decode balanced: every sequence has exactly "
+        "round(sparsity * 8) inactive groups, chosen at random per sequence, so the realised "
+        "sparsity equals the nominal one in every row.",
         "- prefill: causal, B=1, `do_bench` medians (eager, L2 flushed), routed time includes "
         "the routing kernel; decode: CUDA-graph replay medians over rotating KV caches, "
-        "contiguous cache unless noted, all sequences Tk long.",
+        "contiguous cache unless noted, all sequences Tk long; `splits` = KV splits x keys per "
+        "split (autotuned per shape unless pinned).",
         "",
         "## Prefill",
         "",
@@ -385,8 +403,8 @@ def write_markdown(path, meta, records):
         "",
         "## Decode",
         "",
-        "| B | Tk | cache | sparsity | dense us | routed us | speedup | target | rel err | routed GB/s | dense GB/s | dense impl | eager routed / dense us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | Tk | cache | sparsity | dense us | routed us | speedup | target | rel err | routed GB/s | dense GB/s | splits | dense impl | eager routed / dense us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if r["op"] != "decode_attention":
@@ -395,7 +413,8 @@ def write_markdown(path, meta, records):
         de = min(r["dense_eager_us"].values()) if r["dense_eager_us"] else float("nan")
         lines.append(f"| {r['B']} | {r['Tk']} | {r['cache']} | {r['sparsity']} | {r['dense_us']} | "
                      f"{r['routed_us']} | {r['speedup']:.2f}x | {tgt} | {r['rel_err']:.1e} | "
-                     f"{r['gbps']} | {r['dense_gbps']} | {r['dense_impl']} | "
+                     f"{r['gbps']} | {r['dense_gbps']} | {r.get('num_splits', '-')}x{r.get('split_keys', '-')} | "
+                     f"{r['dense_impl']} | "
                      f"{r['routed_eager_us']} / {de:.1f} |")
     misses = [r for r in records if r["sparsity"] == 0.5 and r["speedup"] < 1.8 and (
         (r["op"] == "prefill_attention" and r["T"] >= 4096)
@@ -465,7 +484,8 @@ def main(argv=None):
     p.add_argument("--paged-block", type=int, default=16,
                    help="also time a paged cache of this block size at 50%% (0: skip)")
     p.add_argument("--tune-decode", action="store_true",
-                   help="time decode split/tile variants at 50%% (informational)")
+                   help="also time decode at 2x and 1/2 the heuristic split count at 50%% "
+                        "(informational; the default rows use the autotuned count, see num_splits)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test of this script (tiny shapes)")
     args = p.parse_args(argv)
@@ -477,7 +497,9 @@ def main(argv=None):
         print("needs a CUDA GPU (or --dry-run)")
         return 1
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    if args.quick:
+    if args.dry_run:
+        Ts, Bs, Tks, sps = [64], [1, 2], [384], [0.5]
+    elif args.quick:
         Ts, Bs, Tks, sps = [1024, 4096], [1, 32], [4096], [0.5]
     else:
         Ts, Bs, Tks, sps = [1024, 4096, 16384, 32768], [1, 8, 32], [4096, 32768], [0.25, 0.5, 0.75]

@@ -25,15 +25,21 @@ Decode (:func:`decode_attention`)
     ``block_table`` [B, max_blocks]. Split-KV flash decoding: one program per (split, sequence,
     KV head) handles all query heads of that KV head, returns before any K/V load when none of
     them is active, and writes fp32 partials; a combine kernel merges the splits in fp32 and
-    writes zeros for inactive heads. (A fused "last split combines" variant with atomic arrival
-    counters was measured slower on the H200 - its serial merge loop sat on the critical path,
-    e.g. B=1 Tk=4k 17.0 us vs 10.6 us - and was dropped; see bench/results/attention_notes.md.)
+    writes zeros for inactive heads. The combine walks the splits in fixed blocks (online
+    rescaling over their log2-sum-exps), so its registers are bounded for any split count, and
+    at small batch it also splits the head dim across programs. The split count is autotuned
+    per shape on CUDA (heuristic x {1/4, 1/2, 1, 2}, timed once per shape key outside graph
+    capture, then cached; see :func:`decode_split_plan`). (A fused "last split combines"
+    variant with atomic arrival counters was measured slower on the H200 - its serial merge
+    loop sat on the critical path, e.g. B=1 Tk=4k 17.0 us vs 10.6 us - and was dropped; see
+    bench/results/attention_notes.md.)
 
 Both are graph-capturable: grids depend on shapes only, counts stay on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -56,6 +62,9 @@ __all__ = [
     "decode_attention",
     "decode_attention_reference",
     "route_rows",
+    "decode_splits",
+    "decode_split_plan",
+    "decode_split_candidates",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -489,28 +498,51 @@ if HAS_TRITON:
         Hq, chunk,
         stride_mb, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, HEADS_PER_G: tl.constexpr,
-        HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
+        # One program per (sequence, query head, BLOCK_D slice of the head dim). The splits are
+        # merged BLOCK_S at a time with an online rescaling (running max of the log2-sum-exps),
+        # so registers stay at BLOCK_S x BLOCK_D fp32 whatever the split count; a block's lse
+        # and partial loads are issued together (one dependent round trip per block).
         pid = tl.program_id(0)
         b = pid // Hq
         h = pid % Hq
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         on = tl.load(mask_ptr + b * stride_mb + h // HEADS_PER_G) != 0
         o_base = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
         if on:
             n = tl.load(lens_ptr + b)
-            offs_s = tl.arange(0, SPLITS_P2)
-            s_ok = (offs_s < NUM_SPLITS) & (offs_s * chunk < n)
-            rows = pid.to(tl.int64) * NUM_SPLITS + offs_s
-            lse = tl.load(plse_ptr + rows, mask=s_ok, other=-float("inf"))
-            mx = tl.max(lse, 0)
-            w = tl.where(s_ok, tl.math.exp2(lse - mx), 0.0)
-            part = tl.load(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+            # Splits past the sequence never ran (the split kernel returned before writing).
+            n_split = tl.minimum(tl.cdiv(n, chunk), NUM_SPLITS)
+            row0 = pid.to(tl.int64) * NUM_SPLITS
+            offs_s = tl.arange(0, BLOCK_S)
+            # First block peeled: it holds split 0, so m is finite whenever n >= 1.
+            s_ok = offs_s < n_split
+            lse = tl.load(plse_ptr + row0 + offs_s, mask=s_ok, other=-float("inf"))
+            part = tl.load(po_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                            mask=s_ok[:, None], other=0.0)
-            out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+            m = tl.max(lse, 0)
+            m_ref = tl.where(m > -float("inf"), m, 0.0)  # n == 0: no -inf - -inf
+            w = tl.where(s_ok, tl.math.exp2(lse - m_ref), 0.0)
+            acc = tl.sum(part * w[:, None], 0)
+            l_sum = tl.sum(w, 0)
+            for s0 in range(BLOCK_S, n_split, BLOCK_S):
+                offs = s0 + offs_s
+                s_ok = offs < n_split
+                lse = tl.load(plse_ptr + row0 + offs, mask=s_ok, other=-float("inf"))
+                part = tl.load(po_ptr + (row0 + offs)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=s_ok[:, None], other=0.0)
+                m_new = tl.maximum(m, tl.max(lse, 0))
+                # m == m_new also covers -inf == -inf (n == 0), where exp2(m - m_new) is NaN.
+                alpha = tl.where(m_new == m, 1.0, tl.math.exp2(m - m_new))
+                w = tl.where(s_ok, tl.math.exp2(lse - m_new), 0.0)
+                acc = acc * alpha + tl.sum(part * w[:, None], 0)
+                l_sum = l_sum * alpha + tl.sum(w, 0)
+                m = m_new
+            out = acc / tl.where(l_sum > 0, l_sum, 1.0)  # an empty sequence gives zeros
             tl.store(o_base + offs_d, out.to(o_ptr.dtype.element_ty))
         else:
-            tl.store(o_base + offs_d, tl.zeros([HEAD_DIM], dtype=o_ptr.dtype.element_ty))
+            tl.store(o_base + offs_d, tl.zeros([BLOCK_D], dtype=o_ptr.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,6 +671,16 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def _split_plan(Tk_max: int, num_splits: int) -> tuple:
+    """(splits, chunk) for about ``num_splits`` splits: chunk a multiple of 128 (so that every
+    BLOCK_N divides it), no empty trailing split."""
+    tk = max(int(Tk_max), 1)
+    splits = max(1, int(num_splits))
+    chunk = -(-tk // splits)
+    chunk = -(-chunk // 128) * 128
+    return -(-tk // chunk), chunk
+
+
 def decode_splits(B: int, Hkv: int, Tk_max: int, device: torch.device, *,
                   min_chunk: int = 128, waves: int = 12) -> tuple:
     """Split count and keys per split, from shapes only (graph-safe).
@@ -650,11 +692,98 @@ def decode_splits(B: int, Hkv: int, Tk_max: int, device: torch.device, *,
     every BLOCK_N divides it.
     """
     target = waves * _num_sms(device)
-    splits = max(1, min(-(-target // (B * Hkv)), -(-Tk_max // min_chunk)))
-    chunk = -(-Tk_max // splits)
-    chunk = -(-chunk // 128) * 128
-    splits = -(-Tk_max // chunk)
-    return splits, chunk
+    splits = max(1, min(-(-target // max(1, B * Hkv)), -(-Tk_max // min_chunk)))
+    return _split_plan(Tk_max, splits)
+
+
+# Split counts tried by the decode autotuner, relative to the heuristic.
+_SPLIT_FACTORS = (0.25, 0.5, 1.0, 2.0)
+
+
+def decode_split_candidates(B: int, Hkv: int, Tk_max: int, device: torch.device) -> list:
+    """(splits, chunk) plans the decode autotuner times: the heuristic's split count times
+    1/4, 1/2, 1 and 2, normalised by :func:`_split_plan` and deduplicated (heuristic first)."""
+    base = decode_splits(B, Hkv, Tk_max, device)
+    out = [base]
+    for f in _SPLIT_FACTORS:
+        plan = _split_plan(Tk_max, max(1, round(base[0] * f)))
+        if plan not in out:
+            out.append(plan)
+    return out
+
+
+# Per-shape split counts chosen by timing, keyed by shapes only:
+# (B, next_pow2(Tk_max), Hq, Hkv, D, paged, dtype) -> split count.
+_DECODE_SPLITS_TUNED: dict = {}
+
+
+def _autotune_enabled() -> bool:
+    try:
+        from wide.kernels.routing import autotune_enabled
+    except Exception:  # pragma: no cover - routing needs Triton, so does this path
+        return os.environ.get("WIDE_AUTOTUNE", "1") != "0" and not _interpret()
+    return autotune_enabled()
+
+
+def _decode_key(q, k_cache, block_table, tk_max):
+    B, Hq, D = q.shape
+    return (B, 1 << max(0, int(tk_max) - 1).bit_length(), Hq, k_cache.shape[2], D,
+            block_table is not None, q.dtype)
+
+
+def decode_split_plan(q: torch.Tensor, k_cache: torch.Tensor,
+                      block_table: Optional[torch.Tensor] = None,
+                      num_splits: Optional[int] = None) -> tuple:
+    """(splits, chunk) that :func:`decode_attention` uses for these shapes now, without tuning:
+    ``num_splits`` if given, else the autotuned count for this shape key if cached, else the
+    :func:`decode_splits` heuristic."""
+    tk_max = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    tk_max = max(int(tk_max), 1)
+    if num_splits is not None:
+        return _split_plan(tk_max, num_splits)
+    cached = _DECODE_SPLITS_TUNED.get(_decode_key(q, k_cache, block_table, tk_max))
+    if cached is not None:
+        return _split_plan(tk_max, cached)
+    return decode_splits(q.shape[0], k_cache.shape[2], tk_max, q.device)
+
+
+def _should_tune(q: torch.Tensor) -> bool:
+    return q.is_cuda and _autotune_enabled()
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _pick_splits(cands, times) -> int:
+    """Fastest plan's split count; the heuristic (cands[0]) keeps its place unless another
+    plan is clearly (> 2%) faster, since smaller differences are timing noise."""
+    best = min(range(len(cands)), key=times.__getitem__)
+    if times[best] > 0.98 * times[0]:
+        best = 0
+    return cands[best][0]
+
+
+def _tune_decode_splits(launch, cands) -> int:
+    """Time each (splits, chunk) plan on the call's real inputs; returns the fastest count.
+
+    Each plan runs once eagerly (compiles it and lets the tile autotuner pick its config outside
+    any capture), is captured in a CUDA graph, and ``do_bench`` times graph replays: do_bench
+    flushes the L2 before every rep, and a replay costs a few us of host time, so the timing is
+    the cold-cache GPU time. Timing the eager call instead would mostly time the ~60 us of Python
+    and launch overhead, which hides the split count's effect at small batch.
+    """
+    import triton.testing
+
+    times = []
+    for splits, chunk in cands:
+        launch(splits, chunk)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch(splits, chunk)
+        times.append(triton.testing.do_bench(g.replay, warmup=5, rep=30, return_mode="median"))
+        del g
+    return _pick_splits(cands, times)
 
 
 def decode_attention(
@@ -670,14 +799,19 @@ def decode_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    combine_block: Optional[int] = None,
 ) -> torch.Tensor:
     """Split-KV flash decoding that skips inactive head groups and their KV reads.
 
     q [B, Hq, D] (the new token of each sequence); mask [B, G] bool; seq_lens int [B] (keys
     0..len-1 are attended, the new token's key included). Contiguous cache: k_cache, v_cache
     [B, Tk_max, Hkv, D]. Paged cache: k_cache, v_cache [num_blocks, block_size, Hkv, D] and
-    block_table int [B, max_blocks]. seq_lens must be >= 1 for sequences with an active group.
+    block_table int [B, max_blocks]. A sequence with seq_len 0 gives zeros.
     Returns [B, Hq, D] in q's dtype, exact zeros for inactive heads. Graph-capturable.
+
+    ``num_splits`` pins the KV split count; by default it is autotuned per shape on CUDA
+    (see :func:`decode_split_plan`). ``block_n``/``num_warps``/``num_stages`` pin the split
+    kernel's tile; ``combine_block`` pins how many splits the combine merges per iteration.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a 3-D tensor [B, Hq, D]")
@@ -720,47 +854,76 @@ def decode_attention(
             raise ValueError(f"contiguous cache batch {k_cache.shape[0]} != B={B}")
         block_size = 1
         tk_max = k_cache.shape[1]
+    if combine_block is not None and (combine_block < 1 or combine_block & (combine_block - 1)):
+        raise ValueError(f"combine_block must be a power of two, got {combine_block}")
     if not HAS_TRITON:
         raise RuntimeError("decode_attention needs Triton")
+    if B == 0:
+        return torch.zeros_like(q)
 
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    if num_splits is None:
-        splits, chunk = decode_splits(B, Hkv, max(tk_max, 1), q.device)
-    else:
-        splits = max(1, int(num_splits))
-        chunk = -(-max(tk_max, 1) // splits)
-        chunk = -(-chunk // 128) * 128
-        splits = -(-max(tk_max, 1) // chunk)
     heads_per_kv = Hq // Hkv
     block_h = max(16, triton.next_power_of_2(heads_per_kv))
     lens = seq_lens.to(torch.int32) if seq_lens.dtype != torch.int32 else seq_lens
     m8 = mask.contiguous().view(torch.uint8)
-    po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
     table = block_table if paged else lens  # any int pointer; never read when not paged
-    args = (
-        q, k_cache, v_cache, m8, lens, table, po, plse,
-        Hq, Hkv, G, scale * _LOG2E, chunk, block_size,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        m8.stride(0), block_table.stride(0) if paged else 0,
-    )
-    kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
-              PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
-    grid = (splits, B * Hkv)
     pinned = block_n is not None or num_warps is not None or num_stages is not None
-    if pinned or _interpret() or not q.is_cuda:
-        bn = block_n or (16 if _interpret() else 64)
-        _decode_split_kernel[grid](*args, **kw, BLOCK_N=bn, num_warps=num_warps or 4,
-                                   num_stages=num_stages or 3)
-    else:
-        _decode_split_kernel_tuned[grid](*args, **kw)
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    _decode_combine_kernel[(B * Hq,)](
-        po, plse, m8, lens, out, Hq, chunk,
-        m8.stride(0), out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, HEADS_PER_G=Hq // G, HEAD_DIM=D,
-        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4,
-    )
-    return out
+    # The combine's head-dim slice: at small batch, halves of the head dim double its programs.
+    block_d = min(D, 64 if B * Hq >= _num_sms(q.device) else 32)
+
+    def launch(splits, chunk):
+        po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
+        plse = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
+        args = (
+            q, k_cache, v_cache, m8, lens, table, po, plse,
+            Hq, Hkv, G, scale * _LOG2E, chunk, block_size,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            m8.stride(0), block_table.stride(0) if paged else 0,
+        )
+        kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
+                  PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
+        grid = (splits, B * Hkv)
+        if pinned or _interpret() or not q.is_cuda:
+            bn = block_n or (16 if _interpret() else 64)
+            _decode_split_kernel[grid](*args, **kw, BLOCK_N=bn, num_warps=num_warps or 4,
+                                       num_stages=num_stages or 3)
+        else:
+            _decode_split_kernel_tuned[grid](*args, **kw)
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+        # BLOCK_S x BLOCK_D <= 4096 fp32 (32 registers a thread at 4 warps) for any split count.
+        block_s = combine_block or 4096 // block_d
+        block_s = min(block_s, triton.next_power_of_2(splits))
+        _decode_combine_kernel[(B * Hq, D // block_d)](
+            po, plse, m8, lens, out, Hq, chunk,
+            m8.stride(0), out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, HEADS_PER_G=Hq // G, HEAD_DIM=D,
+            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+        )
+        return out
+
+    splits, chunk = decode_split_plan(q, k_cache, block_table, num_splits)
+    if num_splits is None and _should_tune(q):
+        key = _decode_key(q, k_cache, block_table, tk_max)
+        # Tune once per shape key, outside graph capture (timing needs host syncs). Once
+        # cached, the split count - hence the grids and the buffer sizes - depends on the
+        # shapes only, so a captured graph stays valid for any mask/seq_lens on replay. A
+        # capture of a shape never seen eagerly uses the heuristic (not cached).
+        if key not in _DECODE_SPLITS_TUNED and not _is_capturing():
+            cands = decode_split_candidates(B, Hkv, max(tk_max, 1), q.device)
+            try:
+                if len(cands) == 1:
+                    best = cands[0][0]
+                else:
+                    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+                        best = _tune_decode_splits(launch, cands)
+            except Exception as e:  # never fail the call over tuning: fall back to the heuristic
+                import warnings
+
+                warnings.warn(f"decode split autotuning failed ({type(e).__name__}: {e}); "
+                              "using the heuristic split count")
+                best = cands[0][0]
+            _DECODE_SPLITS_TUNED[key] = best
+            splits, chunk = _split_plan(max(tk_max, 1), best)
+    return launch(splits, chunk)
