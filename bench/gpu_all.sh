@@ -3,14 +3,18 @@
 # end-to-end engine, each checked against its reference before timing. Writes
 # OUT/{kernels,attention,e2e}.{json,md,png,log}. ~7-8 min on one H200.
 #   OUT=bench/results bash bench/gpu_all.sh
+# ONLY="kernels e2e" runs a subset. The device tool returns at most 8 files, so a device call
+# writes elsewhere and packs them:  OUT=/tmp/r bash bench/gpu_all.sh; tar czf $OUT/gpu.tgz -C /tmp/r .
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+ONLY=${ONLY:-kernels attention e2e}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
+    case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
     local t0=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? in $((SECONDS - t0)) s"

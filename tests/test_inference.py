@@ -68,6 +68,29 @@ def test_greedy_generation_matches_reference():
     assert model.wide_engine.backend == "triton"
 
 
+@pytest.mark.parametrize("router_input", ["residual", "normed"])
+def test_decode_steps_match_masked_path_across_column_chunks(router_input):
+    # hidden 320 = one 256-column chunk + a ragged 64: the fused norm/router kernel splits each
+    # row over two programs and the last one to finish adds the router's partial sums; two
+    # sequences, several steps, so the per-token tickets must re-arm between calls.
+    model = tiny_model("llama", seed=7, hidden_size=320, head_dim=64, intermediate_size=128,
+                       num_attention_heads=5, num_key_value_heads=1, vocab_size=96,
+                       max_position_embeddings=256)
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32, router_input=router_input))
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(8))
+    wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=1)
+    with torch.no_grad(), wide.track_sparsity(model) as tr:
+        ref = model(input_ids=ids).logits
+    sp = tr.summary()
+    assert 0.2 < float(sp.attn_rate) < 0.8 and 0.2 < float(sp.ffn_rate) < 0.8
+    eng = accelerate(model, backend="triton")
+    eng.setup_cache(2, 32)
+    eng.prefill(ids[:, :10])
+    for t in range(10, 16):
+        out = eng.decode(ids[:, t], torch.full((2,), t, dtype=torch.long))
+        assert rel(out, ref[:, t]) < 1e-5, t
+
+
 def test_batched_prompts_equal_one_at_a_time():
     model = routed(seed=2)
     eng = accelerate(model, backend="triton")

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
 from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
 from wide.kernels.routing import (RouteIndex, build_route, route_reference,  # noqa: E402
-                                  used_groups_reference)
+                                  split_tickets, used_groups_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
@@ -131,6 +131,27 @@ def test_gemm_mn(T, kind, dtype):
     assert torch.all(y[inactive] == 0), "inactive outputs must be exact zeros"
     if kind != "none":
         assert rel_err(y, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("T", [1, 3, 16, 40])
+def test_gemm_mn_dense_tail(T, kind):
+    # Routed Q with dense K/V in one call: 3 masked groups then 2 always-on ones. T <= 16 runs
+    # one launch (the decode path); T = 40 runs the routed part and a plain GEMM for the tail.
+    gen = torch.Generator().manual_seed(2000 + T)
+    G, ng, tail, K = 32, 3, 2, 300
+    x, (w,) = _inputs(T, K, G * (ng + tail), torch.float32, gen)
+    mask = make_mask(T, ng, kind, gen).to(DEVICE)
+    out = torch.full((T, G * (ng + tail)), float("nan"), dtype=torch.float32, device=DEVICE)
+    y = gemm_mn(x, w, mask, G, out=out, dense_tail=G * tail)
+    ref = gemm_mn_reference(x, w, mask, G, dense_tail=G * tail)
+    assert torch.all(y[:, :G * ng][~mask.repeat_interleave(G, 1)] == 0)
+    assert rel_err(y, ref) < 5e-3
+    assert rel_err(y[:, G * ng:], x @ w[G * ng:].t()) < 5e-3
+    with pytest.raises(ValueError, match="dense_tail"):
+        gemm_mn(x, w, mask, G, dense_tail=G + 1)
+    with pytest.raises(ValueError, match="mask"):
+        gemm_mn(x, w, mask, G, dense_tail=G)  # mask then needs 4 columns
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -300,3 +321,9 @@ def test_decode_split_k(T):
     mk = (torch.rand(T, 36, generator=gen) < 0.5).to(DEVICE)
     mk[0, 0] = True
     assert rel_err(gemm_k(xk, wk, mk, 16), gemm_k_reference(xk, wk, mk, 16)) < 5e-3
+    # The last split program of each tile reduces and re-arms its ticket: a second call (as
+    # in a CUDA-graph replay) gives the same bits, and the tickets are back at zero.
+    y1 = gemm_mn(x, w, mask, 32)
+    k1 = gemm_k(xk, wk, mk, 16)
+    assert torch.equal(gemm_mn(x, w, mask, 32), y1) and torch.equal(gemm_k(xk, wk, mk, 16), k1)
+    assert int(split_tickets(x.device, 1).abs().sum()) == 0

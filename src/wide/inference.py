@@ -89,16 +89,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
-                           rdw_ptr, rdb_ptr, ruw_ptr, rub_ptr, off_ptr, m_ptr,
-                           H, G, stride_x, stride_d, stride_res, stride_y, stride_m,
+                           rdw_ptr, rdb_ptr, ruw_ptr, rub_ptr, off_ptr, m_ptr, hp_ptr, cnt_ptr,
+                           H, G, NCHUNK, stride_x, stride_d, stride_res, stride_y, stride_m,
                            HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
-                           R: tl.constexpr, BLOCK: tl.constexpr, G_PAD: tl.constexpr):
-        # One program per token: residual add, RMSNorm (HF rounding), router margin >= 0.
+                           R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                           NC_PAD: tl.constexpr, G_PAD: tl.constexpr):
+        # Program (token, chunk): residual add, RMSNorm (HF rounding) and the router's first
+        # linear on its CHUNK columns; the last chunk program of a token to finish adds the
+        # partial router sums in chunk order and writes the mask (margin >= 0). One program per
+        # token was latency-bound: a single SM walking 16 x H fp32 router weights in a loop took
+        # ~40 us per call on an H200 (bench/results/e2e.md profile), 2.5 ms of a 6 ms decode step.
         row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
-        offs_r = tl.arange(0, R)
+        # Every chunk program needs the whole row's sum of squares; the row is a few KB (L2).
         ss = tl.zeros([BLOCK], dtype=tl.float32)
-        hacc = tl.zeros([R], dtype=tl.float32)
         for c0 in range(0, H, BLOCK):
             cols = c0 + offs
             ok = cols < H
@@ -106,38 +111,54 @@ if HAS_TRITON:
             if HAS_DELTA:
                 d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
                 x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
-                tl.store(res_ptr + row * stride_res + cols, x, mask=ok)
             xf = x.to(tl.float32)
             ss += xf * xf
-            if ROUTE and not NORMED_IN:
-                w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
-                hacc += tl.sum(w * xf[None, :], axis=1)
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
-        for c0 in range(0, H, BLOCK):
-            cols = c0 + offs
-            ok = cols < H
-            if HAS_DELTA:
-                x = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-            else:
-                x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
-            n = (x.to(tl.float32) * rstd).to(x.dtype)
-            y = (n.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
-            tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
-            if ROUTE and NORMED_IN:
-                w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
-                hacc += tl.sum(w * y.to(tl.float32)[None, :], axis=1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        ok = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            tl.store(res_ptr + row * stride_res + cols, x, mask=ok)
+        nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
+        n = (x.to(tl.float32) * rstd).to(x.dtype)
+        y = (n.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
         if ROUTE:
-            h = hacc + tl.load(rdb_ptr + offs_r)
+            offs_r = tl.arange(0, R)
+            if NORMED_IN:
+                src = y.to(tl.float32)
+            else:
+                src = x.to(tl.float32)
+            w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
+            part = tl.sum(w * src[None, :], axis=1)
+            tl.store(hp_ptr + (row * NCHUNK + c) * R + offs_r, part)
+            # The router's second linear (rows 2g execute, 2g+1 skip) is loaded by every
+            # program before the ticket, so the reducing program does not wait on it after.
             gs = tl.arange(0, G_PAD)
             g_ok = gs < G
-            # Rows 2g (execute) and 2g+1 (skip) of the router's second linear.
             u0 = tl.load(ruw_ptr + (2 * gs)[:, None] * R + offs_r[None, :], mask=g_ok[:, None], other=0.0)
             u1 = tl.load(ruw_ptr + (2 * gs + 1)[:, None] * R + offs_r[None, :], mask=g_ok[:, None], other=0.0)
-            l0 = tl.sum(u0 * h[None, :], axis=1) + tl.load(rub_ptr + 2 * gs, mask=g_ok, other=0.0)
-            l1 = tl.sum(u1 * h[None, :], axis=1) + tl.load(rub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
-            margin = l0 - l1 + tl.load(off_ptr)
-            tl.store(m_ptr + row * stride_m + gs, (margin >= 0).to(tl.uint8), mask=g_ok)
+            b0 = tl.load(rub_ptr + 2 * gs, mask=g_ok, other=0.0)
+            b1 = tl.load(rub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
+            hb = tl.load(rdb_ptr + offs_r)
+            off = tl.load(off_ptr)
+            # Every thread's partial store lands before the (release) ticket; the program that
+            # draws the last ticket (acquire) reads all partials, bypassing L1, then re-arms
+            # the counter for the next call (and the next CUDA-graph replay).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
+            if ticket == NCHUNK - 1:
+                cs = tl.arange(0, NC_PAD)
+                parts = tl.load(hp_ptr + (row * NCHUNK + cs[:, None]) * R + offs_r[None, :],
+                                mask=(cs < NCHUNK)[:, None], other=0.0, volatile=True)
+                h = tl.sum(parts, axis=0) + hb
+                l0 = tl.sum(u0 * h[None, :], axis=1) + b0
+                l1 = tl.sum(u1 * h[None, :], axis=1) + b1
+                margin = l0 - l1 + off
+                tl.store(m_ptr + row * stride_m + gs, (margin >= 0).to(tl.uint8), mask=g_ok)
+                tl.atomic_xchg(cnt_ptr + row, 0)
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
@@ -204,7 +225,7 @@ class _Layer:
     wg: torch.Tensor
     wu: torch.Tensor
     wd: torch.Tensor
-    wqkv: Optional[torch.Tensor] = None  # dense engine only
+    wqkv: Optional[torch.Tensor] = None  # [wq; wk; wv]: dense engine, and routed decode
     wgu: Optional[torch.Tensor] = None  # dense engine only
     routers: dict = field(default_factory=dict)  # kind -> TokenRouter (or None)
 
@@ -290,6 +311,11 @@ class AcceleratedModel:
             wd = _linear_plain(m.down_proj, "down_proj", i)
             L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq,
                        torch.cat([wk, wv]).detach(), wo, wg, wu, wd)
+            if mode == "routed" and self._fuse_qkv():
+                # Decode runs routed Q and dense K/V as one gemm_mn launch (dense_tail):
+                # one weight tensor, wq and wkv are row views of it.
+                L.wqkv = torch.cat([wq, wk, wv]).detach()
+                L.wq, L.wkv = L.wqkv[:wq.shape[0]], L.wqkv[wq.shape[0]:]
             if mode == "dense":
                 # As gpt-fast does: one GEMM for q/k/v and one for gate/up.
                 L.wqkv = torch.cat([wq, wk, wv]).detach()
@@ -303,6 +329,13 @@ class AcceleratedModel:
         self._rope_len = 0
 
     # -------------------------------------------------------------- set-up and checks
+
+    def _fuse_qkv(self) -> bool:
+        """Whether decode can append K/V to routed Q as whole always-on groups."""
+        if self.backend != "triton" or self.state is None:
+            return False
+        gcols = self.attn_gs * self.head_dim
+        return (2 * self.num_kv * self.head_dim) % gcols == 0
 
     def _pick_backend(self, backend: str) -> str:
         dev = self.device
@@ -412,28 +445,8 @@ class AcceleratedModel:
             resid = x if delta is None else x + delta
             normed = _hf_rms(norm, resid)
             return resid, normed, self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
-        B, H = x.shape
-        resid = x if delta is None else torch.empty_like(x)
-        normed = torch.empty_like(x)
         router = L.routers.get(kind) if fused_route else None
-        G = router.num_groups if router is not None else 1
-        mask = torch.empty((B, G), dtype=torch.bool, device=x.device) if router is not None else None
-        dummy = norm.weight
-        _norm_route_kernel[(B,)](
-            x, delta if delta is not None else x, resid, normed, norm.weight, norm.variance_epsilon,
-            router.down.weight if router is not None else dummy,
-            router.down.bias if router is not None else dummy,
-            router.up.weight if router is not None else dummy,
-            router.up.bias if router is not None else dummy,
-            router.offset if router is not None else dummy,
-            mask.view(torch.uint8) if mask is not None else normed,
-            H, G, x.stride(0), (delta if delta is not None else x).stride(0), resid.stride(0),
-            normed.stride(0), mask.stride(0) if mask is not None else 0,
-            HAS_DELTA=delta is not None, ROUTE=router is not None,
-            NORMED_IN=self.cfg is not None and self.cfg.router_input == "normed",
-            R=router.down.out_features if router is not None else 16,
-            BLOCK=min(1024, triton.next_power_of_2(H)),
-            G_PAD=max(16, triton.next_power_of_2(G)))
+        resid, normed, mask = self._launch_norm_route(x, delta, norm, router)
         if router is None and self._routed(kind):
             mask = self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
         return resid, normed, mask
@@ -525,11 +538,13 @@ class AcceleratedModel:
         def dense():
             return F.linear(x, w)
 
-        import triton.testing
+        from .kernels.routing import time_graph
 
+        # Timed as CUDA-graph replays: eager timing of a ~20 us decode kernel measures mostly
+        # its Python launch cost, which made cuBLAS (one launch) win every T bucket.
         key = (tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
         pick = choose_fastest(key, {"gemm_k": routed, "cublas": dense}, K_CHOICES,
-                              lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25), default="gemm_k")
+                              time_graph, default="gemm_k")
         return routed() if pick == "gemm_k" else dense()
 
     def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
@@ -567,6 +582,10 @@ class AcceleratedModel:
                 record.append((i, "attn", ma))
             if self.mode == "dense":
                 qkv = F.linear(hn, L.wqkv)
+                q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
+            elif ma is not None and kern and L.wqkv is not None:
+                route_a = build_route(ma)
+                qkv = gemm_mn(hn, L.wqkv, ma, self.attn_gs * D, route=route_a, dense_tail=L.wkv.shape[0])
                 q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
             else:
                 kv = F.linear(hn, L.wkv)
@@ -625,15 +644,47 @@ class AcceleratedModel:
         return m
 
     def _norm_route_final(self, x, delta):
-        B, H = x.shape
-        resid, normed = torch.empty_like(x), torch.empty_like(x)
-        w = self.final_norm.weight
-        _norm_route_kernel[(B,)](
-            x, delta, resid, normed, w, self.final_norm.variance_epsilon, w, w, w, w, w, normed,
-            H, 1, x.stride(0), delta.stride(0), resid.stride(0), normed.stride(0), 0,
-            HAS_DELTA=True, ROUTE=False, NORMED_IN=False, R=16,
-            BLOCK=min(1024, triton.next_power_of_2(H)), G_PAD=16)
+        resid, normed, _ = self._launch_norm_route(x, delta, self.final_norm, None)
         return resid, normed, None
+
+    def _launch_norm_route(self, x, delta, norm, router):
+        """Residual add + RMSNorm (+ the router's mask when ``router`` is given) in one launch
+        over (token, column chunk) programs; returns (residual, normed, mask [B, G] or None)."""
+        B, H = x.shape
+        resid = x if delta is None else torch.empty_like(x)
+        normed = torch.empty_like(x)
+        chunk = min(256, triton.next_power_of_2(H))
+        nchunk = triton.cdiv(H, chunk)
+        R = router.down.out_features if router is not None else 16
+        G = router.num_groups if router is not None else 1
+        mask = torch.empty((B, G), dtype=torch.bool, device=x.device) if router is not None else None
+        # Scratch for the router's per-chunk partial sums and the per-token tickets. Allocated
+        # once per shape (outside graph capture: the eager warm-up step comes first), and the
+        # kernel leaves the tickets at zero, so a captured step can be replayed as is.
+        scratch = self.__dict__.setdefault("_nr_scratch", {})
+        key = (B, nchunk, R)
+        if key not in scratch:
+            scratch[key] = (torch.empty((B, nchunk, R), dtype=torch.float32, device=x.device),
+                            torch.zeros((B,), dtype=torch.int32, device=x.device))
+        hp, cnt = scratch[key]
+        w = norm.weight
+        d = delta if delta is not None else x
+        block = min(4096, triton.next_power_of_2(H))
+        _norm_route_kernel[(B, nchunk)](
+            x, d, resid, normed, w, norm.variance_epsilon,
+            router.down.weight if router is not None else w,
+            router.down.bias if router is not None else w,
+            router.up.weight if router is not None else w,
+            router.up.bias if router is not None else w,
+            router.offset if router is not None else w,
+            mask.view(torch.uint8) if mask is not None else normed, hp, cnt,
+            H, G, nchunk, x.stride(0), d.stride(0), resid.stride(0), normed.stride(0),
+            mask.stride(0) if mask is not None else 0,
+            HAS_DELTA=delta is not None, ROUTE=router is not None,
+            NORMED_IN=self.cfg is not None and self.cfg.router_input == "normed",
+            R=R, BLOCK=block, CHUNK=chunk, NC_PAD=max(2, triton.next_power_of_2(nchunk)),
+            G_PAD=max(16, triton.next_power_of_2(G)), num_warps=8 if block >= 4096 else 4)
+        return resid, normed, mask
 
     @torch.no_grad()
     def decode(self, tok: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -309,16 +309,6 @@ def main(argv=None) -> int:
                   ("decode step logits, routed kernels vs masked HF path", e2, e2 < 1e-2),
                   ("dense engine logits vs HF dense", e3, e3 < 1e-2),
                   ("CUDA-graph decode vs eager decode (real routers)", e4, e4 < 1e-2)]
-        for name, pr in (meta.get("profile") or {}).items():
-            if not pr:
-                continue
-            lines += ["", f"Eager B=1 decode step, {name} engine: {pr['total_us_per_step']:.0f} us of GPU time in "
-                      f"{pr['launches_per_step']:.0f} kernel launches; largest:", "",
-                      "| kernel | us / step | launches / step |", "|---|---|---|"]
-            lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:12]]
-        if meta.get("k_choices"):
-            lines += ["", "O / down projection implementation chosen by measurement (first use of each shape): "
-                      + "; ".join(f"{c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}" for c in meta["k_choices"])]
         for pr in meta.get("precision", []):
             # bf16 tolerance: the engine's error against fp32 may exceed the HF bf16 path's by 25%.
             checks.append((f"routed engine vs fp32 masked model, {pr['layers']} layers "
@@ -328,6 +318,11 @@ def main(argv=None) -> int:
             # The raw bf16-vs-bf16 differences are then rounding drift, reported but not failed.
             checks = [(n + " (over 1e-2: bf16 drift, judged by the fp32 rows)" if i < 2 and not ok else n, e,
                        True if i < 2 else ok) for i, (n, e, ok) in enumerate(checks)]
+        nr = check_norm_route(routed)
+        checks.append((f"fused residual+RMSNorm+router kernel vs PyTorch, B=32, every layer and module x3 "
+                       f"({nr['mask_flips']} mask flips of {nr['decisions']}, allowed at |margin| < "
+                       f"{nr['flip_margin']:g} std; normed rel err {nr['normed_err']:.1e})", nr["normed_err"],
+                       nr["ok"]))
         for name, err, ok in checks:
             meta["checks"].append({"check": name, "rel_err": err, "ok": bool(ok)})
             print(f"[e2e] check {name}: rel err {err:.2e} {'OK' if ok else 'FAILED'}", flush=True)
@@ -477,6 +472,41 @@ def main(argv=None) -> int:
 
 
 @torch.no_grad()
+def check_norm_route(engine, B: int = 32, reps: int = 3, flip_margin: float = 1e-2) -> dict:
+    """The fused decode kernel (residual add, RMSNorm, router) against PyTorch on random rows,
+    every layer and module, ``reps`` times: the router's partial sums cross programs, so this
+    is the check that its last-program reduction sees every partial on the GPU. A decision may
+    differ only where the fp32 margin is within ``flip_margin`` standard deviations of zero
+    (summation order, one-ulp differences of the normed input)."""
+    dev, dt, H = engine.device, engine.dtype, engine.hidden
+    g = torch.Generator(device="cpu").manual_seed(11)
+    flips = decisions = 0
+    worst = 0.0
+    ok = True
+    for _ in range(reps):
+        for L in engine.layers:
+            for kind, norm in (("attn", L.attn_norm), ("ffn", L.ffn_norm)):
+                router = L.routers.get(kind)
+                if router is None:
+                    continue
+                x = torch.randn(B, H, generator=g).to(dev, dt)
+                d = torch.randn(B, H, generator=g).to(dev, dt)
+                resid, normed, mask = engine._launch_norm_route(x, d, norm, router)
+                r_ref = x + d
+                n_ref = norm.forward(r_ref)
+                src = n_ref if engine.cfg.router_input == "normed" else r_ref
+                margin = router.margin(src)
+                diff = mask != (margin >= 0)
+                flips += int(diff.sum())
+                decisions += diff.numel()
+                near = margin.abs() < flip_margin * margin.std()
+                ok &= bool(torch.equal(resid, r_ref)) and bool(near[diff].all())
+                worst = max(worst, float((normed.float() - n_ref.float()).norm() / n_ref.float().norm()))
+    return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
+            "normed_err": worst, "ok": ok and worst < 1e-2}
+
+
+@torch.no_grad()
 def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
     """GPU time per kernel name for one eager decode step (B=1), summed over the step: where
     the time of a step goes, beyond the CUDA-graph total the TPOT rows give."""
@@ -589,6 +619,18 @@ def markdown(meta: dict) -> str:
                     line += " - | - |"
             lines.append(line)
         lines.append("")
+    for name, pr in (meta.get("profile") or {}).items():
+        if not pr:
+            continue
+        lines += [f"Eager B=1 decode step, {name} engine: {pr['total_us_per_step']:.0f} us of GPU time in "
+                  f"{pr['launches_per_step']:.0f} kernel launches; largest:", "",
+                  "| kernel | us / step | launches / step |", "|---|---|---|"]
+        lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:14]]
+        lines.append("")
+    if meta.get("k_choices"):
+        lines += ["O / down projection implementation chosen by measurement (CUDA-graph replays, first use of "
+                  "each shape): " + "; ".join(f"{c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}"
+                                              for c in meta["k_choices"]), ""]
     if meta.get("errors"):
         lines += ["Errors / skipped:", ""] + [f"- {e['what']}: {e['error']}" for e in meta["errors"]] + [""]
     return "\n".join(lines)

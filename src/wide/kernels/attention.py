@@ -765,24 +765,11 @@ def _pick_splits(cands, times) -> int:
 
 
 def _tune_decode_splits(launch, cands) -> int:
-    """Time each (splits, chunk) plan on the call's real inputs; returns the fastest count.
+    """Time each (splits, chunk) plan on the call's real inputs, as CUDA-graph replays
+    (:func:`~wide.kernels.routing.time_graph`); returns the fastest count."""
+    from .routing import time_graph
 
-    Each plan runs once eagerly (compiles it and lets the tile autotuner pick its config outside
-    any capture), is captured in a CUDA graph, and ``do_bench`` times graph replays: do_bench
-    flushes the L2 before every rep, and a replay costs a few us of host time, so the timing is
-    the cold-cache GPU time. Timing the eager call instead would mostly time the ~60 us of Python
-    and launch overhead, which hides the split count's effect at small batch.
-    """
-    import triton.testing
-
-    times = []
-    for splits, chunk in cands:
-        launch(splits, chunk)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            launch(splits, chunk)
-        times.append(triton.testing.do_bench(g.replay, warmup=5, rep=30, return_mode="median"))
-        del g
+    times = [time_graph(lambda: launch(splits, chunk)) for splits, chunk in cands]
     return _pick_splits(cands, times)
 
 

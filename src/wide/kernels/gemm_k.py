@@ -18,7 +18,8 @@ Decode (T <= 16): one row tile of the tokens themselves. Each program derives, i
 from the mask, the ordered list of groups used by at least one token (no extra launch, no
 host sync) and loops over that list only, so the weight columns of unused groups cost no loop
 iteration at all (masked-off loads would still occupy the pipeline). Split-K divides the used
-steps equally between ``program_id(1)`` programs (fp32 partials, ordered reduce).
+steps equally between ``program_id(1)`` programs (fp32 partials, reduced in split order by
+the last program of each tile).
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_mn import splitk_reduce
+from .gemm_mn import _splitk_store
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
-                      check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2)
+                      check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
+                      split_tickets)
 
 __all__ = ["gemm_k", "gemm_k_reference", "gemm_k_block_m"]
 
@@ -43,10 +45,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
-                   T_BUCKET, ws_ptr,
+                   T_BUCKET, ws_ptr, cnt_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
-                   NESTED: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+                   NESTED: tl.constexpr, DECODE: tl.constexpr, S: tl.constexpr,
                    NG_PAD: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BM)
@@ -131,23 +133,25 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                         mask=act[:, None], other=0.0)
             b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
-    if SPLIT:
-        tl.store(ws_ptr + (tl.program_id(1) * T + tok[:, None]) * N + n[None, :], acc,
-                 mask=row_in[:, None] & n_ok[None, :])
+    if S > 1:
+        _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, row_in[:, None] & n_ok[None, :],
+                      T, N, stride_yt)
     else:
         tl.store(y_ptr + tok[:, None] * stride_yt + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_in[:, None] & n_ok[None, :])
 
 
-def _cfg(bn, bk, w, s):
-    return triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+def _cfg(bn, bk, w, s, splits=1):
+    return triton.Config({"BN": bn, "BK": bk, "S": splits}, num_warps=w, num_stages=s)
 
 
 # BM is fixed before launch (the per-tile group lists depend on it), so only BN/BK/warps/
 # stages are tuned. Decode wants many small programs (bandwidth) with deep pipelines (every
 # step of the used-group loop moves weight bytes), prefill the usual tiles.
-_DECODE_CFGS = [_cfg(16, 128, 4, 4), _cfg(32, 128, 4, 4), _cfg(32, 64, 4, 6), _cfg(64, 128, 4, 4),
-                _cfg(16, 128, 4, 6), _cfg(32, 128, 4, 5)]
+# The split-K factor S is tuned with the tile: more splits put more programs' loads in flight,
+# fewer give each program a longer pipelined run of used steps.
+_DECODE_CFGS = [_cfg(bn, bk, 4, st, sp) for bn, bk, st in ((16, 128, 4), (32, 128, 4), (32, 64, 6))
+                for sp in (1, 2, 4, 8)]
 _PREFILL_CFGS = [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
                  _cfg(256, 64, 8, 4)]
 
@@ -158,7 +162,11 @@ def _prune(configs, named_args, **kwargs):
     for c in configs:
         if gs % c.kwargs["BK"] != 0:
             continue
-        if (bm == 16) != any(c is d for d in _DECODE_CFGS):
+        decode_cfg = any(c is d for d in _DECODE_CFGS)
+        if (bm == 16) != decode_cfg:
+            continue
+        if c.kwargs["S"] > 1 and (named_args["NG"] >= 2 ** 15 or
+                                  c.kwargs["S"] > max(1, named_args["K"] // 512)):
             continue
         if bm <= 64 and c.kwargs["BN"] == 256 and c.num_warps == 4:
             continue
@@ -181,11 +189,11 @@ def gemm_k_block_m(T: int, num_groups: int) -> int:
     return 64 if T <= 128 else 128
 
 
-def _heuristic(T: int, gs: int, bm: int) -> triton.Config:
+def _heuristic(T: int, gs: int, bm: int, splits: int) -> triton.Config:
     if interpret_mode():
-        return _cfg(32, largest_pow2_divisor(gs, 32), 4, 1)
+        return _cfg(32, largest_pow2_divisor(gs, 32), 4, 1, splits)
     if bm == 16:
-        return _cfg(32, largest_pow2_divisor(gs, 128), 4, 4)
+        return _cfg(32, largest_pow2_divisor(gs, 128), 4, 4, splits)
     if bm == 64:
         return _cfg(128, largest_pow2_divisor(gs, 64), 4, 4)
     return _cfg(256, largest_pow2_divisor(gs, 64), 8, 3)
@@ -248,24 +256,24 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     else:  # flat loops: rows in token order, no lists needed (decode derives its own)
         perm, tg, tc = None, m, m
 
-    n_split = _decode_splits(N, K, x.device) if decode else 1
-    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
+    tune = autotune_enabled()
+    c = None if tune else _heuristic(T, group_size, bm, _decode_splits(N, K, x.device) if decode else 1)
+    max_s = (8 if tune else c.kwargs["S"]) if decode else 1
+    wsp = y if max_s == 1 else torch.empty((max_s, T, N), dtype=torch.float32, device=x.device)
+    tickets = split_tickets(x.device, triton.cdiv(T, bm) * triton.cdiv(N, 16)) if max_s > 1 else m
 
     def grid(meta):
-        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), n_split)
+        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), meta["S"])
 
     args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
-            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp)
+            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, tickets)
     flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, DECODE=decode,
-                 SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode else 16)
-    if autotune_enabled():
+                 NG_PAD=max(16, next_pow2(ng)) if decode else 16)
+    if tune:
         _tuned[grid](*args, **flags)
     else:
-        c = _heuristic(T, group_size, bm)
         _gemm_k_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                              **c.kwargs)
-    if n_split > 1:
-        splitk_reduce(wsp, y)
     return y
 
 
@@ -283,7 +291,7 @@ _DECODE_MIN_SPLIT_COLS = 1024
 
 
 def _decode_splits(N: int, K: int, device: torch.device) -> int:
-    """Split-K factor of the decode path.
+    """Split-K factor of the decode path when autotuning is off (tuned otherwise).
 
     A decode GEMV is bound by HBM bandwidth, which needs many loads in flight on every SM.
     The splits share the *used* steps equally (balanced on the device), so every program is

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .routing import (DIRECT_MAX_T, RouteIndex, autotune_enabled, check_group_size, check_mask,
-                      interpret_mode, next_pow2)
+                      interpret_mode, next_pow2, split_tickets)
 
 __all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
 
@@ -36,16 +36,44 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, tile, rows, cols, st_mask, T, N, stride_yt):
+    """Split-K epilogue: store this program's fp32 partial of the output tile; the program
+    that draws the tile's last ticket adds all partials in split order (deterministic, the
+    same sum as a separate reduce launch, without the launch) and re-arms the ticket.
+    Every thread's partial store lands before the (release) ticket; the reducer (acquire)
+    reads the partials bypassing L1."""
+    n_s = tl.num_programs(1)
+    ws_off = rows[:, None] * N + cols[None, :]
+    tl.store(ws_ptr + tl.program_id(1) * T * N + ws_off, acc, mask=st_mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if ticket == n_s - 1:
+        tot = tl.zeros_like(acc)
+        for s in range(0, n_s):
+            tot += tl.load(ws_ptr + s * T * N + ws_off, mask=st_mask, other=0.0, volatile=True)
+        tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :], tot.to(y_ptr.dtype.element_ty),
+                 mask=st_mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
 def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
                     T, N, K, GS, stride_xt, stride_wn, stride_w2n, stride_yt, stride_mt,
-                    T_BUCKET, ws_ptr, KC,
+                    T_BUCKET, ws_ptr, NG_MASKED, cnt_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    S: tl.constexpr):
     pid = tl.program_id(0)
-    # Split-K (decode only): program_id(1) owns columns [k_lo, k_lo + KC) of the reduction and
-    # writes an fp32 partial; splitk_reduce sums them in a fixed order (deterministic).
-    k_lo = tl.program_id(1) * KC
+    # Split-K (decode only, S > 1): program_id(1) owns columns [k_lo, k_lo + KC) of the
+    # reduction (KC whole 256-column steps) and writes an fp32 partial; the last split program
+    # of the tile sums them (_splitk_store).
+    if S > 1:
+        KC = tl.cdiv(tl.cdiv(K, S), 256) * 256
+        k_lo = tl.program_id(1) * KC
+        k_hi = tl.minimum(K, k_lo + KC)
+    else:
+        k_lo = 0
+        k_hi = K
     num_m = tl.cdiv(T, BM)
     nsub = tl.cdiv(GS, BN)
     m_tile = pid % num_m
@@ -60,7 +88,11 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
     n = g * GS + cols
     if DIRECT:
         tok = r
-        act = tl.load(mask_ptr + tok * stride_mt + g, mask=row_in, other=0) != 0
+        # Groups from NG_MASKED on (a dense tail, e.g. K/V fused after routed Q) have no
+        # mask column and run for every token.
+        in_mask = row_in & ((r * 0 + g) < NG_MASKED)
+        act = tl.load(mask_ptr + tok * stride_mt + g, mask=in_mask, other=1) != 0
+        act = act & row_in
         n_act = tl.sum(act.to(tl.int32), axis=0)
     else:
         cnt = tl.load(counts_ptr + g)
@@ -73,7 +105,6 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
 
     # Tiles past the group's active tokens run the K loop zero times and store the zero
     # accumulator. (A data-dependent `if` around the loop would keep it from being pipelined.)
-    k_hi = tl.minimum(K, k_lo + KC)
     k_end = tl.where(n_act > 0, k_hi, k_lo)
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + k)[None, :]
@@ -103,21 +134,23 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
     if FUSED:
         # silu in fp32; inactive rows have acc == acc2 == 0 and stay exactly zero.
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
-    if SPLIT:
-        ws_ptrs = ws_ptr + (tl.program_id(1) * T + tok[:, None]) * N + n[None, :]
-        tl.store(ws_ptrs, acc, mask=st_mask)
+    if S > 1:
+        _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, st_mask, T, N, stride_yt)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
 
 
-def _cfg(bm, bn, bk, w, s):
-    return triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+def _cfg(bm, bn, bk, w, s, splits=1):
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "S": splits}, num_warps=w, num_stages=s)
 
 
 # Decode (T <= 16) configs are memory-bound GEMVs: small BN gives enough programs to pull
-# from every SM; prefill configs are the usual Hopper tl.dot tiles.
-_DECODE_CFGS = [_cfg(16, 16, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 32, 128, 4, 5),
-                _cfg(16, 64, 128, 4, 4)]
+# from every SM, and the split-K factor S trades more programs in flight against shorter
+# pipelined loops (which is better depends on the shape: tuned); prefill configs are the
+# usual Hopper tl.dot tiles. The fused up-projection never splits (two accumulators).
+_DECODE_BASE = [(16, 16, 256, 4, 4), (16, 32, 256, 4, 4), (16, 32, 128, 4, 5), (16, 64, 128, 4, 4)]
+_DECODE_CFGS = [_cfg(*c) for c in _DECODE_BASE]
+_DECODE_SPLIT_CFGS = [_cfg(*c, splits=sp) for c in _DECODE_BASE for sp in (1, 2, 4, 8)]
 _PREFILL_CFGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 64, 4, 4),
                  _cfg(128, 128, 64, 4, 4), _cfg(64, 256, 64, 8, 4), _cfg(32, 128, 128, 4, 4)]
 _FUSED_PREFILL_CFGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
@@ -132,18 +165,21 @@ def _prune(configs, named_args, **kwargs):
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
         if (tb <= DIRECT_MAX_T) != (bm == 16):
             continue
+        if c.kwargs["S"] > max(1, named_args["K"] // 512):
+            continue
         if bn > bn_cap or (bm > 32 and bm > 2 * tb):
             continue
         keep.append(c)
     return keep or [configs[0]]
 
 
-def _heuristic(T: int, gs: int, fused: bool) -> triton.Config:
+def _heuristic(T: int, gs: int, fused: bool, N: int, K: int) -> triton.Config:
     bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))
+    splits = decode_splits(N // 32, K) if (T <= DIRECT_MAX_T and not fused) else 1
     if interpret_mode():
-        return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1)
+        return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1, splits)
     if T <= DIRECT_MAX_T:
-        return _cfg(16, min(32, bn_cap), 256, 4, 4)
+        return _cfg(16, min(32, bn_cap), 256, 4, 4, splits)
     if T <= 128:
         return _cfg(64, min(128, bn_cap), 64, 4, 4)
     return _cfg(128, min(128, bn_cap), 64, 8, 3 if fused else 4)
@@ -158,13 +194,13 @@ with warnings.catch_warnings():
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS"]
-_tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
+_tuned = triton.autotune(configs=_DECODE_SPLIT_CFGS + _PREFILL_CFGS, key=_KEY,
                          prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 _tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
                                prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 
 
-def _check_inputs(x, ws, mask, group_size, out):
+def _check_inputs(x, ws, mask, group_size, out, dense_tail=0):
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D tensor [T, K]")
     if x.dtype not in _DTYPES:
@@ -180,7 +216,11 @@ def _check_inputs(x, ws, mask, group_size, out):
         if w.device != x.device:
             raise ValueError("x and weights must be on the same device")
     ng = check_group_size(N, group_size, "N")
-    check_mask(mask, T, ng, x.device)
+    if dense_tail:
+        if dense_tail < 0 or dense_tail % group_size or dense_tail > N:
+            raise ValueError(f"dense_tail={dense_tail} must be a multiple of group_size="
+                             f"{group_size} in [0, N={N}]")
+    check_mask(mask, T, ng - dense_tail // group_size, x.device)
     if out is not None:
         if tuple(out.shape) != (T, N) or out.dtype != x.dtype or out.device != x.device \
                 or out.stride(1) != 1:
@@ -188,8 +228,8 @@ def _check_inputs(x, ws, mask, group_size, out):
     return T, N, K, ng
 
 
-def _launch(x, ws, mask, group_size, route, out, fused):
-    T, N, K, ng = _check_inputs(x, ws, mask, group_size, out)
+def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
+    T, N, K, ng = _check_inputs(x, ws, mask, group_size, out, dense_tail)
     y = out if out is not None else torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
@@ -198,6 +238,13 @@ def _launch(x, ws, mask, group_size, route, out, fused):
     x = x if x.stride(1) == 1 else x.contiguous()
     ws = [w if w.stride(1) == 1 else w.contiguous() for w in ws]
     direct = T <= DIRECT_MAX_T
+    if dense_tail and not direct:
+        # Prefill: the tail is an ordinary GEMM, as fast as cuBLAS makes it.
+        nr = N - dense_tail
+        if nr:
+            _launch(x, [w[:nr] for w in ws], mask, group_size, route, y[:, :nr], fused)
+        y[:, nr:] = F.linear(x, ws[0][nr:])
+        return y
     if direct:
         m = mask.contiguous().view(torch.uint8)
         idx = counts = m  # unused placeholders
@@ -211,25 +258,27 @@ def _launch(x, ws, mask, group_size, route, out, fused):
         idx, counts = route.idx, route.counts
     w2 = ws[1] if fused else ws[0]
 
-    n_split = 1 if (fused or not direct) else decode_splits(N // 32, K)
-    kc = K if n_split == 1 else triton.cdiv(triton.cdiv(K, n_split), _KC_ALIGN) * _KC_ALIGN
-    n_split = triton.cdiv(K, kc)
-    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
+    tune = autotune_enabled()
+    c = None if tune else _heuristic(T, group_size, fused, N, K)
+    # Partials workspace and tickets for split-K decode (the tuner may pick up to 8 splits).
+    can_split = direct and not fused
+    max_s = (8 if tune else c.kwargs["S"]) if can_split else 1
+    wsp = torch.empty((max_s, T, N), dtype=torch.float32, device=x.device) if max_s > 1 else y
+    tickets = split_tickets(x.device, triton.cdiv(T, 16) * ng * triton.cdiv(group_size, 16)) \
+        if max_s > 1 else m
 
     def grid(meta):
-        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), n_split)
+        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), meta["S"])
 
     args = (x, ws[0], w2, y, m, idx, counts, T, N, K, group_size, x.stride(0), ws[0].stride(0),
-            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc)
-    flags = dict(DIRECT=direct, FUSED=fused, SPLIT=n_split > 1)
-    if autotune_enabled():
+            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, ng - dense_tail // group_size,
+            tickets)
+    flags = dict(DIRECT=direct, FUSED=fused)
+    if tune:
         (_tuned_fused if fused else _tuned)[grid](*args, **flags)
     else:
-        c = _heuristic(T, group_size, fused)
         _plain_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                             **c.kwargs)
-    if n_split > 1:
-        splitk_reduce(wsp, y)
     return y
 
 
@@ -238,39 +287,24 @@ _KC_ALIGN = 256
 
 
 def decode_splits(n_programs: int, K: int) -> int:
-    """Split-K factor for decode GEMVs: enough programs (~1024) to keep every SM's loads in
-    flight; each split still reads >= 512 columns."""
+    """Split-K factor for decode GEMVs when autotuning is off: enough programs (~1024) to
+    keep every SM's loads in flight; each split still reads >= 512 columns."""
     if interpret_mode():
         return 2 if K >= 2 * _KC_ALIGN else 1
     return max(1, min(8, 1024 // max(1, n_programs), K // 512))
 
 
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < T * N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(ws_ptr + s * T * N + offs, mask=valid, other=0.0)
-    t = offs // N
-    tl.store(y_ptr + t * stride_yt + (offs - t * N), acc.to(y_ptr.dtype.element_ty), mask=valid)
-
-
-def splitk_reduce(ws: torch.Tensor, y: torch.Tensor) -> None:
-    """y[t, n] = sum_s ws[s, t, n] (fp32 partials, fixed order), cast to y's dtype."""
-    S, T, N = ws.shape
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(T * N, block),)](ws, y, T, N, S, y.stride(0), BLOCK=block)
-
-
 def gemm_mn(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
-            route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None,
+            dense_tail: int = 0) -> torch.Tensor:
     """Output-width routed ``x [T, K] @ w[N, K].T`` -> ``[T, N]``; group g = columns
     ``g*group_size:(g+1)*group_size`` computed where ``mask[t, g]``, exact zeros elsewhere.
 
     ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
+    ``dense_tail`` trailing columns (a multiple of ``group_size``; ``mask`` has no columns for
+    them) are computed for every token: decode runs routed Q and dense K/V in one launch.
     """
-    return _launch(x, [w], mask, group_size, route, out, fused=False)
+    return _launch(x, [w], mask, group_size, route, out, fused=False, dense_tail=dense_tail)
 
 
 def ffn_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, mask: torch.Tensor,
@@ -284,8 +318,11 @@ def _col_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:
     return mask.repeat_interleave(group_size, dim=1).to(torch.float32)
 
 
-def gemm_mn_reference(x, w, mask, group_size):
+def gemm_mn_reference(x, w, mask, group_size, dense_tail=0):
     """float32 reference of :func:`gemm_mn`."""
+    if dense_tail:
+        tail = torch.ones(mask.shape[0], dense_tail // group_size, dtype=torch.bool, device=mask.device)
+        mask = torch.cat([mask.bool(), tail], dim=1)
     return (x.float() @ w.float().t()) * _col_mask(mask, group_size)
 
 

@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 __all__ = ["RouteIndex", "build_route", "route_reference", "used_groups_reference"]
 
@@ -49,6 +50,50 @@ def interpret_mode() -> bool:
 
 def autotune_enabled() -> bool:
     return os.environ.get("WIDE_AUTOTUNE", "1") != "0" and not interpret_mode()
+
+
+def time_graph(fn, rep: int = 30) -> float:
+    """Cold-cache GPU time (ms, median) of ``fn`` captured in a CUDA graph.
+
+    ``fn`` runs once eagerly first (compiles it, lets tile autotuners pick outside any capture),
+    then is captured, and ``do_bench`` times graph replays: it flushes the L2 before each rep and
+    a replay costs a few us of host time. Timing the eager call instead would mostly time the
+    ~20-60 us of Python and launch overhead of a small kernel, which is not what it costs inside
+    a captured decode step.
+    """
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    try:
+        return triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
+    finally:
+        del g
+
+
+# Split-K tickets, per (device, stream): zero between launches (the last program of a tile
+# re-arms its counter), so one buffer serves every launch on a stream and graph replays. A
+# grown buffer replaces the cached one, but every buffer stays alive: a captured graph keeps
+# using the address it was captured with.
+_TICKETS: Dict = {}
+_TICKETS_KEEP: list = []
+
+
+def split_tickets(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters for the split-K programs of one launch on the
+    current stream (see ``_splitk_store`` in gemm_mn)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(int(n), 4096), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+        _TICKETS_KEEP.append(buf)
+    return buf
+
+
+def is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def next_pow2(n: int) -> int:
