@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     ap.add_argument("--checks-only", action="store_true", help="run the correctness checks and stop")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile eager B=1 decode steps per kernel, dense vs routed (first sparsity)")
+                    help="also profile an eager B=1 decode step and a 4k prefill per kernel, dense vs routed "
+                         "(first sparsity)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new measurement after this many seconds")
     args = ap.parse_args(argv)
@@ -458,6 +459,10 @@ def main(argv=None) -> int:
         meta["profile"] = {}
         for name, eng in (("dense", dense), ("routed", routed)):
             meta["profile"][name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
+        T_p = 4096 if not args.tiny else 32
+        for name, eng in (("dense", dense), ("routed", routed)):
+            meta["profile"][f"{name} prefill {T_p}"] = guarded(
+                f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
         save()
     meta["wall_s"] = _now() - t_start
     from wide.inference import K_CHOICES
@@ -506,6 +511,36 @@ def check_norm_route(engine, B: int = 32, reps: int = 3, flip_margin: float = 1e
             "normed_err": worst, "ok": ok and worst < 1e-2}
 
 
+def _kernel_table(prof, steps: int, top: int) -> dict:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": t / steps, "launches_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"total_us_per_step": sum(r["us_per_step"] for r in rows),
+            "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+
+
+@torch.no_grad()
+def profile_prefill(engine, ids, reps: int = 2, top: int = 20) -> dict:
+    """GPU time per kernel name of one prefill (B=1) of ``ids``: where TTFT goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = ids.shape
+    engine.setup_cache(B, -(-T // 128) * 128)
+    engine.prefill(ids)  # warm-up: autotuning and implementation choices happen here
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            engine.prefill(ids)
+        torch.cuda.synchronize()
+    engine.free_cache()
+    return _kernel_table(prof, reps, top)
+
+
 @torch.no_grad()
 def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
     """GPU time per kernel name for one eager decode step (B=1), summed over the step: where
@@ -523,16 +558,7 @@ def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
             tok = engine._decode_eager(tok, pos).argmax(-1)
         torch.cuda.synchronize()
     engine.free_cache()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = getattr(e, "cuda_time_total", 0.0)
-        if t > 0:
-            rows.append({"kernel": e.key[:90], "us_per_step": t / steps, "launches_per_step": e.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return {"total_us_per_step": sum(r["us_per_step"] for r in rows),
-            "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+    return _kernel_table(prof, steps, top)
 
 
 def _backbone_params(model):
@@ -622,7 +648,9 @@ def markdown(meta: dict) -> str:
     for name, pr in (meta.get("profile") or {}).items():
         if not pr:
             continue
-        lines += [f"Eager B=1 decode step, {name} engine: {pr['total_us_per_step']:.0f} us of GPU time in "
+        what = (f"B=1 prefill of {name.split()[-1]} tokens, {name.split()[0]} engine" if "prefill" in name
+                else f"Eager B=1 decode step, {name} engine")
+        lines += [f"{what}: {pr['total_us_per_step']:.0f} us of GPU time in "
                   f"{pr['launches_per_step']:.0f} kernel launches; largest:", "",
                   "| kernel | us / step | launches / step |", "|---|---|---|"]
         lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:14]]

@@ -48,7 +48,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    T_BUCKET, ws_ptr, cnt_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
-                   NESTED: tl.constexpr, DECODE: tl.constexpr, S: tl.constexpr,
+                   NESTED: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
                    NG_PAD: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BM)
@@ -133,7 +133,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                         mask=act[:, None], other=0.0)
             b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
-    if S > 1:
+    if SPLIT:
         _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, row_in[:, None] & n_ok[None, :],
                       T, N, stride_yt)
     else:
@@ -141,17 +141,15 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                  mask=row_in[:, None] & n_ok[None, :])
 
 
-def _cfg(bn, bk, w, s, splits=1):
-    return triton.Config({"BN": bn, "BK": bk, "S": splits}, num_warps=w, num_stages=s)
+def _cfg(bn, bk, w, s):
+    return triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
 
 
 # BM is fixed before launch (the per-tile group lists depend on it), so only BN/BK/warps/
 # stages are tuned. Decode wants many small programs (bandwidth) with deep pipelines (every
 # step of the used-group loop moves weight bytes), prefill the usual tiles.
-# The split-K factor S is tuned with the tile: more splits put more programs' loads in flight,
-# fewer give each program a longer pipelined run of used steps.
-_DECODE_CFGS = [_cfg(bn, bk, 4, st, sp) for bn, bk, st in ((16, 128, 4), (32, 128, 4), (32, 64, 6))
-                for sp in (1, 2, 4, 8)]
+_DECODE_CFGS = [_cfg(16, 128, 4, 4), _cfg(32, 128, 4, 4), _cfg(32, 64, 4, 6), _cfg(64, 128, 4, 4),
+                _cfg(16, 128, 4, 6), _cfg(32, 128, 4, 5)]
 _PREFILL_CFGS = [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 3),
                  _cfg(256, 64, 8, 4)]
 
@@ -162,11 +160,7 @@ def _prune(configs, named_args, **kwargs):
     for c in configs:
         if gs % c.kwargs["BK"] != 0:
             continue
-        decode_cfg = any(c is d for d in _DECODE_CFGS)
-        if (bm == 16) != decode_cfg:
-            continue
-        if c.kwargs["S"] > 1 and (named_args["NG"] >= 2 ** 15 or
-                                  c.kwargs["S"] > max(1, named_args["K"] // 512)):
+        if (bm == 16) != any(c is d for d in _DECODE_CFGS):
             continue
         if bm <= 64 and c.kwargs["BN"] == 256 and c.num_warps == 4:
             continue
@@ -189,11 +183,11 @@ def gemm_k_block_m(T: int, num_groups: int) -> int:
     return 64 if T <= 128 else 128
 
 
-def _heuristic(T: int, gs: int, bm: int, splits: int) -> triton.Config:
+def _heuristic(T: int, gs: int, bm: int) -> triton.Config:
     if interpret_mode():
-        return _cfg(32, largest_pow2_divisor(gs, 32), 4, 1, splits)
+        return _cfg(32, largest_pow2_divisor(gs, 32), 4, 1)
     if bm == 16:
-        return _cfg(32, largest_pow2_divisor(gs, 128), 4, 4, splits)
+        return _cfg(32, largest_pow2_divisor(gs, 128), 4, 4)
     if bm == 64:
         return _cfg(128, largest_pow2_divisor(gs, 64), 4, 4)
     return _cfg(256, largest_pow2_divisor(gs, 64), 8, 3)
@@ -256,22 +250,21 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     else:  # flat loops: rows in token order, no lists needed (decode derives its own)
         perm, tg, tc = None, m, m
 
-    tune = autotune_enabled()
-    c = None if tune else _heuristic(T, group_size, bm, _decode_splits(N, K, x.device) if decode else 1)
-    max_s = (8 if tune else c.kwargs["S"]) if decode else 1
-    wsp = y if max_s == 1 else torch.empty((max_s, T, N), dtype=torch.float32, device=x.device)
-    tickets = split_tickets(x.device, triton.cdiv(T, bm) * triton.cdiv(N, 16)) if max_s > 1 else m
+    n_split = _decode_splits(N, K, x.device) if decode else 1
+    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
+    tickets = split_tickets(x.device, triton.cdiv(T, bm) * triton.cdiv(N, 16)) if n_split > 1 else m
 
     def grid(meta):
-        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), meta["S"])
+        return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), n_split)
 
     args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
             x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, tickets)
     flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, DECODE=decode,
-                 NG_PAD=max(16, next_pow2(ng)) if decode else 16)
-    if tune:
+                 SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode else 16)
+    if autotune_enabled():
         _tuned[grid](*args, **flags)
     else:
+        c = _heuristic(T, group_size, bm)
         _gemm_k_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                              **c.kwargs)
     return y
@@ -291,7 +284,7 @@ _DECODE_MIN_SPLIT_COLS = 1024
 
 
 def _decode_splits(N: int, K: int, device: torch.device) -> int:
-    """Split-K factor of the decode path when autotuning is off (tuned otherwise).
+    """Split-K factor of the decode path.
 
     A decode GEMV is bound by HBM bandwidth, which needs many loads in flight on every SM.
     The splits share the *used* steps equally (balanced on the device), so every program is

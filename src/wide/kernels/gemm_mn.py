@@ -59,21 +59,14 @@ def _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, tile, rows, cols, st_mask, T, N, 
 @triton.jit
 def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
                     T, N, K, GS, stride_xt, stride_wn, stride_w2n, stride_yt, stride_mt,
-                    T_BUCKET, ws_ptr, NG_MASKED, cnt_ptr,
+                    T_BUCKET, ws_ptr, KC, NG_MASKED, cnt_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
-                    S: tl.constexpr):
+                    SPLIT: tl.constexpr):
     pid = tl.program_id(0)
-    # Split-K (decode only, S > 1): program_id(1) owns columns [k_lo, k_lo + KC) of the
-    # reduction (KC whole 256-column steps) and writes an fp32 partial; the last split program
-    # of the tile sums them (_splitk_store).
-    if S > 1:
-        KC = tl.cdiv(tl.cdiv(K, S), 256) * 256
-        k_lo = tl.program_id(1) * KC
-        k_hi = tl.minimum(K, k_lo + KC)
-    else:
-        k_lo = 0
-        k_hi = K
+    # Split-K (decode only): program_id(1) owns columns [k_lo, k_lo + KC) of the reduction and
+    # writes an fp32 partial; the last split program of the tile sums them (_splitk_store).
+    k_lo = tl.program_id(1) * KC
     num_m = tl.cdiv(T, BM)
     nsub = tl.cdiv(GS, BN)
     m_tile = pid % num_m
@@ -105,6 +98,7 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
 
     # Tiles past the group's active tokens run the K loop zero times and store the zero
     # accumulator. (A data-dependent `if` around the loop would keep it from being pipelined.)
+    k_hi = tl.minimum(K, k_lo + KC)
     k_end = tl.where(n_act > 0, k_hi, k_lo)
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + k)[None, :]
@@ -134,23 +128,21 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
     if FUSED:
         # silu in fp32; inactive rows have acc == acc2 == 0 and stay exactly zero.
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
-    if S > 1:
+    if SPLIT:
         _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, st_mask, T, N, stride_yt)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
 
 
-def _cfg(bm, bn, bk, w, s, splits=1):
-    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "S": splits}, num_warps=w, num_stages=s)
+def _cfg(bm, bn, bk, w, s):
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
 
 
 # Decode (T <= 16) configs are memory-bound GEMVs: small BN gives enough programs to pull
-# from every SM, and the split-K factor S trades more programs in flight against shorter
-# pipelined loops (which is better depends on the shape: tuned); prefill configs are the
-# usual Hopper tl.dot tiles. The fused up-projection never splits (two accumulators).
-_DECODE_BASE = [(16, 16, 256, 4, 4), (16, 32, 256, 4, 4), (16, 32, 128, 4, 5), (16, 64, 128, 4, 4)]
-_DECODE_CFGS = [_cfg(*c) for c in _DECODE_BASE]
-_DECODE_SPLIT_CFGS = [_cfg(*c, splits=sp) for c in _DECODE_BASE for sp in (1, 2, 4, 8)]
+# from every SM; prefill configs are the usual Hopper tl.dot tiles. (Tuning the split-K
+# factor with the tile as well was measured: no gain at T=1, bench/results/kernels_notes.md.)
+_DECODE_CFGS = [_cfg(16, 16, 256, 4, 4), _cfg(16, 32, 256, 4, 4), _cfg(16, 32, 128, 4, 5),
+                _cfg(16, 64, 128, 4, 4)]
 _PREFILL_CFGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 64, 4, 4),
                  _cfg(128, 128, 64, 4, 4), _cfg(64, 256, 64, 8, 4), _cfg(32, 128, 128, 4, 4)]
 _FUSED_PREFILL_CFGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4),
@@ -165,21 +157,18 @@ def _prune(configs, named_args, **kwargs):
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
         if (tb <= DIRECT_MAX_T) != (bm == 16):
             continue
-        if c.kwargs["S"] > max(1, named_args["K"] // 512):
-            continue
         if bn > bn_cap or (bm > 32 and bm > 2 * tb):
             continue
         keep.append(c)
     return keep or [configs[0]]
 
 
-def _heuristic(T: int, gs: int, fused: bool, N: int, K: int) -> triton.Config:
+def _heuristic(T: int, gs: int, fused: bool) -> triton.Config:
     bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))
-    splits = decode_splits(N // 32, K) if (T <= DIRECT_MAX_T and not fused) else 1
     if interpret_mode():
-        return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1, splits)
+        return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1)
     if T <= DIRECT_MAX_T:
-        return _cfg(16, min(32, bn_cap), 256, 4, 4, splits)
+        return _cfg(16, min(32, bn_cap), 256, 4, 4)
     if T <= 128:
         return _cfg(64, min(128, bn_cap), 64, 4, 4)
     return _cfg(128, min(128, bn_cap), 64, 8, 3 if fused else 4)
@@ -194,7 +183,7 @@ with warnings.catch_warnings():
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS"]
-_tuned = triton.autotune(configs=_DECODE_SPLIT_CFGS + _PREFILL_CFGS, key=_KEY,
+_tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
                          prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 _tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
                                prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
@@ -258,25 +247,25 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
         idx, counts = route.idx, route.counts
     w2 = ws[1] if fused else ws[0]
 
-    tune = autotune_enabled()
-    c = None if tune else _heuristic(T, group_size, fused, N, K)
-    # Partials workspace and tickets for split-K decode (the tuner may pick up to 8 splits).
-    can_split = direct and not fused
-    max_s = (8 if tune else c.kwargs["S"]) if can_split else 1
-    wsp = torch.empty((max_s, T, N), dtype=torch.float32, device=x.device) if max_s > 1 else y
+    n_split = 1 if (fused or not direct) else decode_splits(N // 32, K)
+    kc = K if n_split == 1 else triton.cdiv(triton.cdiv(K, n_split), _KC_ALIGN) * _KC_ALIGN
+    n_split = triton.cdiv(K, kc)
+    # fp32 partials and per-tile tickets for split-K decode (see _splitk_store)
+    wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
     tickets = split_tickets(x.device, triton.cdiv(T, 16) * ng * triton.cdiv(group_size, 16)) \
-        if max_s > 1 else m
+        if n_split > 1 else m
 
     def grid(meta):
-        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), meta["S"])
+        return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), n_split)
 
     args = (x, ws[0], w2, y, m, idx, counts, T, N, K, group_size, x.stride(0), ws[0].stride(0),
-            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, ng - dense_tail // group_size,
+            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc, ng - dense_tail // group_size,
             tickets)
-    flags = dict(DIRECT=direct, FUSED=fused)
-    if tune:
+    flags = dict(DIRECT=direct, FUSED=fused, SPLIT=n_split > 1)
+    if autotune_enabled():
         (_tuned_fused if fused else _tuned)[grid](*args, **flags)
     else:
+        c = _heuristic(T, group_size, fused)
         _plain_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                             **c.kwargs)
     return y
@@ -287,8 +276,8 @@ _KC_ALIGN = 256
 
 
 def decode_splits(n_programs: int, K: int) -> int:
-    """Split-K factor for decode GEMVs when autotuning is off: enough programs (~1024) to
-    keep every SM's loads in flight; each split still reads >= 512 columns."""
+    """Split-K factor for decode GEMVs: enough programs (~1024) to keep every SM's loads in
+    flight; each split still reads >= 512 columns."""
     if interpret_mode():
         return 2 if K >= 2 * _KC_ALIGN else 1
     return max(1, min(8, 1024 // max(1, n_programs), K // 512))
