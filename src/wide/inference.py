@@ -709,6 +709,10 @@ class AcceleratedModel:
     def _capture(self):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if HAS_TRITON:
+            from .kernels.routing import fresh_split_tickets
+
+            fresh_split_tickets(self.device, stream)  # this graph's own split-K counters
         # Warm-up on the capture stream: autotuning, compilation and per-stream scratch
         # buffers must exist before capture. It writes k/v at the current positions, which
         # the real step then overwrites.

@@ -62,8 +62,15 @@ def time_graph(fn, rep: int = 30) -> float:
     a captured decode step.
     """
     fn()
+    # Warm up on the capture stream itself, so per-stream scratch (split-K tickets) is
+    # allocated and zeroed outside the capture rather than recorded as a memset inside it.
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):
         fn()
     try:
         return triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
@@ -90,6 +97,14 @@ def split_tickets(device: torch.device, n: int) -> torch.Tensor:
         _TICKETS[key] = buf
         _TICKETS_KEEP.append(buf)
     return buf
+
+
+def fresh_split_tickets(device: torch.device, stream) -> None:
+    """Let the next split-K launch on ``stream`` allocate its own ticket buffer. Call it
+    before the warm-up that precedes a capture: a graph replays on whatever stream its caller
+    uses, so two graphs captured on one (pooled) stream must not share counters; a ticket left
+    raised by a race would stop that tile from ever being reduced again."""
+    _TICKETS.pop((str(device), stream.cuda_stream), None)
 
 
 def is_capturing() -> bool:
