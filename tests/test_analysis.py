@@ -38,6 +38,34 @@ def test_analysis_counts_by_hand(tmp_path):
     saved = json.loads((tmp_path / "an.json").read_text())
     assert saved["layers"]["ffn"][0]["fire_rate"] == res["layers"]["ffn"][0]["fire_rate"]
     assert (tmp_path / "an.png").stat().st_size > 1000
+    assert res["layers"]["ffn"][0]["tile_skip"]["64"]["tokens"] != res["layers"]["ffn"][0]["tile_skip"]["64"]["tokens"]
+    assert res["tile_skip"]["ffn"]["64"]["iid"] == pytest.approx(
+        sum(analysis.tile_skip_iid(fixed[(l, "ffn")].reshape(16, -1).bool(), 64) for l in range(2)) / 2)
+    assert res["tile_skip"]["ffn"]["64"]["tokens"] is None  # 16 tokens: no whole tile of 64
+
+
+def test_tile_skip_by_hand():
+    # 8 tokens, 3 groups, tiles of 4: group 0 runs only in the first tile, group 1 in every
+    # token, group 2 in tokens 1 and 6 (one per tile). Empty blocks: (tile 2, group 0) -> 1/6.
+    m = torch.zeros(8, 3, dtype=torch.bool)
+    m[:4, 0] = True
+    m[:, 1] = True
+    m[[1, 6], 2] = True
+    assert analysis.tile_skip(m, 4) == pytest.approx(1 / 6)
+    # Sorted by pattern: 010 x3, 011, 110 x3, 111 -> tile 1 never runs group 0, tile 2 runs
+    # every group: 1/6 again, but another block.
+    assert analysis.tile_skip(m, 4, "sorted") == pytest.approx(1 / 6)
+    assert analysis.tile_skip(m, 16) != analysis.tile_skip(m, 16)  # no whole tile: NaN
+    # i.i.d. baseline: mean over groups of (1 - p)^4 with p = (1/2, 1, 1/4)
+    assert analysis.tile_skip_iid(m, 4) == pytest.approx(((0.5 ** 4) + 0 + 0.75 ** 4) / 3)
+    # A mask that alternates in long runs is far more skippable than its i.i.d. baseline.
+    runs = torch.zeros(256, 4, dtype=torch.bool)
+    runs[:128, :2] = True
+    runs[128:, 2:] = True
+    assert analysis.tile_skip(runs, 64) == pytest.approx(0.5)
+    assert analysis.tile_skip_iid(runs, 64) < 1e-12
+    with pytest.raises(ValueError, match="order"):
+        analysis.tile_skip(m, 4, "random")
 
 
 def test_analysis_excludes_padding():

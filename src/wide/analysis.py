@@ -1,5 +1,6 @@
-"""What the routers do: per-layer realised sparsity, how often each group fires, and how
-varied the tokens' masks are.
+"""What the routers do: per-layer realised sparsity, how often each group fires, how varied
+the tokens' masks are, and how much of a reduction-routed GEMM's work their masks let a
+prefill tile skip (against independent masks of the same rates).
 
 Collected with the state's ``mask_observers`` during inference-mode forwards, so it sees the
 exact masks the model ran with (offsets, static masks and tied decisions included) and only
@@ -38,6 +39,38 @@ def _entropy_bits(counts: Counter) -> float:
     return -sum(c / n * math.log2(c / n) for c in counts.values()) if n else 0.0
 
 
+# Row-tile heights of the reduction-routed GEMM (gemm_k) in prefill.
+TILE_ROWS = (64, 128)
+
+
+def tile_skip(mask: torch.Tensor, block_m: int, order: str = "tokens") -> float:
+    """Share of (tile of ``block_m`` tokens, group) blocks in which no token runs the group:
+    the work a reduction-routed GEMM (O, down) can skip in prefill, where an output tile's
+    rows are fixed for the whole reduction. ``order``: "tokens" (sequence order) or "sorted"
+    (tokens sorted by mask pattern first, as gemm_k does for few groups). Whole tiles only."""
+    T, G = mask.shape
+    n = (T // block_m) * block_m
+    if n == 0:
+        return float("nan")
+    m = mask.bool()
+    if order == "sorted":
+        import numpy as np
+
+        keys = m.to(torch.uint8).numpy()
+        m = m[torch.from_numpy(np.lexsort(keys.T[::-1].copy()))]
+    elif order != "tokens":
+        raise ValueError(f"order must be 'tokens' or 'sorted', got {order!r}")
+    used = m[:n].view(n // block_m, block_m, G).any(1)
+    return float(1.0 - used.float().mean())
+
+
+def tile_skip_iid(mask: torch.Tensor, block_m: int) -> float:
+    """:func:`tile_skip` expected if each group fired independently per token at its observed
+    rate: the baseline that says whether the routers' masks are correlated across tokens."""
+    p = mask.float().mean(0)
+    return float(((1.0 - p) ** block_m).mean())
+
+
 def summarize(model, masks: dict, top: int = 5) -> dict:
     """JSON-ready analysis of collected masks."""
     state = get_state(model)
@@ -60,6 +93,8 @@ def summarize(model, masks: dict, top: int = 5) -> dict:
                 "mask_entropy_bits": _entropy_bits(patterns),
                 "top_masks": [{"mask": p, "share": c / m.shape[0]} for p, c in patterns.most_common(top)],
                 "groups_run_hist": torch.bincount(m.sum(1), minlength=m.shape[1] + 1).tolist(),
+                "tile_skip": {str(bm): {"tokens": tile_skip(m, bm), "sorted": tile_skip(m, bm, "sorted"),
+                                        "iid": tile_skip_iid(m, bm)} for bm in TILE_ROWS},
             }
     # How many different whole-model routes tokens take (all layers and modules together).
     keys = sorted(masks)
@@ -68,7 +103,17 @@ def summarize(model, masks: dict, top: int = 5) -> dict:
         out["distinct_model_masks"] = len({bytes(r) for r in whole.to(torch.uint8).numpy()})
     with_rates = [v["sparsity"] for k in KINDS for v in out["layers"][k] if v]
     out["mean_layer_sparsity"] = sum(with_rates) / len(with_rates) if with_rates else None
+    # Mean over layers of the skippable (tile, group) share, per module and tile height.
+    out["tile_skip"] = {
+        k: {str(bm): {o: _mean([v["tile_skip"][str(bm)][o] for v in out["layers"][k] if v])
+                      for o in ("tokens", "sorted", "iid")} for bm in TILE_ROWS}
+        for k in KINDS if any(out["layers"][k])}
     return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x == x]  # drop NaN (fewer tokens than a tile)
+    return sum(xs) / len(xs) if xs else None
 
 
 def analyze(model, batches: Iterable[torch.Tensor], out_stem=None, *, title: Optional[str] = None) -> dict:
@@ -138,4 +183,4 @@ def plot(res: dict, path, title: Optional[str] = None) -> None:
     plt.close(fig)
 
 
-__all__ = ["collect_masks", "summarize", "analyze", "plot"]
+__all__ = ["collect_masks", "summarize", "analyze", "plot", "tile_skip", "tile_skip_iid"]
