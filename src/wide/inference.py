@@ -18,8 +18,9 @@ beside it that shares its weights and has its own forward, in the gpt-fast style
 
 Decode is launch-bound at small batch: a layer of plain PyTorch ops is ~50 tiny kernels.
 Two small Triton kernels here cut that down, for the routed and the dense engine alike: one
-fuses the residual add, RMSNorm and the router (a group runs iff its margin >= 0) per token;
-one applies RoPE to q and k and writes k and v into the cache. They round exactly where the
+fuses the residual add, RMSNorm and the router (a group runs iff its margin >= 0), each row
+split over 256-column programs with the last one to finish reducing the router's partial
+sums; one applies RoPE to q and k and writes k and v into the cache. They round exactly where the
 HF ops round, so outputs match the masked path up to fp32 summation order.
 
 Backends: ``"triton"`` (the kernels; CUDA with compute capability >= 8.0, or the CPU under
