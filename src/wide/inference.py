@@ -310,16 +310,18 @@ class AcceleratedModel:
             wg = _linear_plain(m.gate_proj, "gate_proj", i)
             wu = _linear_plain(m.up_proj, "up_proj", i)
             wd = _linear_plain(m.down_proj, "down_proj", i)
-            L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq,
-                       torch.cat([wk, wv]).detach(), wo, wg, wu, wd)
-            if mode == "routed" and self._fuse_qkv():
-                # Decode runs routed Q and dense K/V as one gemm_mn launch (dense_tail):
-                # one weight tensor, wq and wkv are row views of it.
-                L.wqkv = torch.cat([wq, wk, wv]).detach()
-                L.wq, L.wkv = L.wqkv[:wq.shape[0]], L.wqkv[wq.shape[0]:]
+            wqkv = None
+            if mode == "dense" or self._fuse_qkv():
+                # One weight tensor for q/k/v, with wq and wkv as row views of it: the dense
+                # engine runs one GEMM for them (as gpt-fast does), routed decode one gemm_mn
+                # launch of routed Q with K/V as always-on groups (dense_tail).
+                wqkv = torch.cat([wq, wk, wv]).detach()
+                wq, wkv = wqkv[:wq.shape[0]], wqkv[wq.shape[0]:]
+            else:
+                wkv = torch.cat([wk, wv]).detach()
+            L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq, wkv, wo, wg, wu, wd,
+                       wqkv=wqkv)
             if mode == "dense":
-                # As gpt-fast does: one GEMM for q/k/v and one for gate/up.
-                L.wqkv = torch.cat([wq, wk, wv]).detach()
                 L.wgu = torch.cat([wg, wu]).detach()
             elif self.state is not None:
                 lr = model.wide_routers[i]
@@ -332,8 +334,8 @@ class AcceleratedModel:
     # -------------------------------------------------------------- set-up and checks
 
     def _fuse_qkv(self) -> bool:
-        """Whether decode can append K/V to routed Q as whole always-on groups."""
-        if self.backend != "triton" or self.state is None:
+        """Whether routed decode can append K/V to Q as whole always-on groups."""
+        if self.mode != "routed" or self.backend != "triton" or self.state is None:
             return False
         gcols = self.attn_gs * self.head_dim
         return (2 * self.num_kv * self.head_dim) % gcols == 0

@@ -458,10 +458,9 @@ def main(argv=None) -> int:
     if args.profile and device.type == "cuda":
         set_offsets(model, offsets[s0])
         meta["profile"] = {}
-        for name, eng in (("dense", dense), ("routed", routed)):
-            meta["profile"][name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
         T_p = 4096 if not args.tiny else 32
         for name, eng in (("dense", dense), ("routed", routed)):
+            meta["profile"][name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
             meta["profile"][f"{name} prefill {T_p}"] = guarded(
                 f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
         save()

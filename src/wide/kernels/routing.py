@@ -107,10 +107,6 @@ def fresh_split_tickets(device: torch.device, stream) -> None:
     _TICKETS.pop((str(device), stream.cuda_stream), None)
 
 
-def is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
