@@ -28,6 +28,13 @@ TOKENS = [1, 3, 17, 70]
 MASK_KINDS = ["random", "all", "none", "one_token"]
 
 
+@pytest.fixture(autouse=True)
+def _split_gemv(monkeypatch):
+    # run the batch-1 GEMV kernels split in two along K (partials + last-program reduction)
+    import wide.kernels.routing as routing
+    monkeypatch.setattr(routing, "INTERPRET_GEMV_SPLIT", 2)
+
+
 def make_mask(T, ng, kind, gen):
     if kind == "all":
         return torch.ones(T, ng, dtype=torch.bool)
@@ -205,9 +212,10 @@ def make_decode_mask(T, ng, kind, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("kind", DECODE_KINDS)
-@pytest.mark.parametrize("G,ng", [(16, 6), (32, 2), (64, 3)])
+@pytest.mark.parametrize("G,ng", [(16, 6), (32, 2), (64, 3), (256, 3), (384, 2)])
 @pytest.mark.parametrize("T", [1, 3, 16])
 def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype):
+    # (256 and 384 wide groups at T=1 take the batch-1 GEMV kernel, the others the tl.dot loop)
     # Decode path: loops over the used groups only, split-K over the used steps (3 splits
     # under the interpreter when K > 64, some of them empty for a single used group). The
     # weight columns of unused groups and the X entries of inactive (token, group) pairs are
@@ -327,3 +335,4 @@ def test_decode_split_k(T):
     k1 = gemm_k(xk, wk, mk, 16)
     assert torch.equal(gemm_mn(x, w, mask, 32), y1) and torch.equal(gemm_k(xk, wk, mk, 16), k1)
     assert int(split_tickets(x.device, 1).abs().sum()) == 0
+

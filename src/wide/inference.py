@@ -17,11 +17,16 @@ beside it that shares its weights and has its own forward, in the gpt-fast style
   ``prefill_attention`` / ``decode_attention``, which skip inactive head groups.
 
 Decode is launch-bound at small batch: a layer of plain PyTorch ops is ~50 tiny kernels.
-Two small Triton kernels here cut that down, for the routed and the dense engine alike: one
+Small Triton kernels here cut that down, for the routed and the dense engine alike: one
 fuses the residual add, RMSNorm and the router (a group runs iff its margin >= 0), each row
 split over 256-column programs with the last one to finish reducing the router's partial
-sums; one applies RoPE to q and k and writes k and v into the cache. They round exactly where the
-HF ops round, so outputs match the masked path up to fp32 summation order.
+sums; one applies RoPE to q and k and writes k and v into the cache. Prefill has the same
+two (one program per row for the norm; token blocks for RoPE), a router kernel that reads the
+bf16 rows directly (no fp32 copy), and the dense engine a one-pass SiLU*up. They round to the
+model dtype where the HF ops round; their fp32 internals (summation order, Triton's sqrt and
+exp) differ by ulps, so a normed value can differ by one bf16 step (decode check: 1.1e-4
+relative). Router offsets are calibrated mid-gap between neighbouring margins, so such
+differences flip a decision only for tokens within half a gap of the threshold.
 
 Backends: ``"triton"`` (the kernels; CUDA with compute capability >= 8.0, or the CPU under
 ``TRITON_INTERPRET=1`` for tests) and ``"torch"`` (the same computation with dense matmuls
@@ -162,6 +167,106 @@ if HAS_TRITON:
                 tl.atomic_xchg(cnt_ptr + row, 0)
 
     @triton.jit
+    def _router_mask_kernel(x_ptr, dw_ptr, db_ptr, uw_ptr, ub_ptr, off_ptr, m_ptr,
+                            T, H, G, R, stride_x, stride_m,
+                            BM: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr,
+                            G_PAD: tl.constexpr, PREC: tl.constexpr):
+        # Prefill routers, [BM tokens] per program: h = x W_down^T + b straight from the bf16
+        # rows (no fp32 copy of x), then both logits of every group and the mask, in one
+        # launch. PyTorch ran this as an fp32 copy of x plus a narrow sgemm: ~10 of 109 ms of
+        # a 4k-token prefill on an H200. The dots are "tf32x3" (three TF32 tensor-core products
+        # with fp32 accumulation, ~fp32 accurate; bf16 x is exact in TF32): "ieee" fp32 FMAs
+        # took 180 us per 4k-token call there, slower than PyTorch.
+        pid = tl.program_id(0)
+        rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
+        r_ok = rows < T
+        rr = tl.arange(0, R_PAD)
+        rr_ok = rr < R
+        acc = tl.zeros([BM, R_PAD], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < H
+            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(dw_ptr + rr[None, :] * H + k[:, None], mask=rr_ok[None, :] & k_ok[:, None],
+                        other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PREC)
+        h = acc + tl.load(db_ptr + rr, mask=rr_ok, other=0.0)[None, :]
+        gs = tl.arange(0, G_PAD)
+        g_ok = gs < G
+        u_ok = rr_ok[:, None] & g_ok[None, :]
+        u0 = tl.load(uw_ptr + (2 * gs)[None, :] * R + rr[:, None], mask=u_ok, other=0.0)
+        u1 = tl.load(uw_ptr + (2 * gs + 1)[None, :] * R + rr[:, None], mask=u_ok, other=0.0)
+        l0 = tl.dot(h, u0, input_precision=PREC) + tl.load(ub_ptr + 2 * gs, mask=g_ok, other=0.0)[None, :]
+        l1 = tl.dot(h, u1, input_precision=PREC) + tl.load(ub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)[None, :]
+        margin = l0 - l1 + tl.load(off_ptr)
+        tl.store(m_ptr + rows[:, None] * stride_m + gs[None, :], (margin >= 0).to(tl.uint8),
+                 mask=r_ok[:, None] & g_ok[None, :])
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, BLOCK: tl.constexpr):
+        # Dense engine's FFN activation, silu(gate) * up from the fused gate/up GEMM output in
+        # one pass, rounding where F.silu(g) * u rounds (the routed ffn_up kernel fuses it into
+        # its epilogue, so the baseline gets the fused pass too).
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < I
+        g = tl.load(gu_ptr + row * stride_gu + c, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + I + c, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(y_ptr + row * stride_y + c, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+
+    @triton.jit
+    def _rotate(x1, x2, c1, c2, s1, s2):
+        # q*cos + rotate_half(q)*sin on the two halves, rounded to the model dtype after each
+        # product and after the sum, as HF's bf16 ops round.
+        dt = x1.dtype
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
+
+    @triton.jit
+    def _rope_prefill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, T, Hq,
+                             stride_q, stride_k, stride_v, stride_cb, stride_ct, stride_ch,
+                             BT: tl.constexpr, HALF: tl.constexpr):
+        # Program (token block, sequence b, head h): positions 0..T-1 of right-padded prompts.
+        # h < Hq rotates q head h in place; otherwise KV head h - Hq is rotated and written,
+        # with v, to the cache. PyTorch's RoPE (cat, muls, adds, cache copies) was ~8 ms of a
+        # 4k-token prefill on an H200, for both engines.
+        tb = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(2)
+        t = tb * BT + tl.arange(0, BT)
+        ok = (t < T)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        cs = t[:, None].to(tl.int64) * 2 * HALF + d
+        c1 = tl.load(cos_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        row = (b * T + t)[:, None]
+        if h < Hq:
+            base = q_ptr + row * stride_q + h * 2 * HALF
+        else:
+            base = k_ptr + row * stride_k + (h - Hq) * 2 * HALF
+        o1, o2 = _rotate(tl.load(base + d, mask=ok, other=0.0),
+                         tl.load(base + HALF + d, mask=ok, other=0.0), c1, c2, s1, s2)
+        if h < Hq:
+            tl.store(base + d, o1, mask=ok)
+            tl.store(base + HALF + d, o2, mask=ok)
+        else:
+            kh = h - Hq
+            dst = b * stride_cb + t[:, None].to(tl.int64) * stride_ct + kh * stride_ch
+            tl.store(kc_ptr + dst + d, o1, mask=ok)
+            tl.store(kc_ptr + dst + HALF + d, o2, mask=ok)
+            vb = v_ptr + row * stride_v + kh * 2 * HALF
+            tl.store(vc_ptr + dst + d, tl.load(vb + d, mask=ok, other=0.0), mask=ok)
+            tl.store(vc_ptr + dst + HALF + d, tl.load(vb + HALF + d, mask=ok, other=0.0), mask=ok)
+
+    @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
                            Hq, stride_q, stride_k, stride_v, stride_cb, stride_ct, stride_ch,
                            HALF: tl.constexpr):
@@ -180,13 +285,7 @@ if HAS_TRITON:
             base = q_ptr + b * stride_q + h * 2 * HALF
         else:
             base = k_ptr + b * stride_k + (h - Hq) * 2 * HALF
-        x1 = tl.load(base + d)
-        x2 = tl.load(base + HALF + d)
-        dt = x1.dtype
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        o1 = ((x1f * c1).to(dt).to(tl.float32) + (-x2f * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2f * c2).to(dt).to(tl.float32) + (x1f * s2).to(dt).to(tl.float32)).to(dt)
+        o1, o2 = _rotate(tl.load(base + d), tl.load(base + HALF + d), c1, c2, s1, s2)
         if h < Hq:
             tl.store(base + d, o1)
             tl.store(base + HALF + d, o2)
@@ -432,10 +531,33 @@ class AcceleratedModel:
                 return None
             m = m if x.dim() == 3 else m[:, 0]
         else:
-            m = self.layers[i].routers[kind].margin(x) >= 0
+            m = self._router_mask(self.layers[i].routers[kind], x)
         if cfg.tie_modules:
             m = m[..., :1].expand(*m.shape[:-1], self.attn_groups)
         return m
+
+    def _router_mask(self, router, x: torch.Tensor) -> torch.Tensor:
+        """Bool mask [..., groups] of ``router`` on ``x`` [..., H]: one Triton launch on the
+        kernel backend, the router module itself otherwise (same fp32 math, other order)."""
+        if self.backend != "triton":
+            return router.margin(x) >= 0
+        H = x.shape[-1]
+        x2 = x.reshape(-1, H)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        T, G, R = x2.shape[0], router.num_groups, router.down.out_features
+        mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
+        if T:
+            # Ampere+ has TF32; the interpreter computes the dot in fp32 whatever the flag.
+            tf32 = _interpret() or torch.cuda.get_device_capability(x.device)[0] >= 8
+            bm = 32 if T >= 2048 or _interpret() else 16  # enough programs for every SM
+            _router_mask_kernel[(triton.cdiv(T, bm),)](
+                x2, router.down.weight, router.down.bias, router.up.weight, router.up.bias,
+                router.offset, mask.view(torch.uint8), T, H, G, R, x2.stride(0), mask.stride(0),
+                BM=bm, BK=64, R_PAD=max(16, triton.next_power_of_2(R)),
+                G_PAD=max(16, triton.next_power_of_2(G)), PREC="tf32x3" if tf32 else "ieee",
+                num_warps=4)
+        return mask.view(*x.shape[:-1], G)
 
     def _norm_route(self, i, kind, x, delta):
         """Decode: (new residual, normed, mask [B, G] bool or None)."""
@@ -475,8 +597,9 @@ class AcceleratedModel:
         cos = self.cos[:T][None, :, None, :]
         sin = self.sin[:T][None, :, None, :]
         x = self.embed(ids)
+        delta = None  # the previous layer's FFN output, added to x inside the next norm
         for i, L in enumerate(self.layers):
-            hn = _hf_rms(L.attn_norm, x)
+            x, hn = self._prefill_norm(x, delta, L.attn_norm)
             ma = self._mask_torch(i, "attn", x, hn, None)
             self._amask = ma
             if ma is not None:
@@ -494,11 +617,20 @@ class AcceleratedModel:
                     q = gemm_mn(h2, L.wq, ma2, self.attn_gs * D, route=route_a)
                 else:
                     q = F.linear(h2, L.wq)
-            q = _rope(q.reshape(B, T, Hq, D), cos, sin)
-            k = _rope(kv[:, :Hkv * D].reshape(B, T, Hkv, D), cos, sin)
-            v = kv[:, Hkv * D:].reshape(B, T, Hkv, D)
-            self.k_cache[i][:, :T] = k
-            self.v_cache[i][:, :T] = v
+            if kern:
+                kc, vc = self.k_cache[i], self.v_cache[i]
+                _rope_prefill_kernel[(triton.cdiv(T, 32), B, Hq + Hkv)](
+                    q, kv, kv[:, Hkv * D:], self.cos, self.sin, kc, vc, T, Hq, q.stride(0),
+                    kv.stride(0), kv.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+                    BT=32, HALF=D // 2)
+                q = q.view(B, T, Hq, D)
+                k, v = kc[:, :T], vc[:, :T]
+            else:
+                q = _rope(q.reshape(B, T, Hq, D), cos, sin)
+                k = _rope(kv[:, :Hkv * D].reshape(B, T, Hkv, D), cos, sin)
+                v = kv[:, Hkv * D:].reshape(B, T, Hkv, D)
+                self.k_cache[i][:, :T] = k
+                self.v_cache[i][:, :T] = v
             if ma is not None and kern:
                 from .kernels import prefill_attention
                 att = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), ma,
@@ -511,16 +643,30 @@ class AcceleratedModel:
                 if ma is not None:
                     att = att * ma.repeat_interleave(Hq // self.attn_groups, dim=-1)[..., None].to(att.dtype)
                 o = F.linear(att.reshape(B * T, Hq * D), L.wo)
-            x = x + o.view(B, T, -1)
-            hn = _hf_rms(L.ffn_norm, x)
+            x, hn = self._prefill_norm(x, o.view(B, T, -1), L.ffn_norm)
             mf = self._mask_torch(i, "ffn", x, hn, self._amask)
             if mf is not None:
                 mf = mf & valid[..., None]
-            x = x + self._ffn(L, hn.reshape(B * T, -1), None if mf is None else mf.reshape(B * T, -1)).view(B, T, -1)
+            delta = self._ffn(L, hn.reshape(B * T, -1), None if mf is None else mf.reshape(B * T, -1)).view(B, T, -1)
+        if delta is not None:
+            x = x + delta
         self._amask = None
         if not all_logits:
             x = x[torch.arange(B, device=self.device), lens - 1]
         return self.lm_head(_hf_rms(self.final_norm, x)).float()
+
+    def _prefill_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], norm: nn.Module):
+        """(x + delta, RMSNorm of it) for prefill rows ``[B, T, H]``: one launch on the kernel
+        backend (one program per row; PyTorch's version is ~7 elementwise/reduction kernels,
+        ~10 ms of a 4k-token prefill on an H200), the HF module otherwise. Same rounding."""
+        if self.backend != "triton":
+            x = x if delta is None else x + delta
+            return x, _hf_rms(norm, x)
+        B, T, H = x.shape
+        resid, normed, _ = self._launch_norm_route(
+            x.reshape(B * T, H), None if delta is None else delta.reshape(B * T, H), norm, None,
+            chunk=triton.next_power_of_2(H))
+        return resid.view(B, T, H), normed.view(B, T, H)
 
     def _reduce_k(self, x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int, route):
         """O and down projections. Their inputs are exact zeros in inactive groups (the attention
@@ -553,6 +699,13 @@ class AcceleratedModel:
     def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
         if self.mode == "dense":
             gu = F.linear(h, L.wgu)
+            if self.backend == "triton":
+                T, I = gu.shape[0], gu.shape[1] // 2
+                a = torch.empty((T, I), dtype=gu.dtype, device=gu.device)
+                if T:
+                    _silu_mul_kernel[(T, triton.cdiv(I, 1024))](gu, a, I, gu.stride(0), a.stride(0),
+                                                               BLOCK=1024, num_warps=4)
+                return F.linear(a, L.wd)
             g, u = gu.chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, L.wd)
         if mf is None:
@@ -650,26 +803,32 @@ class AcceleratedModel:
         resid, normed, _ = self._launch_norm_route(x, delta, self.final_norm, None)
         return resid, normed, None
 
-    def _launch_norm_route(self, x, delta, norm, router):
+    def _launch_norm_route(self, x, delta, norm, router, chunk: int = 256):
         """Residual add + RMSNorm (+ the router's mask when ``router`` is given) in one launch
-        over (token, column chunk) programs; returns (residual, normed, mask [B, G] or None)."""
+        over (token, column chunk) programs; returns (residual, normed, mask [B, G] or None).
+        Every chunk program reads its whole row for the sum of squares, so many rows (prefill)
+        take one program per row (``chunk`` >= H)."""
         B, H = x.shape
         resid = x if delta is None else torch.empty_like(x)
         normed = torch.empty_like(x)
-        chunk = min(256, triton.next_power_of_2(H))
+        chunk = min(chunk, triton.next_power_of_2(H))
         nchunk = triton.cdiv(H, chunk)
         R = router.down.out_features if router is not None else 16
         G = router.num_groups if router is not None else 1
         mask = torch.empty((B, G), dtype=torch.bool, device=x.device) if router is not None else None
-        # Scratch for the router's per-chunk partial sums and the per-token tickets. Allocated
-        # once per shape (outside graph capture: the eager warm-up step comes first), and the
-        # kernel leaves the tickets at zero, so a captured step can be replayed as is.
-        scratch = self.__dict__.setdefault("_nr_scratch", {})
-        key = (B, nchunk, R)
-        if key not in scratch:
-            scratch[key] = (torch.empty((B, nchunk, R), dtype=torch.float32, device=x.device),
-                            torch.zeros((B,), dtype=torch.int32, device=x.device))
-        hp, cnt = scratch[key]
+        if router is not None:
+            # Scratch for the router's per-chunk partial sums and the per-token tickets.
+            # Allocated once per shape (outside graph capture: the eager warm-up step comes
+            # first), and the kernel leaves the tickets at zero, so a captured step can be
+            # replayed as is.
+            scratch = self.__dict__.setdefault("_nr_scratch", {})
+            key = (B, nchunk, R)
+            if key not in scratch:
+                scratch[key] = (torch.empty((B, nchunk, R), dtype=torch.float32, device=x.device),
+                                torch.zeros((B,), dtype=torch.int32, device=x.device))
+            hp, cnt = scratch[key]
+        else:
+            hp = cnt = normed  # unused without a router
         w = norm.weight
         d = delta if delta is not None else x
         block = min(4096, triton.next_power_of_2(H))

@@ -513,13 +513,32 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
 
 
+def _mid_gap(values: torch.Tensor, thr: float) -> float:
+    """A threshold splitting ``values`` exactly as ``thr`` does (runs iff value >= thr), moved
+    to the middle of the gap between the largest value below it and the smallest at or above
+    it. A threshold sitting on a calibration margin would flip that decision under any
+    change of summation order (a fused kernel, another GPU); mid-gap it takes half a gap
+    (nothing helps when the two neighbours are adjacent fp32 numbers)."""
+    v = values.flatten().float()
+    below, above = v[v < thr], v[v >= thr]
+    if above.numel() == 0:  # above every value: on none of them
+        return thr
+    hi = float(above.min())
+    if below.numel() == 0:  # everything runs: stay clear below the smallest value
+        return hi - max(1.0, abs(hi))
+    lo = float(below.max())
+    mid = float(torch.tensor((lo + hi) / 2, dtype=torch.float32))  # offsets are fp32
+    return mid if lo < mid <= hi else thr
+
+
 def _set_offsets(model, state, margins, routers, target, mode) -> None:
     cfg = state.config
     if mode == "per_module":
         for (layer, kind), m in margins.items():
-            # offset = -quantile: a group runs iff margin + offset >= 0
-            q = torch.quantile(m.flatten().float(), target)
-            model.wide_routers[layer].router(kind).offset.fill_(-float(q))
+            # offset = -threshold: a group runs iff margin + offset >= 0
+            flat = m.flatten().float()
+            q = _mid_gap(flat, float(torch.quantile(flat, target)))
+            model.wide_routers[layer].router(kind).offset.fill_(-q)
     else:
         def rate_at(shift: float) -> float:
             sums = {}
@@ -544,8 +563,9 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
                 lo = mid
             else:
                 hi = mid
+        shift = -_mid_gap(torch.cat([m.flatten() for m in margins.values()]), -hi)
         for _, _, r in routers:
-            r.offset.fill_(hi)
+            r.offset.fill_(shift)
 
 
 def geometry_dict(model) -> dict:

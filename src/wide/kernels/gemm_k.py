@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_mn import _splitk_store
+from . import routing as _routing
+from .gemm_mn import _gcfg, _gemv_store, _splitk_store
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
                       split_tickets)
@@ -141,6 +142,53 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                  mask=row_in[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gemv_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS, stride_wn,
+                   BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, NG_PAD: tl.constexpr):
+    # One token (batch-1 decode) over few wide groups (attention O): BN weight rows per program,
+    # a loop over the token's active groups only (their ranks derived in registers from the
+    # mask row, as in the decode path above), CUDA-core FMAs on contiguous row segments, one
+    # row reduction at the end. Split-K shares the active steps between S programs.
+    pid = tl.program_id(0)
+    n = pid * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    gp = tl.arange(0, NG_PAD)
+    used = (tl.load(mask_ptr + gp, mask=gp < NG, other=0) != 0).to(tl.int32)
+    pos = tl.cumsum(used, axis=0) - 1
+    ent = tl.where(used != 0, gp, -1)
+    spg = GS // BK
+    n_steps = tl.sum(used, axis=0) * spg
+    s = tl.program_id(1)
+    j_lo = (s * n_steps) // S
+    j_hi = ((s + 1) * n_steps) // S
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for j in range(j_lo, j_hi):
+        gi = j // spg
+        gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
+        k0 = gid * GS + (j - gi * spg) * BK
+        xk = tl.load(x_ptr + k0 + k).to(tl.float32)
+        w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None], other=0.0)
+        acc += w.to(tl.float32) * xk[None, :]
+    _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
+
+
+# Batch-1 tiles: the fastest few of the sweep (bench/results/decode_gemv_sweep.md).
+_GEMV_CFGS = [_gcfg(4, 512, 4, 1), _gcfg(8, 512, 8, 1), _gcfg(16, 512, 4, 1), _gcfg(16, 512, 4, 2),
+              _gcfg(4, 256, 4, 1), _gcfg(16, 256, 8, 2)]
+GEMV_MAX_SPLIT = 2
+# The batch-1 kernel beat the tl.dot decode path for 512-wide groups (O: 9.0 vs 10.4 us) and
+# lost for 128-wide ones (down: 23.4 vs 22.1 us), measured on an H200.
+GEMV_MIN_GROUP = 256
+
+
+def _gemv_prune(configs, named_args, **kwargs):
+    gs = named_args["GS"]
+    keep = [c for c in configs if gs % c.kwargs["BK"] == 0]
+    return keep or [_gcfg(4, largest_pow2_divisor(gs, 512), 4, 1)]
+
+
 def _cfg(bn, bk, w, s):
     return triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
 
@@ -200,6 +248,9 @@ with warnings.catch_warnings():
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS", "BM"]
+_tuned_gemv = triton.autotune(configs=_GEMV_CFGS, key=["N", "K", "GS"],
+                              prune_configs_by={"early_config_prune": _gemv_prune},
+                              **_BENCH)(_gemv_k_kernel)
 _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
                          prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_gemm_k_kernel)
 
@@ -239,6 +290,9 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     w = w if w.stride(1) == 1 else w.contiguous()
     if K == 0:
         return y.zero_()
+    if T == 1 and group_size >= GEMV_MIN_GROUP:
+        _launch_gemv(x, w, y, route.mask, group_size, ng)
+        return y
     bm = gemm_k_block_m(T, ng)
     nested = _use_nested(T, ng, group_size)
     # Decode: one row tile (bm == 16), never nested; list entries pack group id << 16 with
@@ -268,6 +322,28 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
         _gemm_k_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                              **c.kwargs)
     return y
+
+
+def _launch_gemv(x, w, y, mask, group_size, ng):
+    N, K = w.shape
+    wsp = torch.empty((max(GEMV_MAX_SPLIT, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
+                      device=x.device)
+    tickets = split_tickets(x.device, triton.cdiv(N, 4))
+    ng_pad = max(16, next_pow2(ng))
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BN"]), meta["S"])
+
+    args = (x, w, y, mask.view(torch.uint8), wsp, tickets, N, K, ng, group_size, w.stride(0))
+    if autotune_enabled():
+        _tuned_gemv[grid](*args, NG_PAD=ng_pad)
+    else:
+        bk = largest_pow2_divisor(group_size, 32 if interpret_mode() else 512)
+        if interpret_mode():  # few programs; the kernel tests turn the split on
+            bn, s = 64, _routing.INTERPRET_GEMV_SPLIT
+        else:
+            bn, s = 4, 1
+        _gemv_k_kernel[grid](*args, BN=bn, BK=bk, S=s, NG_PAD=ng_pad, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)

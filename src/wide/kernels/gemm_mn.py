@@ -27,8 +27,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import routing as _routing
 from .routing import (DIRECT_MAX_T, RouteIndex, autotune_enabled, check_group_size, check_mask,
-                      interpret_mode, next_pow2, split_tickets)
+                      interpret_mode, largest_pow2_divisor, next_pow2, split_tickets)
 
 __all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
 
@@ -134,6 +135,64 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=st_mask)
 
 
+@triton.jit
+def _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S: tl.constexpr):
+    """Epilogue of the batch-1 GEMVs: reduce the [BN, BK] products to BN outputs and store
+    them (or, split along K, the fp32 partial for _splitk_store)."""
+    out = tl.expand_dims(tl.sum(acc, axis=1), 0)
+    row = tl.arange(0, 1)
+    st_mask = n_ok[None, :]
+    if S > 1:
+        _splitk_store(out, ws_ptr, y_ptr, cnt_ptr, pid, row, n, st_mask, 1, N, 0)
+    else:
+        tl.store(y_ptr + row[:, None] + n[None, :], out.to(y_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _gemv_mn_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, GS, NG_MASKED, stride_wn,
+                    BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
+    # One token (batch-1 decode): BN weight rows x a 1/S share of K per program, CUDA-core FMAs
+    # on whole contiguous rows and one row reduction at the end. Measured on an H200 against the
+    # tl.dot path (whose 16-row MMA tile is 15/16 padding here): q 8.9 vs 11.5 us, q+k+v 12.8
+    # vs 13.8 us (bench/results/decode_gemv_sweep.md). A program of an inactive group loads
+    # nothing and, unsplit, stores its zeros.
+    pid = tl.program_id(0)
+    n = pid * BN + tl.arange(0, BN)
+    n_ok = n < N
+    g = (pid * BN) // GS  # BN divides GS: a program never straddles two groups
+    act = tl.load(mask_ptr + g, mask=g < NG_MASKED, other=1)
+    kc = tl.cdiv(tl.cdiv(K, S), BK) * BK
+    k_lo = tl.program_id(1) * kc
+    k_hi = tl.minimum(K, k_lo + kc)
+    k_end = tl.where(act != 0, k_hi, k_lo)
+    k = tl.arange(0, BK)
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(k_lo, k_end, BK):
+        k_ok = (k0 + k) < k_hi
+        xk = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * xk[None, :]
+    _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
+
+
+def _gcfg(bn, bk, w, s):
+    return triton.Config({"BN": bn, "BK": bk, "S": s}, num_warps=w, num_stages=1)
+
+
+# Batch-1 GEMV tiles: the fastest few of the sweep, per shape they differ by ~1 us.
+_GEMV_CFGS = [_gcfg(4, 1024, 8, 1), _gcfg(4, 512, 8, 1), _gcfg(4, 512, 4, 1), _gcfg(4, 1024, 4, 1),
+              _gcfg(16, 1024, 8, 1), _gcfg(8, 512, 8, 2)]
+GEMV_MAX_SPLIT = 2
+
+
+def _gemv_heuristic(K: int, gs: int) -> dict:
+    if interpret_mode():  # few, wide programs: the interpreter pays per program
+        return dict(BN=largest_pow2_divisor(gs, 64), BK=32,
+                    S=_routing.INTERPRET_GEMV_SPLIT if K > 32 else 1, num_warps=4)
+    return dict(BN=4, BK=512, S=1, num_warps=4)  # BN divides every group size (16 k)
+
+
 def _cfg(bm, bn, bk, w, s):
     return triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
 
@@ -185,6 +244,8 @@ with warnings.catch_warnings():
 _KEY = ["T_BUCKET", "N", "K", "GS"]
 _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
                          prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
+_tuned_gemv = triton.autotune(configs=_GEMV_CFGS, key=["N", "K", "GS", "NG_MASKED"],
+                              **_BENCH)(_gemv_mn_kernel)
 _tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
                                prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 
@@ -227,6 +288,12 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
     x = x if x.stride(1) == 1 else x.contiguous()
     ws = [w if w.stride(1) == 1 else w.contiguous() for w in ws]
     direct = T <= DIRECT_MAX_T
+    if route is not None and (route.num_tokens != T or route.num_groups != ng - dense_tail // group_size):
+        raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
+                         f"expected [{T}, {ng - dense_tail // group_size}]")
+    if T == 1 and not fused:
+        _launch_gemv(x, ws[0], y, mask, group_size, ng - dense_tail // group_size)
+        return y
     if dense_tail and not direct:
         # Prefill: the tail is an ordinary GEMM, as fast as cuBLAS makes it.
         nr = N - dense_tail
@@ -269,6 +336,24 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
         _plain_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                             **c.kwargs)
     return y
+
+
+def _launch_gemv(x, w, y, mask, group_size, ng_masked):
+    T, K = x.shape
+    N = w.shape[0]
+    m = mask.contiguous().view(torch.uint8)
+    wsp = torch.empty((max(GEMV_MAX_SPLIT, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
+                      device=x.device)
+    tickets = split_tickets(x.device, triton.cdiv(N, 4))
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BN"]), meta["S"])
+
+    args = (x, w, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0))
+    if autotune_enabled():
+        _tuned_gemv[grid](*args)
+    else:
+        _gemv_mn_kernel[grid](*args, **_gemv_heuristic(K, group_size))
 
 
 # Split-K chunks are multiples of the largest BK, so every chunk is whole BK steps.

@@ -42,6 +42,10 @@ DIRECT_MAX_T = 16
 # Sorting tokens by mask pattern only helps when the pattern has few bits (a tile of
 # BM sorted tokens is homogeneous in the leading log2(T/BM) groups). Keys are int64.
 SORT_MAX_GROUPS = 62
+# Split-K factor of the batch-1 GEMV kernels under the interpreter: 1 keeps the many tiny
+# decode steps of the CPU tests fast (each program costs milliseconds there); the kernel
+# tests set 2 to run the split path.
+INTERPRET_GEMV_SPLIT = 1
 
 
 def interpret_mode() -> bool:

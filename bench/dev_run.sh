@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A quick check in one device call (~3 min on one H200): the decode GEMV probe, the GEMM kernel
+# tests compiled (bf16 included), and the e2e benchmark at 50 % (TTFT 4k, TPOT batch 1).
+# PROBE=0 / TESTS=0 skip a part; E2E_ARGS=--profile adds the per-kernel profiles. Everything is
+# packed into $OUT/r.tgz (the device tool returns at most 8 files).
+#   run: E2E_ARGS=--profile bash bench/dev_run.sh
+set -u
+export PYTHONPATH=src
+R=/tmp/r; mkdir -p $R
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > $R/gpu.txt
+if [ "${PROBE:-1}" != 0 ]; then
+  timeout ${PROBE_S:-150} python bench/decode_gemv_sweep.py ${SWEEP_ARGS:---probe-only} --out $R > $R/sweep.log 2>&1
+  echo "sweep exit $?"; grep -vi warn $R/sweep.log | grep -E "read_floor|probe|lib_|cublas" | head -70
+fi
+if [ "${TESTS:-1}" != 0 ]; then
+  TRITON_INTERPRET=0 timeout ${TESTS_S:-240} python -m pytest -q -x tests/test_kernels_gemm.py > $R/gemm_tests.log 2>&1
+  echo "gemm tests exit $?"; tail -n 3 $R/gemm_tests.log
+fi
+timeout ${E2E_S:-240} python -m wide.benchmarks.e2e --out-dir $R --sparsities 0.5 --prompt-lens 4096 \
+  --batches 1 --reps 3 --decode-steps 16 --budget-s 150 --no-hf ${E2E_ARGS:-} > $R/e2e.log 2>&1
+echo "e2e exit $?"; grep -E "check|TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
+grep -E "^\| 1 \|" $R/e2e.md | head
+tar czf $OUT/r.tgz -C $R .
