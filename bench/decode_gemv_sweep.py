@@ -154,6 +154,23 @@ def rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item()
 
 
+def measure(record, shape, impl, cfg, call, out, ref, copies, nbytes, max_err=None):
+    """Check ``call(0)`` (which writes ``out``) against ``ref``, then time ``call(i)`` for the
+    ``copies`` input sets back to back and record it; a failure or an error over ``max_err``
+    is printed and skipped."""
+    try:
+        call(0)
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        if max_err is not None and err > max_err:
+            print("BAD", shape, cfg, err)
+            return
+        record(shape, impl, cfg, graph_time_us([lambda i=i: call(i) for i in range(copies)]), err,
+               nbytes)
+    except Exception as e:  # noqa: BLE001
+        print("FAIL", shape, impl, cfg, type(e).__name__, str(e)[:300], flush=True)
+
+
 def half_mask(ng, gen, dev):
     m = torch.zeros(ng, dtype=torch.bool)
     m[torch.randperm(ng, generator=gen)[: ng // 2]] = True
@@ -192,14 +209,8 @@ def probe(rows, record, dev, gen):
                     _cc_mn[(N // bn, 1)](xs[j], ws[j], ys[j], ms[j].view(torch.uint8), wsp, tick,
                                          N, K, GS, ngm, K, BN=bn, BK=bk, SPLIT=False, STAGES=1,
                                          GDC=gdc, num_warps=nw, launch_pdl=gdc > 0)
-                try:
-                    mn(0)
-                    err = rel_err(ys[0], refs[0])
-                    us = graph_time_us([lambda i=i: mn(i) for i in range(C)])
-                    record("q", "cc_probe", f"BN={bn} BK={bk} w={nw} gdc={gdc} hot={hot}", us, err,
-                           nbytes)
-                except Exception as e:  # noqa: BLE001
-                    print("FAIL probe mn", bn, bk, gdc, type(e).__name__, str(e)[:300], flush=True)
+                cfg = f"BN={bn} BK={bk} w={nw} gdc={gdc} hot={hot}"
+                measure(record, "q", "cc_probe", cfg, mn, ys[0], refs[0], C, nbytes)
                 if gdc == 2:
                     continue
 
@@ -209,14 +220,7 @@ def probe(rows, record, dev, gen):
                                         N, K, ngm, GS, BN=bn, BK=bk, NG_PAD=16, SPLIT=False,
                                         FLAT=False, STAGES=1, GDC=gdc, num_warps=nw,
                                         launch_pdl=gdc > 0)
-                try:
-                    kk(0)
-                    err = rel_err(ys[0], refk[0])
-                    us = graph_time_us([lambda i=i: kk(i) for i in range(C)])
-                    record("o", "cc_probe", f"BN={bn} BK={bk} w={nw} gdc={gdc} hot={hot}", us, err,
-                           nbytes)
-                except Exception as e:  # noqa: BLE001
-                    print("FAIL probe k", bn, bk, gdc, type(e).__name__, str(e)[:300], flush=True)
+                measure(record, "o", "cc_probe", cfg, kk, ys[0], refk[0], C, nbytes)
     # library kernels hot vs cold
     for hot in (False, True):
         calls = [lambda i=i, hot=hot: gk.gemm_k(xs[0 if hot else i], ws[0 if hot else i],
@@ -314,17 +318,8 @@ def main():
                             xs[i], ws[i], ys[i], m8, wsp, tick, N, K, ngm, GS,
                             BN=bn, BK=bk, NG_PAD=max(16, triton.next_power_of_2(ngm)),
                             SPLIT=nsp > 1, FLAT=flat, STAGES=st, num_warps=nw)
-                try:
-                    call(0)
-                    torch.cuda.synchronize()
-                    err = rel_err(ys[0], refs[0])
-                    if err > 1e-2:
-                        print("BAD", name, cfg, err)
-                        continue
-                    calls = [lambda i=i: call(i) for i in range(C)]
-                    record(name, "cuda_core", cfg, graph_time_us(calls), err, nbytes)
-                except Exception as e:  # noqa: BLE001
-                    print("FAIL", name, cfg, type(e).__name__, str(e)[:200], flush=True)
+                measure(record, name, "cuda_core", cfg, call, ys[0], refs[0], C, nbytes,
+                        max_err=1e-2)
         del ws
         torch.cuda.empty_cache()
         print(f"[{time.time() - t_start:.0f} s]", flush=True)

@@ -170,13 +170,14 @@ if HAS_TRITON:
     def _router_mask_kernel(x_ptr, dw_ptr, db_ptr, uw_ptr, ub_ptr, off_ptr, m_ptr,
                             T, H, G, R, stride_x, stride_m,
                             BM: tl.constexpr, BK: tl.constexpr, R_PAD: tl.constexpr,
-                            G_PAD: tl.constexpr, PREC: tl.constexpr):
+                            G_PAD: tl.constexpr):
         # Prefill routers, [BM tokens] per program: h = x W_down^T + b straight from the bf16
         # rows (no fp32 copy of x), then both logits of every group and the mask, in one
         # launch. PyTorch ran this as an fp32 copy of x plus a narrow sgemm: ~10 of 109 ms of
         # a 4k-token prefill on an H200. The dots are "tf32x3" (three TF32 tensor-core products
         # with fp32 accumulation, ~fp32 accurate; bf16 x is exact in TF32): "ieee" fp32 FMAs
-        # took 180 us per 4k-token call there, slower than PyTorch.
+        # took 180 us per 4k-token call there, slower than PyTorch. The kernel backend runs on
+        # sm80+ only (TF32 present); the interpreter computes the dots in fp32 regardless.
         pid = tl.program_id(0)
         rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
         r_ok = rows < T
@@ -190,15 +191,15 @@ if HAS_TRITON:
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(dw_ptr + rr[None, :] * H + k[:, None], mask=rr_ok[None, :] & k_ok[:, None],
                         other=0.0)
-            acc = tl.dot(x, w, acc, input_precision=PREC)
+            acc = tl.dot(x, w, acc, input_precision="tf32x3")
         h = acc + tl.load(db_ptr + rr, mask=rr_ok, other=0.0)[None, :]
         gs = tl.arange(0, G_PAD)
         g_ok = gs < G
         u_ok = rr_ok[:, None] & g_ok[None, :]
         u0 = tl.load(uw_ptr + (2 * gs)[None, :] * R + rr[:, None], mask=u_ok, other=0.0)
         u1 = tl.load(uw_ptr + (2 * gs + 1)[None, :] * R + rr[:, None], mask=u_ok, other=0.0)
-        l0 = tl.dot(h, u0, input_precision=PREC) + tl.load(ub_ptr + 2 * gs, mask=g_ok, other=0.0)[None, :]
-        l1 = tl.dot(h, u1, input_precision=PREC) + tl.load(ub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)[None, :]
+        l0 = tl.dot(h, u0, input_precision="tf32x3") + tl.load(ub_ptr + 2 * gs, mask=g_ok, other=0.0)[None, :]
+        l1 = tl.dot(h, u1, input_precision="tf32x3") + tl.load(ub_ptr + 2 * gs + 1, mask=g_ok, other=0.0)[None, :]
         margin = l0 - l1 + tl.load(off_ptr)
         tl.store(m_ptr + rows[:, None] * stride_m + gs[None, :], (margin >= 0).to(tl.uint8),
                  mask=r_ok[:, None] & g_ok[None, :])
@@ -548,15 +549,12 @@ class AcceleratedModel:
         T, G, R = x2.shape[0], router.num_groups, router.down.out_features
         mask = torch.empty((T, G), dtype=torch.bool, device=x.device)
         if T:
-            # Ampere+ has TF32; the interpreter computes the dot in fp32 whatever the flag.
-            tf32 = _interpret() or torch.cuda.get_device_capability(x.device)[0] >= 8
             bm = 32 if T >= 2048 or _interpret() else 16  # enough programs for every SM
             _router_mask_kernel[(triton.cdiv(T, bm),)](
                 x2, router.down.weight, router.down.bias, router.up.weight, router.up.bias,
                 router.offset, mask.view(torch.uint8), T, H, G, R, x2.stride(0), mask.stride(0),
                 BM=bm, BK=64, R_PAD=max(16, triton.next_power_of_2(R)),
-                G_PAD=max(16, triton.next_power_of_2(G)), PREC="tf32x3" if tf32 else "ieee",
-                num_warps=4)
+                G_PAD=max(16, triton.next_power_of_2(G)), num_warps=4)
         return mask.view(*x.shape[:-1], G)
 
     def _norm_route(self, i, kind, x, delta):
@@ -594,8 +592,6 @@ class AcceleratedModel:
         valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
         kern = self.backend == "triton"
         Hq, Hkv, D = self.num_heads, self.num_kv, self.head_dim
-        cos = self.cos[:T][None, :, None, :]
-        sin = self.sin[:T][None, :, None, :]
         x = self.embed(ids)
         delta = None  # the previous layer's FFN output, added to x inside the next norm
         for i, L in enumerate(self.layers):
@@ -626,6 +622,8 @@ class AcceleratedModel:
                 q = q.view(B, T, Hq, D)
                 k, v = kc[:, :T], vc[:, :T]
             else:
+                cos = self.cos[:T][None, :, None, :]
+                sin = self.sin[:T][None, :, None, :]
                 q = _rope(q.reshape(B, T, Hq, D), cos, sin)
                 k = _rope(kv[:, :Hkv * D].reshape(B, T, Hkv, D), cos, sin)
                 v = kv[:, Hkv * D:].reshape(B, T, Hkv, D)

@@ -516,21 +516,26 @@ def check_norm_route(engine, B: int = 32, reps: int = 3, flip_margin: float = 1e
                 r_ref = x + d
                 n_ref = norm.forward(r_ref)
                 src = n_ref if engine.cfg.router_input == "normed" else r_ref
-                margin = router.margin(src)
-                diff = mask != (margin >= 0)
-                flips += int(diff.sum())
-                decisions += diff.numel()
-                near = margin.abs() < flip_margin * margin.std()
-                ok &= bool(torch.equal(resid, r_ref)) and bool(near[diff].all())
+                f, n, near_ok = _flips(mask, router.margin(src), flip_margin)
+                flips, decisions = flips + f, decisions + n
+                ok &= bool(torch.equal(resid, r_ref)) and near_ok
                 worst = max(worst, float((normed.float() - n_ref.float()).norm() / n_ref.float().norm()))
     return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
             "normed_err": worst, "ok": ok and worst < 1e-2}
 
 
+def _flips(mask: torch.Tensor, margin: torch.Tensor, flip_margin: float):
+    """(decisions of ``mask`` that differ from ``margin >= 0``, decisions, whether every such
+    flip has |margin| < ``flip_margin`` standard deviations)."""
+    diff = mask != (margin >= 0)
+    near = margin.abs() < flip_margin * margin.std()
+    return int(diff.sum()), diff.numel(), bool(near[diff].all())
+
+
 def check_prefill_router(engine, T: int = 4096, flip_margin: float = 1e-3) -> dict:
-    """The prefill router kernel (fp32 FMAs straight from the bf16 rows, one launch per router)
-    against the router module on the same rows: decisions may differ only where the margin is
-    within ``flip_margin`` standard deviations of zero (summation order)."""
+    """The prefill router kernel (TF32x3 dots straight from the bf16 rows, one launch per
+    router) against the router module on the same rows: decisions may differ only where the
+    margin is within ``flip_margin`` standard deviations of zero (rounding, summation order)."""
     dev, dt, H = engine.device, engine.dtype, engine.hidden
     g = torch.Generator(device="cpu").manual_seed(12)
     flips = decisions = 0
@@ -541,12 +546,9 @@ def check_prefill_router(engine, T: int = 4096, flip_margin: float = 1e-3) -> di
             if router is None:
                 continue
             x = torch.randn(T, H, generator=g).to(dev, dt)
-            mask = engine._router_mask(router, x)
-            margin = router.margin(x)
-            diff = mask != (margin >= 0)
-            flips += int(diff.sum())
-            decisions += diff.numel()
-            ok &= bool((margin.abs() < flip_margin * margin.std())[diff].all())
+            f, n, near_ok = _flips(engine._router_mask(router, x), router.margin(x), flip_margin)
+            flips, decisions = flips + f, decisions + n
+            ok &= near_ok
     return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
             "flip_rate": flips / max(1, decisions), "ok": ok}
 

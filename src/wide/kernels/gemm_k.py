@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
-from .gemm_mn import _gcfg, _gemv_store, _splitk_store
+from .gemm_mn import _gcfg, _gemv_store, _splitk_store, gemv_launch_state
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
                       split_tickets)
@@ -174,10 +174,10 @@ def _gemv_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
     _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
 
 
-# Batch-1 tiles: the fastest few of the sweep (bench/results/decode_gemv_sweep.md).
+# Batch-1 tiles: the fastest few of the sweep (bench/results/decode_gemv_sweep.md); S stays
+# within gemm_mn's GEMV_MAX_SPLIT, which sizes the partials.
 _GEMV_CFGS = [_gcfg(4, 512, 4, 1), _gcfg(8, 512, 8, 1), _gcfg(16, 512, 4, 1), _gcfg(16, 512, 4, 2),
               _gcfg(4, 256, 4, 1), _gcfg(16, 256, 8, 2)]
-GEMV_MAX_SPLIT = 2
 # The batch-1 kernel beat the tl.dot decode path for 512-wide groups (O: 9.0 vs 10.4 us) and
 # lost for 128-wide ones (down: 23.4 vs 22.1 us), measured on an H200.
 GEMV_MIN_GROUP = 256
@@ -326,14 +326,8 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
 
 def _launch_gemv(x, w, y, mask, group_size, ng):
     N, K = w.shape
-    wsp = torch.empty((max(GEMV_MAX_SPLIT, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
-                      device=x.device)
-    tickets = split_tickets(x.device, triton.cdiv(N, 4))
+    wsp, tickets, grid = gemv_launch_state(x.device, N)
     ng_pad = max(16, next_pow2(ng))
-
-    def grid(meta):
-        return (triton.cdiv(N, meta["BN"]), meta["S"])
-
     args = (x, w, y, mask.view(torch.uint8), wsp, tickets, N, K, ng, group_size, w.stride(0))
     if autotune_enabled():
         _tuned_gemv[grid](*args, NG_PAD=ng_pad)

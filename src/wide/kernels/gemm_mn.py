@@ -338,17 +338,24 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
     return y
 
 
-def _launch_gemv(x, w, y, mask, group_size, ng_masked):
-    T, K = x.shape
-    N = w.shape[0]
-    m = mask.contiguous().view(torch.uint8)
+def gemv_launch_state(device: torch.device, N: int):
+    """What every batch-1 GEMV launch needs besides its tensors: the fp32 split-K partials
+    and tickets read by ``_gemv_store`` (enough for any S a config or the interpreter uses,
+    and any BN >= 4), and the grid over (BN-row tiles, S splits)."""
     wsp = torch.empty((max(GEMV_MAX_SPLIT, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
-                      device=x.device)
-    tickets = split_tickets(x.device, triton.cdiv(N, 4))
+                      device=device)
 
     def grid(meta):
         return (triton.cdiv(N, meta["BN"]), meta["S"])
 
+    return wsp, split_tickets(device, triton.cdiv(N, 4)), grid
+
+
+def _launch_gemv(x, w, y, mask, group_size, ng_masked):
+    T, K = x.shape
+    N = w.shape[0]
+    m = mask.contiguous().view(torch.uint8)
+    wsp, tickets, grid = gemv_launch_state(x.device, N)
     args = (x, w, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0))
     if autotune_enabled():
         _tuned_gemv[grid](*args)
