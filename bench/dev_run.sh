@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A quick check in one device call (~3 min on one H200): the decode GEMV probe, the GEMM kernel
 # tests compiled (bf16 included), and the e2e benchmark at 50 % (TTFT 4k, TPOT batch 1).
-# PROBE=0 / TESTS=0 skip a part; E2E_ARGS=--profile adds the per-kernel profiles. Everything is
-# packed into $OUT/r.tgz (the device tool returns at most 8 files).
+# PROBE=0 / TESTS=0 skip a part; TESTS_K narrows the tests (pytest -k); KERNELS=1 adds the T=1
+# kernel bench; E2E_ARGS=--profile adds the per-kernel profiles. Everything is packed into
+# $OUT/r.tgz (the device tool returns at most 8 files).
 #   run: E2E_ARGS=--profile bash bench/dev_run.sh
 set -u
 export PYTHONPATH=src
@@ -13,8 +14,15 @@ if [ "${PROBE:-1}" != 0 ]; then
   echo "sweep exit $?"; grep -vi warn $R/sweep.log | grep -E "read_floor|probe|lib_|cublas" | head -70
 fi
 if [ "${TESTS:-1}" != 0 ]; then
-  TRITON_INTERPRET=0 timeout ${TESTS_S:-240} python -m pytest -q -x tests/test_kernels_gemm.py > $R/gemm_tests.log 2>&1
+  TRITON_INTERPRET=0 timeout ${TESTS_S:-240} python -m pytest -q -x tests/test_kernels_gemm.py \
+    ${TESTS_K:+-k "$TESTS_K"} > $R/gemm_tests.log 2>&1
   echo "gemm tests exit $?"; tail -n 3 $R/gemm_tests.log
+fi
+if [ "${KERNELS:-0}" != 0 ]; then
+  mkdir -p $R/k
+  timeout ${KERNELS_S:-150} python -m wide.benchmarks.kernels --tokens 1 --sparsity 0.5 \
+    --out-dir $R/k > $R/k/kernels.log 2>&1
+  echo "kernels exit $?"; grep -E "^\| (gemm|ffn)" $R/k/kernels.md
 fi
 timeout ${E2E_S:-240} python -m wide.benchmarks.e2e --out-dir $R --sparsities 0.5 --prompt-lens 4096 \
   --batches 1 --reps 3 --decode-steps 16 --budget-s 150 --no-hf ${E2E_ARGS:-} > $R/e2e.log 2>&1

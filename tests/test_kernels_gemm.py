@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
 from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
-from wide.kernels.routing import (RouteIndex, build_route, route_reference,  # noqa: E402
-                                  split_tickets, used_groups_reference)
+from wide.kernels.routing import (RouteIndex, RouterPartials, build_route,  # noqa: E402
+                                  route_reference, split_tickets, used_groups_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
@@ -336,3 +336,83 @@ def test_decode_split_k(T):
     assert torch.equal(gemm_mn(x, w, mask, 32), y1) and torch.equal(gemm_k(xk, wk, mk, 16), k1)
     assert int(split_tickets(x.device, 1).abs().sum()) == 0
 
+
+
+def _router_partials(ng, R, nchunk, gen, offset=0.0):
+    f = dict(dtype=torch.float32, device=DEVICE)
+    return RouterPartials(torch.randn(nchunk, R, generator=gen).to(**f),
+                          torch.randn(R, generator=gen).to(**f),
+                          torch.randn(2 * ng, R, generator=gen).to(**f),
+                          torch.randn(2 * ng, generator=gen).to(**f),
+                          torch.tensor(offset, **f))
+
+
+def _router_margin(rp):
+    h = rp.partials.sum(0) + rp.down_bias
+    logits = rp.up_weight @ h + rp.up_bias
+    return logits[0::2] - logits[1::2] + rp.offset
+
+
+@pytest.mark.parametrize("op", ["q", "qkv", "ffn_up"])
+@pytest.mark.parametrize("offset", [0.0, 1e3, -1e3])
+def test_batch1_gemv_finishes_the_router(op, offset):
+    # Batch-1 decode: the norm kernel leaves the router at its per-chunk partial sums and the
+    # GEMV derives each group's decision, computes only the active groups and writes the mask
+    # (every group, whichever program owns it) for the ops after it. offset +-1e3: all / none.
+    # 128-wide groups: two 64-row programs per group under the interpreter (and more on a GPU),
+    # so only the group's first program may store its decision
+    gen = torch.Generator().manual_seed(11 + len(op))
+    G, ng, tail_groups, K = 128, 4, (1 if op == "qkv" else 0), 96
+    x, ws = _inputs(1, K, G * (ng + tail_groups), torch.float32, gen, n_w=2)
+    rp = _router_partials(ng, 16, 3, gen, offset)
+    margin = _router_margin(rp)
+    want = (margin >= 0)[None]
+    mask = torch.full((1, ng), offset < 0, dtype=torch.bool, device=DEVICE)  # stale values
+    if op == "ffn_up":
+        y = ffn_up(x, ws[0], ws[1], mask, G, router=rp)
+    else:
+        y = gemm_mn(x, ws[0], mask, G, dense_tail=G * tail_groups, router=rp)
+    near = (margin.abs() < 1e-5)[None]  # fp32 summation order may differ at exactly ~0
+    assert torch.equal(mask | near, want | near)
+    if offset > 0:
+        assert bool(mask.all())
+    if offset < 0:
+        assert not bool(mask.any())
+    if op == "ffn_up":
+        ref = ffn_up_reference(x, ws[0], ws[1], mask, G)
+    else:
+        ref = gemm_mn_reference(x, ws[0], mask, G, dense_tail=G * tail_groups)
+    assert rel_err(y, ref) < 1e-5 or (float(ref.norm()) == 0 and bool((y == 0).all()))
+
+
+def test_router_partials_errors():
+    gen = torch.Generator().manual_seed(2)
+    x, (w,) = _inputs(2, 64, 64, torch.float32, gen)
+    rp = _router_partials(2, 16, 2, gen)
+    with pytest.raises(ValueError, match="one token"):
+        gemm_mn(x, w, torch.zeros(2, 2, dtype=torch.bool, device=DEVICE), 32, router=rp)
+    with pytest.raises(ValueError, match="up_weight"):
+        gemm_mn(x[:1], w, torch.zeros(1, 2, dtype=torch.bool, device=DEVICE), 32,
+                router=_router_partials(3, 16, 2, gen))
+    bad = RouterPartials(rp.partials.double(), rp.down_bias, rp.up_weight, rp.up_bias, rp.offset)
+    with pytest.raises(ValueError, match="partials"):
+        gemm_mn(x[:1], w, torch.zeros(1, 2, dtype=torch.bool, device=DEVICE), 32, router=bad)
+    with pytest.raises(ValueError, match="routed groups"):  # only a dense tail: nothing to route
+        gemm_mn(x[:1], w, torch.zeros(1, 0, dtype=torch.bool, device=DEVICE), 32, dense_tail=64,
+                router=_router_partials(0, 16, 2, gen))
+
+
+@pytest.mark.parametrize("op", ["gemm_mn", "ffn_up"])
+def test_batch1_gemv_reads_a_strided_mask(op):
+    # a column of a wider bool tensor: non-contiguous, the GEMV must not read it as contiguous
+    gen = torch.Generator().manual_seed(21)
+    G, ng, K = 16, 4, 64
+    x, ws = _inputs(1, K, G * ng, torch.float32, gen, n_w=2)
+    mask = (torch.rand(ng, 3, generator=gen) < 0.5).to(DEVICE).t()[:1]
+    mask[0, 0], mask[0, 1] = True, False
+    assert not mask.is_contiguous()
+    if op == "ffn_up":
+        y, ref = ffn_up(x, ws[0], ws[1], mask, G), ffn_up_reference(x, ws[0], ws[1], mask, G)
+    else:
+        y, ref = gemm_mn(x, ws[0], mask, G), gemm_mn_reference(x, ws[0], mask, G)
+    assert rel_err(y, ref) < 1e-5

@@ -20,7 +20,9 @@ Decode is launch-bound at small batch: a layer of plain PyTorch ops is ~50 tiny 
 Small Triton kernels here cut that down, for the routed and the dense engine alike: one
 fuses the residual add, RMSNorm and the router (a group runs iff its margin >= 0), each row
 split over 256-column programs with the last one to finish reducing the router's partial
-sums; one applies RoPE to q and k and writes k and v into the cache. Prefill has the same
+sums (at batch 1 the norm stops at the partial sums and the q / gate-up GEMV finishes the
+router per group and writes the mask, which saves the norm its cross-program round trips);
+one applies RoPE to q and k and writes k and v into the cache. Prefill has the same
 two (one program per row for the norm; token blocks for RoPE), a router kernel that reads the
 bf16 rows directly (no fp32 copy), and the dense engine a one-pass SiLU*up. They round to the
 model dtype where the HF ops round; their fp32 internals (summation order, Triton's sqrt and
@@ -99,12 +101,14 @@ if HAS_TRITON:
                            H, G, NCHUNK, stride_x, stride_d, stride_res, stride_y, stride_m,
                            HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
                            R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                           NC_PAD: tl.constexpr, G_PAD: tl.constexpr):
+                           NC_PAD: tl.constexpr, G_PAD: tl.constexpr, FINAL: tl.constexpr):
         # Program (token, chunk): residual add, RMSNorm (HF rounding) and the router's first
         # linear on its CHUNK columns; the last chunk program of a token to finish adds the
         # partial router sums in chunk order and writes the mask (margin >= 0). One program per
         # token was latency-bound: a single SM walking 16 x H fp32 router weights in a loop took
         # ~40 us per call on an H200 (bench/results/e2e.md profile), 2.5 ms of a 6 ms decode step.
+        # FINAL=False (batch 1): stop at the partial sums; the next GEMV finishes the router
+        # (gemm_mn's RouterPartials), which saves this kernel the ticket round trips.
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -140,6 +144,8 @@ if HAS_TRITON:
             w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
             part = tl.sum(w * src[None, :], axis=1)
             tl.store(hp_ptr + (row * NCHUNK + c) * R + offs_r, part)
+        if ROUTE and FINAL:
+            offs_r = tl.arange(0, R)
             # The router's second linear (rows 2g execute, 2g+1 skip) is loaded by every
             # program before the ticket, so the reducing program does not wait on it after.
             gs = tl.arange(0, G_PAD)
@@ -557,8 +563,10 @@ class AcceleratedModel:
                 G_PAD=max(16, triton.next_power_of_2(G)), num_warps=4)
         return mask.view(*x.shape[:-1], G)
 
-    def _norm_route(self, i, kind, x, delta):
-        """Decode: (new residual, normed, mask [B, G] bool or None)."""
+    def _norm_route(self, i, kind, x, delta, defer: bool = False):
+        """Decode: (new residual, normed, mask [B, G] bool or None, RouterPartials or None).
+        ``defer`` (batch 1, kernel backend): the mask is an empty buffer that the next GEMV
+        fills from the returned RouterPartials."""
         L = self.layers[i]
         norm = L.attn_norm if kind == "attn" else L.ffn_norm
         # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
@@ -567,12 +575,14 @@ class AcceleratedModel:
         if self.backend != "triton":
             resid = x if delta is None else x + delta
             normed = _hf_rms(norm, resid)
-            return resid, normed, self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
+            mask = self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
+            return resid, normed, mask, None
         router = L.routers.get(kind) if fused_route else None
-        resid, normed, mask = self._launch_norm_route(x, delta, norm, router)
+        resid, normed, mask, rp = self._launch_norm_route(x, delta, norm, router,
+                                                          defer=defer and x.shape[0] == 1)
         if router is None and self._routed(kind):
             mask = self._mask_torch(i, kind, resid, normed, getattr(self, "_amask", None))
-        return resid, normed, mask
+        return resid, normed, mask, rp
 
     # -------------------------------------------------------------- prefill
 
@@ -661,7 +671,7 @@ class AcceleratedModel:
             x = x if delta is None else x + delta
             return x, _hf_rms(norm, x)
         B, T, H = x.shape
-        resid, normed, _ = self._launch_norm_route(
+        resid, normed, _, _ = self._launch_norm_route(
             x.reshape(B * T, H), None if delta is None else delta.reshape(B * T, H), norm, None,
             chunk=triton.next_power_of_2(H))
         return resid.view(B, T, H), normed.view(B, T, H)
@@ -729,8 +739,12 @@ class AcceleratedModel:
         seq_lens = (pos + 1).to(torch.int32)
         if kern:
             from .kernels import build_route, decode_attention, ffn_up, gemm_mn
+        # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
+        # (WIDE_DEFER_ROUTER=0: the norm kernel does, as for larger batches; read when a step
+        # runs eagerly, so a captured graph keeps the setting it was captured with).
+        defer = kern and os.environ.get("WIDE_DEFER_ROUTER", "1") != "0"
         for i, L in enumerate(self.layers):
-            x, hn, ma = self._norm_route(i, "attn", x, delta)
+            x, hn, ma, rpa = self._norm_route(i, "attn", x, delta, defer=defer)
             self._amask = ma
             if record is not None:
                 record.append((i, "attn", ma))
@@ -739,13 +753,14 @@ class AcceleratedModel:
                 q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
             elif ma is not None and kern and L.wqkv is not None:
                 route_a = build_route(ma)
-                qkv = gemm_mn(hn, L.wqkv, ma, self.attn_gs * D, route=route_a, dense_tail=L.wkv.shape[0])
+                qkv = gemm_mn(hn, L.wqkv, ma, self.attn_gs * D, route=route_a, dense_tail=L.wkv.shape[0],
+                              router=rpa)
                 q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
             else:
                 kv = F.linear(hn, L.wkv)
                 if ma is not None and kern:
                     route_a = build_route(ma)
-                    q = gemm_mn(hn, L.wq, ma, self.attn_gs * D, route=route_a)
+                    q = gemm_mn(hn, L.wq, ma, self.attn_gs * D, route=route_a, router=rpa)
                 else:
                     q = F.linear(hn, L.wq)
             if kern:
@@ -775,12 +790,12 @@ class AcceleratedModel:
                 if ma is not None:
                     att = att * ma.repeat_interleave(Hq // self.attn_groups, dim=-1)[..., None].to(att.dtype)
                 o = F.linear(att.reshape(B, Hq * D), L.wo)
-            x, hn, mf = self._norm_route(i, "ffn", x, o)
+            x, hn, mf, rpf = self._norm_route(i, "ffn", x, o, defer=defer)
             if record is not None:
                 record.append((i, "ffn", mf))
             if mf is not None and kern:
                 route_f = build_route(mf)
-                u = ffn_up(hn, L.wg, L.wu, mf, self.ffn_gs, route=route_f)
+                u = ffn_up(hn, L.wg, L.wu, mf, self.ffn_gs, route=route_f, router=rpf)
                 delta = self._reduce_k(u, L.wd, mf, self.ffn_gs, route_f)
             else:
                 delta = self._ffn(L, hn, mf)
@@ -798,15 +813,19 @@ class AcceleratedModel:
         return m
 
     def _norm_route_final(self, x, delta):
-        resid, normed, _ = self._launch_norm_route(x, delta, self.final_norm, None)
+        resid, normed, _, _ = self._launch_norm_route(x, delta, self.final_norm, None)
         return resid, normed, None
 
-    def _launch_norm_route(self, x, delta, norm, router, chunk: int = 256):
+    def _launch_norm_route(self, x, delta, norm, router, chunk: int = 256, defer: bool = False):
         """Residual add + RMSNorm (+ the router's mask when ``router`` is given) in one launch
-        over (token, column chunk) programs; returns (residual, normed, mask [B, G] or None).
-        Every chunk program reads its whole row for the sum of squares, so many rows (prefill)
-        take one program per row (``chunk`` >= H)."""
+        over (token, column chunk) programs; returns (residual, normed, mask [B, G] or None,
+        RouterPartials or None). Every chunk program reads its whole row for the sum of
+        squares, so many rows (prefill) take one program per row (``chunk`` >= H).
+        ``defer`` (one token): only the router's partial sums are computed; the mask is left
+        for the GEMV given the returned RouterPartials to write."""
         B, H = x.shape
+        if defer and B != 1:
+            raise ValueError(f"a deferred router needs one token, got {B}")
         resid = x if delta is None else torch.empty_like(x)
         normed = torch.empty_like(x)
         chunk = min(chunk, triton.next_power_of_2(H))
@@ -843,8 +862,14 @@ class AcceleratedModel:
             HAS_DELTA=delta is not None, ROUTE=router is not None,
             NORMED_IN=self.cfg is not None and self.cfg.router_input == "normed",
             R=R, BLOCK=block, CHUNK=chunk, NC_PAD=max(2, triton.next_power_of_2(nchunk)),
-            G_PAD=max(16, triton.next_power_of_2(G)), num_warps=8 if block >= 4096 else 4)
-        return resid, normed, mask
+            G_PAD=max(16, triton.next_power_of_2(G)), FINAL=not defer,
+            num_warps=8 if block >= 4096 else 4)
+        if defer and router is not None:
+            from .kernels import RouterPartials
+            rp = RouterPartials(hp[0], router.down.bias, router.up.weight, router.up.bias,
+                                router.offset)
+            return resid, normed, mask, rp
+        return resid, normed, mask, None
 
     @torch.no_grad()
     def decode(self, tok: torch.Tensor, pos: Optional[torch.Tensor] = None) -> torch.Tensor:

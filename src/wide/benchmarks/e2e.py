@@ -337,6 +337,10 @@ def main(argv=None) -> int:
                            f"({nr['mask_flips']} mask flips of {nr['decisions']}, allowed at |margin| < "
                            f"{nr['flip_margin']:g} std; normed rel err {nr['normed_err']:.1e})", nr["normed_err"],
                            nr["ok"]))
+            dr = check_deferred_router(routed)
+            checks.append((f"batch-1 router finished inside the q and gate/up GEMVs vs PyTorch, every layer "
+                           f"and module, {dr['rows']} rows ({dr['mask_flips']} mask flips of {dr['decisions']}, "
+                           f"allowed at |margin| < {dr['flip_margin']:g} std)", dr["flip_rate"], dr["ok"]))
             pr = check_prefill_router(routed)
             checks.append((f"prefill router kernel vs PyTorch, 4096 tokens, every layer and module "
                            f"({pr['mask_flips']} mask flips of {pr['decisions']}, allowed at |margin| < "
@@ -499,29 +503,67 @@ def check_norm_route(engine, B: int = 32, reps: int = 3, flip_margin: float = 1e
     is the check that its last-program reduction sees every partial on the GPU. A decision may
     differ only where the fp32 margin is within ``flip_margin`` standard deviations of zero
     (summation order, one-ulp differences of the normed input)."""
-    dev, dt, H = engine.device, engine.dtype, engine.hidden
     g = torch.Generator(device="cpu").manual_seed(11)
     flips = decisions = 0
     worst = 0.0
     ok = True
     for _ in range(reps):
-        for L in engine.layers:
-            for kind, norm in (("attn", L.attn_norm), ("ffn", L.ffn_norm)):
-                router = L.routers.get(kind)
-                if router is None:
-                    continue
-                x = torch.randn(B, H, generator=g).to(dev, dt)
-                d = torch.randn(B, H, generator=g).to(dev, dt)
-                resid, normed, mask = engine._launch_norm_route(x, d, norm, router)
-                r_ref = x + d
-                n_ref = norm.forward(r_ref)
-                src = n_ref if engine.cfg.router_input == "normed" else r_ref
-                f, n, near_ok = _flips(mask, router.margin(src), flip_margin)
-                flips, decisions = flips + f, decisions + n
-                ok &= bool(torch.equal(resid, r_ref)) and near_ok
-                worst = max(worst, float((normed.float() - n_ref.float()).norm() / n_ref.float().norm()))
+        for L, kind, norm, router, x, d in _router_cases(engine, g, B):
+            resid, normed, mask, _ = engine._launch_norm_route(x, d, norm, router)
+            r_ref = x + d
+            n_ref = norm.forward(r_ref)
+            src = n_ref if engine.cfg.router_input == "normed" else r_ref
+            f, n, near_ok = _flips(mask, router.margin(src), flip_margin)
+            flips, decisions = flips + f, decisions + n
+            ok &= bool(torch.equal(resid, r_ref)) and near_ok
+            worst = max(worst, float((normed.float() - n_ref.float()).norm() / n_ref.float().norm()))
     return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
             "normed_err": worst, "ok": ok and worst < 1e-2}
+
+
+def _router_cases(engine, g, rows: int):
+    """(layer, kind, norm, router, x, d) for every routed module, with fresh random bf16 rows
+    x (residual) and d (delta) [rows, hidden]."""
+    dev, dt, H = engine.device, engine.dtype, engine.hidden
+    for L in engine.layers:
+        for kind, norm in (("attn", L.attn_norm), ("ffn", L.ffn_norm)):
+            router = L.routers.get(kind)
+            if router is not None:
+                x = torch.randn(rows, H, generator=g).to(dev, dt)
+                d = torch.randn(rows, H, generator=g).to(dev, dt)
+                yield L, kind, norm, router, x, d
+
+
+@torch.no_grad()
+def check_deferred_router(engine, rows: int = 16, flip_margin: float = 1e-2) -> dict:
+    """Batch-1 decode leaves the router at its partial sums in the norm kernel and lets the
+    first GEMV of the module (q+k/v, gate/up) finish it and write the mask: that mask, for
+    ``rows`` random single-token rows per layer and module, against the router module."""
+    from ..kernels import ffn_up, gemm_mn
+    g = torch.Generator(device="cpu").manual_seed(13)
+    flips = decisions = 0
+    ok = True
+    for L, kind, norm, router, x, d in _router_cases(engine, g, rows):
+        r_ref = x + d
+        src = norm.forward(r_ref) if engine.cfg.router_input == "normed" else r_ref
+        margin = router.margin(src)
+        masks = []
+        for r in range(rows):
+            _, normed, mask, rp = engine._launch_norm_route(x[r:r + 1], d[r:r + 1], norm, router,
+                                                            defer=True)
+            mask.copy_(margin[r:r + 1] < 0)  # wrong everywhere until the GEMV writes it
+            if kind == "ffn":
+                ffn_up(normed, L.wg, L.wu, mask, engine.ffn_gs, router=rp)
+            elif L.wqkv is not None:
+                gemm_mn(normed, L.wqkv, mask, engine.attn_gs * engine.head_dim,
+                        dense_tail=L.wkv.shape[0], router=rp)
+            else:
+                gemm_mn(normed, L.wq, mask, engine.attn_gs * engine.head_dim, router=rp)
+            masks.append(mask)
+        f, n, near_ok = _flips(torch.cat(masks), margin, flip_margin)
+        flips, decisions, ok = flips + f, decisions + n, ok and near_ok
+    return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin, "rows": rows,
+            "flip_rate": flips / max(1, decisions), "ok": ok}
 
 
 def _flips(mask: torch.Tensor, margin: torch.Tensor, flip_margin: float):

@@ -14,7 +14,8 @@ the row tile fastest, so consecutive programs reuse the same weight slice from L
 The grid is sized for the worst case (every token in every group), so nothing waits on the
 host. For T <= 16 (decode) rows are the tokens themselves with a per-row mask (no reordering
 launch), and each program skips the whole K loop, i.e. the group's weight bytes, when none
-of its tokens uses the group.
+of its tokens uses the group. At T = 1 both ops run a CUDA-core GEMV instead (no MMA tile to
+pad), which can also finish a half-evaluated router and write the mask (``RouterPartials``).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
-from .routing import (DIRECT_MAX_T, RouteIndex, autotune_enabled, check_group_size, check_mask,
-                      interpret_mode, largest_pow2_divisor, next_pow2, split_tickets)
+from .routing import (DIRECT_MAX_T, RouteIndex, RouterPartials, autotune_enabled, check_group_size,
+                      check_mask, interpret_mode, largest_pow2_divisor, next_pow2, split_tickets)
 
 __all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
 
@@ -149,31 +150,72 @@ def _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S: tl.constexpr):
 
 
 @triton.jit
-def _gemv_mn_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, GS, NG_MASKED, stride_wn,
-                    BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
+def _router_decision(g, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK,
+                     R: tl.constexpr, NC_PAD: tl.constexpr):
+    """Group g's routing decision of one token from the router's per-chunk partial sums
+    (written by the decode norm kernel): h = sum of partials + bias, margin = (u[2g] - u[2g+1]) . h
+    + biases + offset, run iff margin >= 0 (TokenRouter.margin, the norm kernel's last step)."""
+    cs = tl.arange(0, NC_PAD)
+    rr = tl.arange(0, R)
+    parts = tl.load(hp_ptr + cs[:, None] * R + rr[None, :], mask=(cs < NCHUNK)[:, None], other=0.0)
+    h = tl.sum(parts, axis=0) + tl.load(hb_ptr + rr)
+    l0 = tl.sum(tl.load(uw_ptr + (2 * g) * R + rr) * h, axis=0) + tl.load(ub_ptr + 2 * g)
+    l1 = tl.sum(tl.load(uw_ptr + (2 * g + 1) * R + rr) * h, axis=0) + tl.load(ub_ptr + 2 * g + 1)
+    return (l0 - l1 + tl.load(off_ptr)) >= 0
+
+
+@triton.jit
+def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, GS, NG_MASKED,
+                    stride_wn, stride_w2n, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK,
+                    BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, FUSED: tl.constexpr,
+                    ROUTER: tl.constexpr, R: tl.constexpr, NC_PAD: tl.constexpr):
     # One token (batch-1 decode): BN weight rows x a 1/S share of K per program, CUDA-core FMAs
     # on whole contiguous rows and one row reduction at the end. Measured on an H200 against the
     # tl.dot path (whose 16-row MMA tile is 15/16 padding here): q 8.9 vs 11.5 us, q+k+v 12.8
-    # vs 13.8 us (bench/results/decode_gemv_sweep.md). A program of an inactive group loads
-    # nothing and, unsplit, stores its zeros.
+    # vs 13.8 us (bench/results/decode_gemv_sweep.md). A program of an inactive group loads no
+    # weights and, unsplit, stores its zeros. FUSED (ffn_up, never split): the same BN rows of
+    # the gate and up weights, silu(gate) * up in the epilogue. ROUTER: the mask is an output;
+    # each program derives its group's decision from the router partials (no launch and no
+    # cross-program ticket in the norm kernel), the first program of the group stores it for
+    # the operators after this one.
+    tl.static_assert((not FUSED) or (S == 1), "the fused SiLU*up epilogue needs whole sums")
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     n_ok = n < N
     g = (pid * BN) // GS  # BN divides GS: a program never straddles two groups
-    act = tl.load(mask_ptr + g, mask=g < NG_MASKED, other=1)
+    if ROUTER:
+        routed = g < NG_MASKED
+        on = _router_decision(tl.minimum(g, NG_MASKED - 1), hp_ptr, hb_ptr, uw_ptr, ub_ptr,
+                              off_ptr, NCHUNK, R, NC_PAD)
+        act = (on | (g >= NG_MASKED)).to(tl.int32)
+        tl.store(mask_ptr + g, on.to(tl.uint8),
+                 mask=routed & ((pid * BN) % GS == 0) & (tl.program_id(1) == 0))
+    else:
+        act = tl.load(mask_ptr + g, mask=g < NG_MASKED, other=1)
     kc = tl.cdiv(tl.cdiv(K, S), BK) * BK
     k_lo = tl.program_id(1) * kc
     k_hi = tl.minimum(K, k_lo + kc)
     k_end = tl.where(act != 0, k_hi, k_lo)
     k = tl.arange(0, BK)
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    w2_rows = w2_ptr + n[:, None].to(tl.int64) * stride_w2n
     acc = tl.zeros([BN, BK], dtype=tl.float32)
+    acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(k_lo, k_end, BK):
         k_ok = (k0 + k) < k_hi
         xk = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * xk[None, :]
-    _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
+        if FUSED:
+            w2 = tl.load(w2_rows + (k0 + k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 += w2.to(tl.float32) * xk[None, :]
+    if FUSED:
+        # silu in fp32 as in the tl.dot epilogue; inactive groups give exact zeros.
+        gate = tl.sum(acc, axis=1)
+        out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc2, axis=1)
+        tl.store(y_ptr + n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
 
 
 def _gcfg(bn, bk, w, s):
@@ -184,12 +226,15 @@ def _gcfg(bn, bk, w, s):
 _GEMV_CFGS = [_gcfg(4, 1024, 8, 1), _gcfg(4, 512, 8, 1), _gcfg(4, 512, 4, 1), _gcfg(4, 1024, 4, 1),
               _gcfg(16, 1024, 8, 1), _gcfg(8, 512, 8, 2)]
 GEMV_MAX_SPLIT = 2
+# Fused gate/up: two weight streams per program, and the SiLU needs whole sums (no split).
+_GEMV_FUSED_CFGS = [_gcfg(2, 1024, 4, 1), _gcfg(2, 512, 4, 1), _gcfg(4, 1024, 8, 1),
+                    _gcfg(4, 512, 4, 1), _gcfg(4, 512, 8, 1), _gcfg(8, 512, 8, 1)]
 
 
-def _gemv_heuristic(K: int, gs: int) -> dict:
+def _gemv_heuristic(K: int, gs: int, fused: bool) -> dict:
     if interpret_mode():  # few, wide programs: the interpreter pays per program
-        return dict(BN=largest_pow2_divisor(gs, 64), BK=32,
-                    S=_routing.INTERPRET_GEMV_SPLIT if K > 32 else 1, num_warps=4)
+        split = _routing.INTERPRET_GEMV_SPLIT if K > 32 and not fused else 1
+        return dict(BN=largest_pow2_divisor(gs, 64), BK=32, S=split, num_warps=4)
     return dict(BN=4, BK=512, S=1, num_warps=4)  # BN divides every group size (16 k)
 
 
@@ -246,6 +291,8 @@ _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
                          prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 _tuned_gemv = triton.autotune(configs=_GEMV_CFGS, key=["N", "K", "GS", "NG_MASKED"],
                               **_BENCH)(_gemv_mn_kernel)
+_tuned_gemv_fused = triton.autotune(configs=_GEMV_FUSED_CFGS, key=["N", "K", "GS", "NG_MASKED"],
+                                    **_BENCH)(_gemv_mn_kernel)
 _tuned_fused = triton.autotune(configs=_DECODE_CFGS + _FUSED_PREFILL_CFGS, key=_KEY,
                                prune_configs_by={"early_config_prune": _prune}, **_BENCH)(_plain_kernel)
 
@@ -278,8 +325,13 @@ def _check_inputs(x, ws, mask, group_size, out, dense_tail=0):
     return T, N, K, ng
 
 
-def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
+def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=None):
     T, N, K, ng = _check_inputs(x, ws, mask, group_size, out, dense_tail)
+    if router is not None:
+        if T != 1 or K == 0 or not mask.is_contiguous() or ng == dense_tail // group_size:
+            raise ValueError("router partials need one token (T == 1), K > 0, routed groups and "
+                             "a contiguous mask to write")
+        router.check(ng - dense_tail // group_size, x.device)
     y = out if out is not None else torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
@@ -291,8 +343,8 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0):
     if route is not None and (route.num_tokens != T or route.num_groups != ng - dense_tail // group_size):
         raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
                          f"expected [{T}, {ng - dense_tail // group_size}]")
-    if T == 1 and not fused:
-        _launch_gemv(x, ws[0], y, mask, group_size, ng - dense_tail // group_size)
+    if T == 1:
+        _launch_gemv(x, ws, y, mask, group_size, ng - dense_tail // group_size, fused, router)
         return y
     if dense_tail and not direct:
         # Prefill: the tail is an ordinary GEMM, as fast as cuBLAS makes it.
@@ -351,16 +403,24 @@ def gemv_launch_state(device: torch.device, N: int):
     return wsp, split_tickets(device, triton.cdiv(N, 4)), grid
 
 
-def _launch_gemv(x, w, y, mask, group_size, ng_masked):
+def _launch_gemv(x, ws, y, mask, group_size, ng_masked, fused, router=None):
     T, K = x.shape
+    w, w2 = ws[0], ws[-1]
     N = w.shape[0]
-    m = mask.contiguous().view(torch.uint8)
+    m = mask.contiguous().view(torch.uint8)  # the router path's mask is checked contiguous
     wsp, tickets, grid = gemv_launch_state(x.device, N)
-    args = (x, w, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0))
-    if autotune_enabled():
-        _tuned_gemv[grid](*args)
+    if router is not None:
+        hp = router.partials
+        rargs = (hp, router.down_bias, router.up_weight, router.up_bias, router.offset, hp.shape[0])
+        rflags = dict(ROUTER=True, R=hp.shape[1], NC_PAD=max(2, next_pow2(hp.shape[0])))
     else:
-        _gemv_mn_kernel[grid](*args, **_gemv_heuristic(K, group_size))
+        rargs = (m, m, m, m, m, 0)
+        rflags = dict(ROUTER=False, R=16, NC_PAD=2)
+    args = (x, w, w2, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0), w2.stride(0)) + rargs
+    if autotune_enabled():  # (tuning reruns are harmless: every run writes the same y and mask)
+        (_tuned_gemv_fused if fused else _tuned_gemv)[grid](*args, FUSED=fused, **rflags)
+    else:
+        _gemv_mn_kernel[grid](*args, **_gemv_heuristic(K, group_size, fused), FUSED=fused, **rflags)
 
 
 # Split-K chunks are multiples of the largest BK, so every chunk is whole BK steps.
@@ -377,22 +437,27 @@ def decode_splits(n_programs: int, K: int) -> int:
 
 def gemm_mn(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
             route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None,
-            dense_tail: int = 0) -> torch.Tensor:
+            dense_tail: int = 0, router: Optional[RouterPartials] = None) -> torch.Tensor:
     """Output-width routed ``x [T, K] @ w[N, K].T`` -> ``[T, N]``; group g = columns
     ``g*group_size:(g+1)*group_size`` computed where ``mask[t, g]``, exact zeros elsewhere.
 
     ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
     ``dense_tail`` trailing columns (a multiple of ``group_size``; ``mask`` has no columns for
     them) are computed for every token: decode runs routed Q and dense K/V in one launch.
+    ``router`` (one token only): ``mask`` is then an output, each group's decision computed in
+    the kernel from the router's partial sums (:class:`RouterPartials`).
     """
-    return _launch(x, [w], mask, group_size, route, out, fused=False, dense_tail=dense_tail)
+    return _launch(x, [w], mask, group_size, route, out, fused=False, dense_tail=dense_tail,
+                   router=router)
 
 
 def ffn_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, mask: torch.Tensor,
            group_size: int, route: Optional[RouteIndex] = None,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Fused ``silu(x w_gate^T) * (x w_up^T)`` on the active groups (zeros elsewhere)."""
-    return _launch(x, [w_gate, w_up], mask, group_size, route, out, fused=True)
+           out: Optional[torch.Tensor] = None,
+           router: Optional[RouterPartials] = None) -> torch.Tensor:
+    """Fused ``silu(x w_gate^T) * (x w_up^T)`` on the active groups (zeros elsewhere).
+    ``router``: as in :func:`gemm_mn` (``mask`` written by the kernel)."""
+    return _launch(x, [w_gate, w_up], mask, group_size, route, out, fused=True, router=router)
 
 
 def _col_mask(mask: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
-__all__ = ["RouteIndex", "build_route", "route_reference", "used_groups_reference"]
+__all__ = ["RouteIndex", "RouterPartials", "build_route", "route_reference",
+           "used_groups_reference"]
 
 # Tokens at or below this count take the "direct" (decode) path: rows are the tokens
 # themselves with a per-row mask, so no reordering launch is needed.
@@ -328,6 +329,38 @@ class RouteIndex:
 def build_route(mask: torch.Tensor) -> RouteIndex:
     """Wrap a bool mask ``[T, n_groups]``; derived index tensors are built on first use."""
     return RouteIndex(mask)
+
+
+@dataclass
+class RouterPartials:
+    """One token's router, half evaluated, for batch-1 decode: ``partials [n_chunks, R]`` fp32
+    sums of the router's first linear over column chunks of its input (the decode norm kernel
+    writes them), and the rest of the :class:`~wide.routers.TokenRouter` (``down_bias [R]``,
+    ``up_weight [2G, R]``, ``up_bias [2G]``, ``offset []``, all fp32). Given to ``gemm_mn`` /
+    ``ffn_up``, the kernel finishes the router itself (the group's decision is needed there
+    first) and writes the mask for the operators after it. The engine's ``partials`` is a view
+    of scratch that the next norm launch overwrites: consume it (in stream order) before that."""
+    partials: torch.Tensor
+    down_bias: torch.Tensor
+    up_weight: torch.Tensor
+    up_bias: torch.Tensor
+    offset: torch.Tensor
+
+    def check(self, num_groups: int, device) -> None:
+        p = self.partials
+        if p.dim() != 2 or not p.is_contiguous():
+            raise ValueError("router partials must be a contiguous [n_chunks, R] tensor")
+        R = p.shape[1]
+        if R & (R - 1) or R < 1:
+            raise ValueError(f"router rank {R} must be a power of two for the fused decision")
+        want = {"partials": (p, tuple(p.shape)), "down_bias": (self.down_bias, (R,)),
+                "up_weight": (self.up_weight, (2 * num_groups, R)),
+                "up_bias": (self.up_bias, (2 * num_groups,)), "offset": (self.offset, ())}
+        for name, (t, shape) in want.items():
+            if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device \
+                    or not t.is_contiguous():
+                raise ValueError(f"router {name} must be a contiguous float32 tensor of shape "
+                                 f"{list(shape)} on {device}, got {t.dtype} {list(t.shape)} on {t.device}")
 
 
 def route_reference(mask: torch.Tensor):
