@@ -2,7 +2,8 @@
 # A quick check in one device call (~3 min on one H200): the decode GEMV probe, the GEMM kernel
 # tests compiled (bf16 included), and the e2e benchmark at 50 % (TTFT 4k, TPOT batch 1).
 # PROBE=0 / TESTS=0 skip a part; TESTS_K narrows the tests (pytest -k); KERNELS=1 adds the T=1
-# kernel bench; E2E_ARGS=--profile adds the per-kernel profiles. Everything is packed into
+# kernel bench; PREFILL_SWEEP=1 the prefill gemm_mn/ffn_up tile and TMA sweep; E2E=0 skips the
+# e2e bench; E2E_ARGS=--profile adds the per-kernel profiles. Everything is packed into
 # $OUT/r.tgz (the device tool returns at most 8 files).
 #   run: E2E_ARGS=--profile bash bench/dev_run.sh
 set -u
@@ -24,8 +25,15 @@ if [ "${KERNELS:-0}" != 0 ]; then
     --out-dir $R/k > $R/k/kernels.log 2>&1
   echo "kernels exit $?"; grep -E "^\| (gemm|ffn)" $R/k/kernels.md
 fi
-timeout ${E2E_S:-240} python -m wide.benchmarks.e2e --out-dir $R --sparsities 0.5 --prompt-lens 4096 \
-  --batches 1 --reps 3 --decode-steps 16 --budget-s 150 --no-hf ${E2E_ARGS:-} > $R/e2e.log 2>&1
-echo "e2e exit $?"; grep -E "check|TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
-grep -E "^\| 1 \|" $R/e2e.md | head
+if [ "${PREFILL_SWEEP:-0}" != 0 ]; then
+  timeout ${PREFILL_SWEEP_S:-300} python bench/prefill_gemm_sweep.py --out $R/prefill_gemm_sweep \
+    > $R/prefill_sweep.log 2>&1
+  echo "prefill sweep exit $?"; cat $R/prefill_gemm_sweep.md 2>/dev/null | tail -n 8
+fi
+if [ "${E2E:-1}" != 0 ]; then
+  timeout ${E2E_S:-240} python -m wide.benchmarks.e2e --out-dir $R --sparsities 0.5 --prompt-lens 4096 \
+    --batches 1 --reps 3 --decode-steps 16 --budget-s 150 --no-hf ${E2E_ARGS:-} > $R/e2e.log 2>&1
+  echo "e2e exit $?"; grep -E "check|TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
+  grep -E "^\| 1 \|" $R/e2e.md | head
+fi
 tar czf $OUT/r.tgz -C $R .

@@ -416,3 +416,17 @@ def test_batch1_gemv_reads_a_strided_mask(op):
     else:
         y, ref = gemm_mn(x, ws[0], mask, G), gemm_mn_reference(x, ws[0], mask, G)
     assert rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
+def test_prefill_sweep_variants_match_reference():
+    # bench/prefill_gemm_sweep.py (TMA-descriptor weight tiles; the library kernel at tiles its
+    # autotuner does not try) on tiny shapes, so a GPU session can trust the sweep's numbers
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "prefill_gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("prefill_gemm_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check-only"]) == 0
