@@ -267,3 +267,36 @@ def test_prefill_kernels_match_torch_backend_across_token_blocks():
     for a, b in zip(*outs):
         assert rel(a, b) < 1e-5
 
+
+
+class _AlwaysCublas(dict):
+    """A K_CHOICES whose every key is measured, with cuBLAS the faster."""
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return "cublas"
+
+
+def test_cublas_choices_match_masked_path(monkeypatch):
+    # On a GPU the engine measures routed kernel vs cuBLAS per projection and T bucket (the
+    # union of many tokens' groups is ~every group). Forced to cuBLAS everywhere here: prefill
+    # and batch-2 decode must still match the masked path (inactive q heads unused, the FFN
+    # activation zero in inactive groups); batch 1 keeps the routed q and gate/up (they write
+    # the deferred router's masks) with O and down on cuBLAS.
+    import wide.inference as inf
+
+    monkeypatch.setattr(inf, "K_CHOICES", _AlwaysCublas())
+    model = routed(seed=4)
+    ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    eng = accelerate(model, backend="triton")
+    for B in (2, 1):
+        eng.setup_cache(B, 32)
+        out = eng.prefill(ids[:B, :10])
+        assert rel(out, ref[:B, 9]) < 1e-5, B
+        for t in range(10, 14):
+            out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long))
+            assert rel(out, ref[:B, t]) < 1e-5, (B, t)

@@ -211,18 +211,24 @@ if HAS_TRITON:
                  mask=r_ok[:, None] & g_ok[None, :])
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, y_ptr, I, stride_gu, stride_y, BLOCK: tl.constexpr):
-        # Dense engine's FFN activation, silu(gate) * up from the fused gate/up GEMM output in
-        # one pass, rounding where F.silu(g) * u rounds (the routed ffn_up kernel fuses it into
-        # its epilogue, so the baseline gets the fused pass too).
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, m_ptr, I, GS, stride_g, stride_u, stride_y, stride_m,
+                         BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        # silu(gate) * up from cuBLAS gate/up outputs in one pass, rounding where
+        # F.silu(g) * u rounds: the dense engine's FFN activation (the routed ffn_up kernel
+        # fuses it into its epilogue, so the baseline gets the fused pass too), and, MASKED,
+        # the routed engine's when cuBLAS measured faster than ffn_up (exact zeros in the
+        # token's inactive groups, as down's input must be).
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < I
-        g = tl.load(gu_ptr + row * stride_gu + c, mask=ok, other=0.0)
-        u = tl.load(gu_ptr + row * stride_gu + I + c, mask=ok, other=0.0)
+        if MASKED:
+            ok = ok & (tl.load(m_ptr + row * stride_m + c // GS, mask=ok, other=0) != 0)
+        g = tl.load(g_ptr + row * stride_g + c, mask=ok, other=0.0)
+        u = tl.load(u_ptr + row * stride_u + c, mask=ok, other=0.0)
         gf = g.to(tl.float32)
         a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(y_ptr + row * stride_y + c, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+        tl.store(y_ptr + row * stride_y + c, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+                 mask=c < I)
 
     @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2):
@@ -304,6 +310,21 @@ if HAS_TRITON:
             vb = v_ptr + b * stride_v + kh * 2 * HALF
             tl.store(vc_ptr + dst + d, tl.load(vb + d))
             tl.store(vc_ptr + dst + HALF + d, tl.load(vb + HALF + d))
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor, mask: Optional[torch.Tensor] = None,
+              group_size: int = 1) -> torch.Tensor:
+    """silu(g) * u [T, I] in one Triton pass (rows of g and u with unit column stride), with
+    exact zeros in the groups where ``mask [T, I // group_size]`` is False when given."""
+    T, I = g.shape
+    y = torch.empty((T, I), dtype=g.dtype, device=g.device)
+    if T:
+        m = mask.contiguous().view(torch.uint8) if mask is not None else y
+        _silu_mul_kernel[(T, triton.cdiv(I, 1024))](
+            g, u, y, m, I, group_size, g.stride(0), u.stride(0), y.stride(0),
+            m.stride(0) if mask is not None else 0, BLOCK=1024, MASKED=mask is not None,
+            num_warps=4)
+    return y
 
 
 def _rotate_half(x):
@@ -618,9 +639,9 @@ class AcceleratedModel:
                 kv = F.linear(h2, L.wkv)
                 if ma is not None and kern:
                     ma2 = ma.reshape(B * T, -1)
-                    from .kernels import build_route, gemm_mn
+                    from .kernels import build_route
                     route_a = build_route(ma2)
-                    q = gemm_mn(h2, L.wq, ma2, self.attn_gs * D, route=route_a)
+                    q = self._q_proj(L, h2, ma2, route_a)
                 else:
                     q = F.linear(h2, L.wq)
             if kern:
@@ -684,44 +705,70 @@ class AcceleratedModel:
         0.6-0.8x of cuBLAS at T >= 64), while decode reads only the used groups' weights. So the
         faster of the two is measured once per shape and T bucket, on CUDA with autotuning on."""
         from .kernels import gemm_k
-        from .kernels.routing import autotune_enabled, next_pow2
+        return self._measured("gemm_k", x, w, group_size,
+                              lambda: gemm_k(x, w, mask, group_size, route=route),
+                              lambda: F.linear(x, w))
+
+    def _measured(self, op: str, x, w, group_size: int, routed: Callable, dense: Callable):
+        """``routed()`` or ``dense()`` (cuBLAS; the same values wherever they are used), whichever
+        was measured faster for this op, weight shape, group size and T bucket: once, on CUDA
+        with autotuning on (K_CHOICES), else the routed kernel. Timed as CUDA-graph replays:
+        eager timing of a ~20 us decode kernel measures mostly its Python launch cost, which
+        made cuBLAS (one launch) win every T bucket."""
+        from .kernels.routing import autotune_enabled, next_pow2, time_graph
+
+        key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
+        if key not in K_CHOICES and (self.device.type != "cuda" or not autotune_enabled()):
+            return routed()
+        pick = choose_fastest(key, {"routed": routed, "cublas": dense}, K_CHOICES, time_graph,
+                              default="routed")
+        return routed() if pick == "routed" else dense()
+
+    def _ffn_up(self, L: _Layer, h: torch.Tensor, mf: torch.Tensor, route, router=None):
+        """silu(h wg^T) * (h wu^T) on the active groups, zeros elsewhere. With many tokens per
+        step (batched decode, short prompts) the union of their groups is ~every group and
+        cuBLAS can be faster than skipping: measured (see _measured). A batch-1 deferred
+        ``router`` needs the routed GEMV, which writes the mask."""
+        from .kernels import ffn_up
 
         def routed():
-            return gemm_k(x, w, mask, group_size, route=route)
-
-        if self.device.type != "cuda" or not autotune_enabled():
+            return ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route, router=router)
+        if router is not None:
             return routed()
+        return self._measured("ffn_up", h, L.wg, self.ffn_gs, routed,
+                              lambda: _silu_mul(F.linear(h, L.wg), F.linear(h, L.wu), mf, self.ffn_gs))
 
-        def dense():
-            return F.linear(x, w)
+    def _q_proj(self, L: _Layer, h: torch.Tensor, ma: torch.Tensor, route, router=None,
+                fused_kv: bool = False):
+        """Routed q (or q and the dense k/v tail, ``fused_kv``) vs cuBLAS, measured as in
+        _ffn_up. cuBLAS's q of inactive heads is not zeroed: attention skips those heads and
+        writes zeros for them, so nothing reads it."""
+        from .kernels import gemm_mn
+        w = L.wqkv if fused_kv else L.wq
+        tail = L.wkv.shape[0] if fused_kv else 0
 
-        from .kernels.routing import time_graph
-
-        # Timed as CUDA-graph replays: eager timing of a ~20 us decode kernel measures mostly
-        # its Python launch cost, which made cuBLAS (one launch) win every T bucket.
-        key = (tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
-        pick = choose_fastest(key, {"gemm_k": routed, "cublas": dense}, K_CHOICES,
-                              time_graph, default="gemm_k")
-        return routed() if pick == "gemm_k" else dense()
+        def routed():
+            return gemm_mn(h, w, ma, self.attn_gs * self.head_dim, route=route, dense_tail=tail,
+                           router=router)
+        if router is not None:
+            return routed()
+        return self._measured("qkv" if fused_kv else "q", h, w, self.attn_gs * self.head_dim,
+                              routed, lambda: F.linear(h, w))
 
     def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
         if self.mode == "dense":
             gu = F.linear(h, L.wgu)
             if self.backend == "triton":
-                T, I = gu.shape[0], gu.shape[1] // 2
-                a = torch.empty((T, I), dtype=gu.dtype, device=gu.device)
-                if T:
-                    _silu_mul_kernel[(T, triton.cdiv(I, 1024))](gu, a, I, gu.stride(0), a.stride(0),
-                                                               BLOCK=1024, num_warps=4)
-                return F.linear(a, L.wd)
+                I = gu.shape[1] // 2
+                return F.linear(_silu_mul(gu[:, :I], gu[:, I:]), L.wd)
             g, u = gu.chunk(2, dim=-1)
             return F.linear(F.silu(g) * u, L.wd)
         if mf is None:
             return F.linear(F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu), L.wd)
         if self.backend == "triton":
-            from .kernels import build_route, ffn_up
+            from .kernels import build_route
             route = build_route(mf)
-            u = ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route)
+            u = self._ffn_up(L, h, mf, route)
             return self._reduce_k(u, L.wd, mf, self.ffn_gs, route)
         u = F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu)
         u = u * mf.repeat_interleave(self.ffn_gs, dim=-1).to(u.dtype)
@@ -738,7 +785,7 @@ class AcceleratedModel:
         delta = None
         seq_lens = (pos + 1).to(torch.int32)
         if kern:
-            from .kernels import build_route, decode_attention, ffn_up, gemm_mn
+            from .kernels import build_route, decode_attention
         # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
         # (WIDE_DEFER_ROUTER=0: the norm kernel does, as for larger batches; read when a step
         # runs eagerly, so a captured graph keeps the setting it was captured with).
@@ -753,14 +800,13 @@ class AcceleratedModel:
                 q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
             elif ma is not None and kern and L.wqkv is not None:
                 route_a = build_route(ma)
-                qkv = gemm_mn(hn, L.wqkv, ma, self.attn_gs * D, route=route_a, dense_tail=L.wkv.shape[0],
-                              router=rpa)
+                qkv = self._q_proj(L, hn, ma, route_a, router=rpa, fused_kv=True)
                 q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
             else:
                 kv = F.linear(hn, L.wkv)
                 if ma is not None and kern:
                     route_a = build_route(ma)
-                    q = gemm_mn(hn, L.wq, ma, self.attn_gs * D, route=route_a, router=rpa)
+                    q = self._q_proj(L, hn, ma, route_a, router=rpa)
                 else:
                     q = F.linear(hn, L.wq)
             if kern:
@@ -795,7 +841,7 @@ class AcceleratedModel:
                 record.append((i, "ffn", mf))
             if mf is not None and kern:
                 route_f = build_route(mf)
-                u = ffn_up(hn, L.wg, L.wu, mf, self.ffn_gs, route=route_f, router=rpf)
+                u = self._ffn_up(L, hn, mf, route_f, router=rpf)
                 delta = self._reduce_k(u, L.wd, mf, self.ffn_gs, route_f)
             else:
                 delta = self._ffn(L, hn, mf)

@@ -487,9 +487,9 @@ def main(argv=None) -> int:
     meta["wall_s"] = _now() - t_start
     from wide.inference import K_CHOICES
 
-    # Which implementation the engine measured fastest for O and down, per shape and T bucket.
-    meta["k_choices"] = [{"N": k[0][0], "K": k[0][1], "group": k[1], "T_bucket": k[2], "impl": v}
-                         for k, v in K_CHOICES.items()]
+    # Which implementation the engine measured fastest per projection, shape and T bucket.
+    meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],
+                          "impl": v} for k, v in K_CHOICES.items()]
     save()
     guarded("plot", lambda: plot(meta, out_dir / f"{args.name}.png"))
     print(markdown(meta), flush=True)
@@ -740,9 +740,10 @@ def markdown(meta: dict) -> str:
         lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:14]]
         lines.append("")
     if meta.get("k_choices"):
-        lines += ["O / down projection implementation chosen by measurement (CUDA-graph replays, first use of "
-                  "each shape): " + "; ".join(f"{c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}"
-                                              for c in meta["k_choices"]), ""]
+        lines += ["Routed kernel or cuBLAS, chosen by measurement per projection (CUDA-graph replays, first "
+                  "use of each shape and T bucket; batch-1 q and gate/up always routed): "
+                  + "; ".join(f"{c.get('op', 'gemm_k')} {c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}"
+                              for c in meta["k_choices"]), ""]
     if meta.get("errors"):
         lines += ["Errors / skipped:", ""] + [f"- {e['what']}: {e['error']}" for e in meta["errors"]] + [""]
     return "\n".join(lines)
