@@ -29,6 +29,7 @@ import triton.language as tl
 from wide.kernels.routing import RouteIndex
 
 gm = importlib.import_module("wide.kernels.gemm_mn")  # the module (the package exports the op)
+_tile_of = gm._tile_of  # the library kernel's program -> tile decomposition
 
 try:  # host-side TMA descriptors: triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -43,15 +44,7 @@ def _mn_tma_kernel(x_ptr, wg_desc, wu_desc, y_ptr, idx_ptr, counts_ptr, T, K, GS
     # The library's prefill decomposition (gemm_mn.py): program = (group g, BN-wide slice of its
     # columns, BM rows of g's token list), row tile fastest; tiles past the group's count run
     # no K step and store zeros. Only the weight tiles differ: TMA loads of [BN, BK] blocks.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(T, BM)
-    nsub = GS // BN
-    m_tile = pid % num_m
-    gn = pid // num_m
-    g = gn // nsub
-    sub = gn % nsub
-    r = m_tile * BM + tl.arange(0, BM)
-    row_in = r < T
+    m_tile, g, sub, r, row_in = _tile_of(tl.program_id(0), T, GS, BM, BN)
     cnt = tl.load(counts_ptr + g)
     tok = tl.load(idx_ptr + g * T + r, mask=row_in, other=0).to(tl.int64)
     act = r < cnt

@@ -709,14 +709,17 @@ class AcceleratedModel:
                               lambda: gemm_k(x, w, mask, group_size, route=route),
                               lambda: F.linear(x, w))
 
-    def _measured(self, op: str, x, w, group_size: int, routed: Callable, dense: Callable):
+    def _measured(self, op: str, x, w, group_size: int, routed: Callable, dense: Callable,
+                  routed_only: bool = False):
         """``routed()`` or ``dense()`` (cuBLAS; the same values wherever they are used), whichever
         was measured faster for this op, weight shape, group size and T bucket: once, on CUDA
-        with autotuning on (K_CHOICES), else the routed kernel. Timed as CUDA-graph replays:
-        eager timing of a ~20 us decode kernel measures mostly its Python launch cost, which
-        made cuBLAS (one launch) win every T bucket."""
+        with autotuning on (K_CHOICES), else (or ``routed_only``) the routed kernel. Timed as
+        CUDA-graph replays: eager timing of a ~20 us decode kernel measures mostly its Python
+        launch cost, which made cuBLAS (one launch) win every T bucket."""
         from .kernels.routing import autotune_enabled, next_pow2, time_graph
 
+        if routed_only:
+            return routed()
         key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
         if key not in K_CHOICES and (self.device.type != "cuda" or not autotune_enabled()):
             return routed()
@@ -730,13 +733,10 @@ class AcceleratedModel:
         cuBLAS can be faster than skipping: measured (see _measured). A batch-1 deferred
         ``router`` needs the routed GEMV, which writes the mask."""
         from .kernels import ffn_up
-
-        def routed():
-            return ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route, router=router)
-        if router is not None:
-            return routed()
-        return self._measured("ffn_up", h, L.wg, self.ffn_gs, routed,
-                              lambda: _silu_mul(F.linear(h, L.wg), F.linear(h, L.wu), mf, self.ffn_gs))
+        return self._measured("ffn_up", h, L.wg, self.ffn_gs,
+                              lambda: ffn_up(h, L.wg, L.wu, mf, self.ffn_gs, route=route, router=router),
+                              lambda: _silu_mul(F.linear(h, L.wg), F.linear(h, L.wu), mf, self.ffn_gs),
+                              routed_only=router is not None)
 
     def _q_proj(self, L: _Layer, h: torch.Tensor, ma: torch.Tensor, route, router=None,
                 fused_kv: bool = False):
@@ -747,13 +747,10 @@ class AcceleratedModel:
         w = L.wqkv if fused_kv else L.wq
         tail = L.wkv.shape[0] if fused_kv else 0
 
-        def routed():
-            return gemm_mn(h, w, ma, self.attn_gs * self.head_dim, route=route, dense_tail=tail,
-                           router=router)
-        if router is not None:
-            return routed()
-        return self._measured("qkv" if fused_kv else "q", h, w, self.attn_gs * self.head_dim,
-                              routed, lambda: F.linear(h, w))
+        gs = self.attn_gs * self.head_dim
+        return self._measured("qkv" if fused_kv else "q", h, w, gs,
+                              lambda: gemm_mn(h, w, ma, gs, route=route, dense_tail=tail, router=router),
+                              lambda: F.linear(h, w), routed_only=router is not None)
 
     def _ffn(self, L: _Layer, h: torch.Tensor, mf: Optional[torch.Tensor]) -> torch.Tensor:
         if self.mode == "dense":

@@ -59,6 +59,18 @@ def _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, tile, rows, cols, st_mask, T, N, 
 
 
 @triton.jit
+def _tile_of(pid, T, GS, BM: tl.constexpr, BN: tl.constexpr):
+    """Program -> (row tile, group g, BN-wide slice of g's columns, its BM rows, which of them
+    are < T). The row tile runs fastest, so consecutive programs share a weight slice in L2."""
+    num_m = tl.cdiv(T, BM)
+    nsub = tl.cdiv(GS, BN)
+    m_tile = pid % num_m
+    gn = pid // num_m
+    r = m_tile * BM + tl.arange(0, BM)
+    return m_tile, gn // nsub, gn % nsub, r, r < T
+
+
+@triton.jit
 def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
                     T, N, K, GS, stride_xt, stride_wn, stride_w2n, stride_yt, stride_mt,
                     T_BUCKET, ws_ptr, KC, NG_MASKED, cnt_ptr,
@@ -69,15 +81,7 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
     # Split-K (decode only): program_id(1) owns columns [k_lo, k_lo + KC) of the reduction and
     # writes an fp32 partial; the last split program of the tile sums them (_splitk_store).
     k_lo = tl.program_id(1) * KC
-    num_m = tl.cdiv(T, BM)
-    nsub = tl.cdiv(GS, BN)
-    m_tile = pid % num_m
-    gn = pid // num_m
-    g = gn // nsub
-    sub = gn % nsub
-
-    r = m_tile * BM + tl.arange(0, BM)
-    row_in = r < T
+    m_tile, g, sub, r, row_in = _tile_of(pid, T, GS, BM, BN)
     cols = sub * BN + tl.arange(0, BN)
     col_ok = cols < GS
     n = g * GS + cols
@@ -327,11 +331,12 @@ def _check_inputs(x, ws, mask, group_size, out, dense_tail=0):
 
 def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=None):
     T, N, K, ng = _check_inputs(x, ws, mask, group_size, out, dense_tail)
+    ng_routed = ng - dense_tail // group_size  # groups with a mask column
     if router is not None:
-        if T != 1 or K == 0 or not mask.is_contiguous() or ng == dense_tail // group_size:
+        if T != 1 or K == 0 or not mask.is_contiguous() or ng_routed == 0:
             raise ValueError("router partials need one token (T == 1), K > 0, routed groups and "
                              "a contiguous mask to write")
-        router.check(ng - dense_tail // group_size, x.device)
+        router.check(ng_routed, x.device)
     y = out if out is not None else torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
@@ -340,11 +345,11 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=Non
     x = x if x.stride(1) == 1 else x.contiguous()
     ws = [w if w.stride(1) == 1 else w.contiguous() for w in ws]
     direct = T <= DIRECT_MAX_T
-    if route is not None and (route.num_tokens != T or route.num_groups != ng - dense_tail // group_size):
+    if route is not None and (route.num_tokens != T or route.num_groups != ng_routed):
         raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
-                         f"expected [{T}, {ng - dense_tail // group_size}]")
+                         f"expected [{T}, {ng_routed}]")
     if T == 1:
-        _launch_gemv(x, ws, y, mask, group_size, ng - dense_tail // group_size, fused, router)
+        _launch_gemv(x, ws, y, mask, group_size, ng_routed, fused, router)
         return y
     if dense_tail and not direct:
         # Prefill: the tail is an ordinary GEMM, as fast as cuBLAS makes it.
@@ -357,11 +362,8 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=Non
         m = mask.contiguous().view(torch.uint8)
         idx = counts = m  # unused placeholders
     else:
-        if route is None:
+        if route is None:  # (a given one was checked above; no dense tail on this path)
             route = RouteIndex(mask)
-        elif route.num_tokens != T or route.num_groups != ng:
-            raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
-                             f"expected [{T}, {ng}]")
         m = route.mask.view(torch.uint8)
         idx, counts = route.idx, route.counts
     w2 = ws[1] if fused else ws[0]
@@ -378,7 +380,7 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=Non
         return (triton.cdiv(T, meta["BM"]) * ng * triton.cdiv(group_size, meta["BN"]), n_split)
 
     args = (x, ws[0], w2, y, m, idx, counts, T, N, K, group_size, x.stride(0), ws[0].stride(0),
-            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc, ng - dense_tail // group_size,
+            w2.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, kc, ng_routed,
             tickets)
     flags = dict(DIRECT=direct, FUSED=fused, SPLIT=n_split > 1)
     if autotune_enabled():
