@@ -300,3 +300,28 @@ def test_cublas_choices_match_masked_path(monkeypatch):
         for t in range(10, 14):
             out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long))
             assert rel(out, ref[:B, t]) < 1e-5, (B, t)
+
+
+def test_routed_engine_restores_o_and_down_k_major(monkeypatch):
+    # The routed kernel engine re-stores O and down K-major in the HF modules (same values, no
+    # second copy); the HF path keeps its outputs, a dense engine built afterwards gets the HF
+    # layout back, and WIDE_K_MAJOR=0 leaves the model alone.
+    model = routed(seed=2)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    mods = [m for L in model.model.layers for m in (L.self_attn.o_proj, L.mlp.down_proj)]
+    before = [m.weight.detach().clone() for m in mods]
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    monkeypatch.setenv("WIDE_K_MAJOR", "0")
+    AcceleratedModel(model, backend="triton")
+    assert all(m.weight.stride(1) == 1 for m in mods)
+    monkeypatch.delenv("WIDE_K_MAJOR")
+    eng = AcceleratedModel(model, backend="triton")
+    for m, w in zip(mods, before):
+        assert m.weight.stride() == (1, w.shape[0]) and torch.equal(m.weight, w)
+    assert eng.layers[0].wd.data_ptr() == model.model.layers[0].mlp.down_proj.weight.data_ptr()
+    with torch.no_grad():
+        assert rel(model(input_ids=ids).logits, ref) < 1e-6
+    assert rel(eng.logits(ids), ref) < 1e-5
+    dense = AcceleratedModel(model, backend="triton", mode="dense")
+    assert dense.layers[0].wd.stride(1) == 1 and torch.equal(dense.layers[0].wd, before[1])

@@ -2,7 +2,11 @@
 
 The HF model stays as it is (its hooks give the masked PyTorch path, which is what training,
 evaluation and ``model.generate()`` use). ``accelerate`` builds an :class:`AcceleratedModel`
-beside it that shares its weights and has its own forward, in the gpt-fast style:
+beside it that shares its weights and has its own forward, in the gpt-fast style. (The routed
+kernel engine re-stores O and down weights whose groups are narrow, under 256 columns, such as
+the default 128-wide FFN groups, K-major in the HF module itself, same values, so that batch-1
+decode reads an active group's weights as one contiguous block; ``F.linear`` and
+``save_pretrained`` take either layout. ``WIDE_K_MAJOR=0`` keeps the HF layout.)
 
 * a preallocated KV cache ``[B, max_len, Hkv, D]`` per layer, written in place, so the decode
   step has fixed shapes and is captured once per (batch, cache length) in a CUDA graph;
@@ -379,6 +383,19 @@ def _linear_plain(mod: nn.Module, name: str, layer: int) -> torch.Tensor:
     return mod.weight
 
 
+def _relayout_k_major(mod: nn.Linear) -> torch.Tensor:
+    """Re-store a reduction-width projection's weight K-major, in place in the HF module (a new
+    Parameter with the same values; F.linear takes either layout), so batch-1 gemm_k reads each
+    active group's weights as one contiguous block (kernels.gemm_k.k_major) with no second copy."""
+    from .kernels import k_major
+
+    w = mod.weight
+    if w.stride(1) != 1:  # already re-stored (a second engine over the same model)
+        return w
+    mod.weight = nn.Parameter(k_major(w.detach()), requires_grad=w.requires_grad)
+    return mod.weight
+
+
 class AcceleratedModel:
     """Static-cache inference engine over a wrapped (or, for ``mode="dense"``, any)
     Llama/Mistral HF model. Shares the HF model's weights; see the module docstring."""
@@ -446,6 +463,14 @@ class AcceleratedModel:
                 wq, wkv = wqkv[:wq.shape[0]], wqkv[wq.shape[0]:]
             else:
                 wkv = torch.cat([wk, wv]).detach()
+            if mode == "dense":  # cuBLAS on the HF layout, whatever a routed engine did to it
+                wo, wd = wo.contiguous(), wd.contiguous()
+            elif self._k_major():
+                from .kernels.gemm_k import GEMV_MIN_GROUP
+                if self.attn_gs * self.head_dim < GEMV_MIN_GROUP:
+                    wo = _relayout_k_major(a.o_proj)
+                if self.ffn_gs < GEMV_MIN_GROUP:
+                    wd = _relayout_k_major(m.down_proj)
             L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq, wkv, wo, wg, wu, wd,
                        wqkv=wqkv)
             if mode == "dense":
@@ -459,6 +484,13 @@ class AcceleratedModel:
         self._rope_len = 0
 
     # -------------------------------------------------------------- set-up and checks
+
+    def _k_major(self) -> bool:
+        """Whether O and down may be re-stored K-major (see _relayout_k_major). Only narrow
+        groups are: a row-major weight row holds 2 bytes x group size per group, and from 512
+        columns (1 KB) up the row-major batch-1 GEMV streams them as well (kernels.gemm_k)."""
+        return (self.mode == "routed" and self.backend == "triton" and self.state is not None
+                and os.environ.get("WIDE_K_MAJOR", "1") != "0")
 
     def _fuse_qkv(self) -> bool:
         """Whether routed decode can append K/V to Q as whole always-on groups."""
