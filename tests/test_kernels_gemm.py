@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from wide.kernels.gemm_k import gemm_k, gemm_k_reference, k_major  # noqa: E402
+from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
 from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
 from wide.kernels.routing import (RouteIndex, RouterPartials, build_route,  # noqa: E402
                                   route_reference, split_tickets, used_groups_reference)
@@ -178,17 +178,13 @@ def test_ffn_up(T, kind, dtype):
 
 
 # ---------------------------------------------------------------- gemm_k
-@pytest.mark.parametrize("layout", ["row", "k_major"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("T", TOKENS)
-def test_gemm_k(T, kind, dtype, layout):
+def test_gemm_k(T, kind, dtype):
     gen = torch.Generator().manual_seed(3000 + T)
     G, ng, N = 16, 5, 37  # N ragged
     x, (w,) = _inputs(T, G * ng, N, dtype, gen)
-    if layout == "k_major":
-        w = k_major(w)
-        assert w.stride() == (1, N) and torch.equal(w, w.contiguous())
     mask = make_mask(T, ng, kind, gen).to(DEVICE)
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
     y = gemm_k(x, w, mask, G, out=out)
@@ -218,8 +214,7 @@ def make_decode_mask(T, ng, kind, gen):
 @pytest.mark.parametrize("kind", DECODE_KINDS)
 @pytest.mark.parametrize("G,ng", [(16, 6), (32, 2), (64, 3), (256, 3), (384, 2)])
 @pytest.mark.parametrize("T", [1, 3, 16])
-@pytest.mark.parametrize("layout", ["row", "k_major"])
-def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype, layout):
+def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype):
     # (256 and 384 wide groups at T=1 take the batch-1 GEMV kernel, the others the tl.dot loop)
     # Decode path: loops over the used groups only, split-K over the used steps (3 splits
     # under the interpreter when K > 64, some of them empty for a single used group). The
@@ -233,8 +228,6 @@ def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype, layout):
     cols = mask.repeat_interleave(G, 1)
     xp = x.masked_fill(~cols, float("nan"))
     wp = w.masked_fill(~cols.any(0)[None, :], float("nan"))
-    if layout == "k_major":  # (T=1: the K-major batch-1 GEMV, else the tl.dot loop)
-        wp = k_major(wp)
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
     y = gemm_k(xp, wp, mask, G, out=out)
     assert y.data_ptr() == out.data_ptr()
@@ -426,16 +419,14 @@ def test_batch1_gemv_reads_a_strided_mask(op):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
-@pytest.mark.parametrize("script", ["prefill_gemm_sweep", "decode_kmajor_sweep"])
-def test_sweep_variants_match_reference(script):
-    # The GPU sweep scripts in bench/ (prefill: TMA-descriptor weight tiles, the library kernel
-    # at tiles its autotuner does not try; decode: K-major O/down weights, the batch-1 K-major
-    # GEMV over a grid of tiles) on tiny shapes, so a GPU session can trust their numbers
+def test_prefill_sweep_variants_match_reference():
+    # bench/prefill_gemm_sweep.py (TMA-descriptor weight tiles; the library kernel at tiles its
+    # autotuner does not try) on tiny shapes, so a GPU session can trust the sweep's numbers
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{script}.py"
-    spec = importlib.util.spec_from_file_location(script, path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "prefill_gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("prefill_gemm_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--check-only"]) == 0

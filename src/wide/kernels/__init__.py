@@ -6,4 +6,4 @@ from .attention import (  # noqa: F401
 )
 from .routing import RouteIndex, RouterPartials, build_route, route_reference  # noqa: F401
 from .gemm_mn import gemm_mn, ffn_up, gemm_mn_reference, ffn_up_reference  # noqa: F401
-from .gemm_k import gemm_k, gemm_k_reference, k_major  # noqa: F401
+from .gemm_k import gemm_k, gemm_k_reference  # noqa: F401

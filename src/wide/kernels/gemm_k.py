@@ -33,19 +33,19 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
-from .gemm_mn import _gcfg, _gemv_store, _gemv_store_row, _splitk_store, gemv_launch_state
+from .gemm_mn import _gcfg, _gemv_store, _splitk_store, gemv_launch_state
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
                       split_tickets)
 
-__all__ = ["gemm_k", "gemm_k_reference", "gemm_k_block_m", "k_major"]
+__all__ = ["gemm_k", "gemm_k_reference", "gemm_k_block_m"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
 def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
-                   T, N, K, NG, GS, stride_xt, stride_wn, stride_wk, stride_yt, stride_mt,
+                   T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
                    T_BUCKET, ws_ptr, cnt_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
@@ -84,7 +84,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                 k0 = gid * GS + kk
                 a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                             mask=act[:, None], other=0.0)
-                b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+                b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc)
     elif DECODE:
         # Decode (T <= 16, one row tile): loop over the groups used by some token only, as
@@ -122,7 +122,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             k0 = gid * GS + (j - gi * spg) * BK
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
-            b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+            b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
     else:
         # Prefill with many groups: one flat, direct-addressed loop over K (pipelines like a
@@ -132,7 +132,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
-            b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+            b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
     if SPLIT:
         _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, row_in[:, None] & n_ok[None, :],
@@ -143,27 +143,12 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
 
 
 @triton.jit
-def _k_step(x_ptr, w_rows, j, j_hi, spg, pos, ent, n_ok, k, GS, BK: tl.constexpr):
-    """Step j's x slice [BK] and row-major weight columns [BN, BK] (zeros past j_hi): the
-    group of rank j // spg is picked from the mask row's ranks by a small reduction."""
-    gi = j // spg
-    gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
-    k0 = gid * GS + (j - gi * spg) * BK
-    live = (j + k * 0) < j_hi
-    xk = tl.load(x_ptr + k0 + k, mask=live, other=0.0)
-    w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None] & live[None, :], other=0.0)
-    return xk, w
-
-
-@triton.jit
 def _gemv_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS, stride_wn,
-                   BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, NG_PAD: tl.constexpr,
-                   DB: tl.constexpr = 0):
+                   BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, NG_PAD: tl.constexpr):
     # One token (batch-1 decode) over few wide groups (attention O): BN weight rows per program,
     # a loop over the token's active groups only (their ranks derived in registers from the
     # mask row, as in the decode path above), CUDA-core FMAs on contiguous row segments, one
-    # row reduction at the end. Split-K shares the active steps between S programs. DB: the
-    # next step's loads are issued before this step's FMAs (see _gemv_kt_kernel).
+    # row reduction at the end. Split-K shares the active steps between S programs.
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     n_ok = n < N
@@ -179,96 +164,23 @@ def _gemv_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
     j_hi = ((s + 1) * n_steps) // S
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BN, BK], dtype=tl.float32)
-    if DB:
-        xk, w = _k_step(x_ptr, w_rows, j_lo, j_hi, spg, pos, ent, n_ok, k, GS, BK)
-        for j in range(j_lo + 1, j_hi + 1):
-            xn, wn = _k_step(x_ptr, w_rows, j, j_hi, spg, pos, ent, n_ok, k, GS, BK)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-            xk, w = xn, wn
-    else:
-        for j in range(j_lo, j_hi):
-            xk, w = _k_step(x_ptr, w_rows, j, j_hi, spg, pos, ent, n_ok, k, GS, BK)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+    for j in range(j_lo, j_hi):
+        gi = j // spg
+        gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
+        k0 = gid * GS + (j - gi * spg) * BK
+        xk = tl.load(x_ptr + k0 + k).to(tl.float32)
+        w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None], other=0.0)
+        acc += w.to(tl.float32) * xk[None, :]
     _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
-
-
-@triton.jit
-def _kt_step(x_ptr, w_ptr, j, j_hi, spg, pos, ent, n, n_ok, k, GS, stride_wk, BK: tl.constexpr):
-    """Step j's x slice [BK] and K-major weight rows [BK, BN] (zeros past j_hi): the group of
-    rank j // spg is picked from the mask row's ranks by a small reduction."""
-    gi = j // spg
-    gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
-    k0 = gid * GS + (j - gi * spg) * BK
-    live = (j + k * 0) < j_hi
-    xk = tl.load(x_ptr + k0 + k, mask=live, other=0.0)
-    w = tl.load(w_ptr + (k0 + k)[:, None] * stride_wk + n[None, :],
-                mask=live[:, None] & n_ok[None, :], other=0.0)
-    return xk, w
-
-
-@triton.jit
-def _gemv_kt_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS, stride_wk,
-                    BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, NG_PAD: tl.constexpr,
-                    DB: tl.constexpr = 1):
-    # One token over K-major weights (w[k, n] at k * stride_wk + n, see k_major): a group's
-    # weights are GS whole rows, one contiguous block, so every step reads BK rows of BN
-    # contiguous outputs. BN columns per program, the token's active steps (ranks derived in
-    # registers from the mask row, as in _gemv_k_kernel) shared between S programs, CUDA-core
-    # FMAs, one column reduction at the end. DB: the next step's loads are issued before this
-    # step's FMAs (register double buffer), so the group lookup and the load latency of one
-    # step overlap the previous one instead of adding up.
-    pid = tl.program_id(0)
-    n = pid * BN + tl.arange(0, BN)
-    n_ok = n < N
-    k = tl.arange(0, BK)
-    gp = tl.arange(0, NG_PAD)
-    used = (tl.load(mask_ptr + gp, mask=gp < NG, other=0) != 0).to(tl.int32)
-    pos = tl.cumsum(used, axis=0) - 1
-    ent = tl.where(used != 0, gp, -1)
-    spg = GS // BK
-    n_steps = tl.sum(used, axis=0) * spg
-    s = tl.program_id(1)
-    j_lo = (s * n_steps) // S
-    j_hi = ((s + 1) * n_steps) // S
-    acc = tl.zeros([BK, BN], dtype=tl.float32)
-    if DB:
-        xk, w = _kt_step(x_ptr, w_ptr, j_lo, j_hi, spg, pos, ent, n, n_ok, k, GS, stride_wk, BK)
-        for j in range(j_lo + 1, j_hi + 1):
-            xn, wn = _kt_step(x_ptr, w_ptr, j, j_hi, spg, pos, ent, n, n_ok, k, GS, stride_wk, BK)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[:, None]
-            xk, w = xn, wn
-    else:
-        for j in range(j_lo, j_hi):
-            xk, w = _kt_step(x_ptr, w_ptr, j, j_hi, spg, pos, ent, n, n_ok, k, GS, stride_wk, BK)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[:, None]
-    _gemv_store_row(tl.expand_dims(tl.sum(acc, axis=0), 0), ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok,
-                    N, S)
 
 
 # Batch-1 tiles: the fastest few of the sweep (bench/results/decode_gemv_sweep.md); S stays
 # within gemm_mn's GEMV_MAX_SPLIT, which sizes the partials.
-def _dbcfg(c):
-    return triton.Config(dict(c.kwargs, DB=1), num_warps=c.num_warps, num_stages=c.num_stages)
-
-
 _GEMV_CFGS = [_gcfg(4, 512, 4, 1), _gcfg(8, 512, 8, 1), _gcfg(16, 512, 4, 1), _gcfg(16, 512, 4, 2),
               _gcfg(4, 256, 4, 1), _gcfg(16, 256, 8, 2)]
-_GEMV_CFGS += [_dbcfg(c) for c in _GEMV_CFGS]
 # The batch-1 kernel beat the tl.dot decode path for 512-wide groups (O: 9.0 vs 10.4 us) and
 # lost for 128-wide ones (down: 23.4 vs 22.1 us), measured on an H200.
 GEMV_MIN_GROUP = 256
-
-
-# K-major batch-1 tiles: wide rows (long contiguous reads), split far enough to put several
-# programs on every SM (N = 4096 / BN = 128 is 32 column tiles).
-def _ktcfg(bn, bk, w, s, db=1):
-    return triton.Config({"BN": bn, "BK": bk, "S": s, "DB": db}, num_warps=w, num_stages=1)
-
-
-_KT_CFGS = [_ktcfg(128, 64, 4, 16), _ktcfg(128, 64, 4, 16, 0), _ktcfg(128, 32, 4, 16),
-            _ktcfg(256, 32, 4, 16), _ktcfg(512, 16, 4, 32), _ktcfg(128, 128, 8, 16),
-            _ktcfg(64, 128, 4, 16), _ktcfg(256, 64, 8, 16)]
-KT_MAX_SPLIT = 64
 
 
 def _gemv_prune(configs, named_args, **kwargs):
@@ -336,9 +248,6 @@ with warnings.catch_warnings():
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
 _KEY = ["T_BUCKET", "N", "K", "GS", "BM"]
-_tuned_kt = triton.autotune(configs=_KT_CFGS, key=["N", "K", "GS"],
-                            prune_configs_by={"early_config_prune": _gemv_prune},
-                            **_BENCH)(_gemv_kt_kernel)
 _tuned_gemv = triton.autotune(configs=_GEMV_CFGS, key=["N", "K", "GS"],
                               prune_configs_by={"early_config_prune": _gemv_prune},
                               **_BENCH)(_gemv_k_kernel)
@@ -352,8 +261,6 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
 
     x [T, K], w [N, K], mask [T, K // group_size] bool -> y [T, N] (x's dtype, fp32 accumulate).
     ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
-    ``w`` may be row-major or K-major (:func:`k_major`: stride (1, N), each group's weights one
-    contiguous block), which batch-1 decode reads fastest; other layouts are copied.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D tensor [T, K]")
@@ -380,15 +287,9 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
         raise ValueError(f"route was built for a [{route.num_tokens}, {route.num_groups}] mask, "
                          f"expected [{T}, {ng}]")
     x = x if x.stride(1) == 1 else x.contiguous()
-    kmajor = _is_k_major(w)
-    if kmajor and w.numel() >= 2 ** 31:
-        raise ValueError(f"a K-major {list(w.shape)} weight is too large for 32-bit offsets")
-    w = w if kmajor or w.stride(1) == 1 else w.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
     if K == 0:
         return y.zero_()
-    if T == 1 and kmajor:
-        _launch_gemv_kt(x, w, y, route.mask, group_size, ng)
-        return y
     if T == 1 and group_size >= GEMV_MIN_GROUP:
         _launch_gemv(x, w, y, route.mask, group_size, ng)
         return y
@@ -411,7 +312,7 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
         return (triton.cdiv(T, bm) * triton.cdiv(N, meta["BN"]), n_split)
 
     args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
-            x.stride(0), w.stride(0), w.stride(1), y.stride(0), m.stride(0), next_pow2(T), wsp, tickets)
+            x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, tickets)
     flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, DECODE=decode,
                  SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode else 16)
     if autotune_enabled():
@@ -436,39 +337,7 @@ def _launch_gemv(x, w, y, mask, group_size, ng):
             bn, s = 64, _routing.INTERPRET_GEMV_SPLIT
         else:
             bn, s = 4, 1
-        _gemv_k_kernel[grid](*args, BN=bn, BK=bk, S=s, NG_PAD=ng_pad, DB=1, num_warps=4)
-
-
-def _launch_gemv_kt(x, w, y, mask, group_size, ng):
-    N, K = w.shape
-    wsp, tickets, grid = gemv_launch_state(x.device, N, KT_MAX_SPLIT)
-    args = (x, w, y, mask.view(torch.uint8), wsp, tickets, N, K, ng, group_size, w.stride(1))
-    ng_pad = max(16, next_pow2(ng))
-    if autotune_enabled():
-        _tuned_kt[grid](*args, NG_PAD=ng_pad)
-    elif interpret_mode():  # few programs; the kernel tests turn the split on
-        _gemv_kt_kernel[grid](*args, BN=64, BK=largest_pow2_divisor(group_size, 16),
-                              S=_routing.INTERPRET_GEMV_SPLIT, NG_PAD=ng_pad, num_warps=4)
-    else:
-        _gemv_kt_kernel[grid](*args, BN=256, BK=largest_pow2_divisor(group_size, 32), S=32,
-                              NG_PAD=ng_pad, num_warps=8)
-
-
-def _is_k_major(w: torch.Tensor) -> bool:
-    return w.shape[0] > 1 and w.shape[1] > 1 and w.stride(0) == 1 and w.stride(1) >= w.shape[0]
-
-
-def k_major(w: torch.Tensor) -> torch.Tensor:
-    """The same [N, K] weight stored K-major (``w.t().contiguous().t()``: stride (1, N)).
-
-    A reduction group's weights (``w[:, cols(g)]``) are then one contiguous block, which is how
-    batch-1 :func:`gemm_k` reads only the active groups at full bandwidth; cuBLAS
-    (``F.linear``) takes either layout. Offsets stay 32-bit, so N * K must be below 2**31."""
-    if w.dim() != 2:
-        raise ValueError("k_major expects a 2-D [N, K] weight")
-    if w.numel() >= 2 ** 31:
-        raise ValueError(f"k_major: a {list(w.shape)} weight is too large for 32-bit offsets")
-    return w.t().contiguous().t()
+        _gemv_k_kernel[grid](*args, BN=bn, BK=bk, S=s, NG_PAD=ng_pad, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)

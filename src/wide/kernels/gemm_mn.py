@@ -144,12 +144,7 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
 def _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S: tl.constexpr):
     """Epilogue of the batch-1 GEMVs: reduce the [BN, BK] products to BN outputs and store
     them (or, split along K, the fp32 partial for _splitk_store)."""
-    _gemv_store_row(tl.expand_dims(tl.sum(acc, axis=1), 0), ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
-
-
-@triton.jit
-def _gemv_store_row(out, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S: tl.constexpr):
-    """Store a batch-1 GEMV's [1, BN] outputs, or its split-K partial (see _splitk_store)."""
+    out = tl.expand_dims(tl.sum(acc, axis=1), 0)
     row = tl.arange(0, 1)
     st_mask = n_ok[None, :]
     if S > 1:
@@ -397,11 +392,11 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=Non
     return y
 
 
-def gemv_launch_state(device: torch.device, N: int, max_split: int = GEMV_MAX_SPLIT):
+def gemv_launch_state(device: torch.device, N: int):
     """What every batch-1 GEMV launch needs besides its tensors: the fp32 split-K partials
-    and tickets read by ``_gemv_store`` (enough for any S up to ``max_split`` or the
-    interpreter's, and any BN >= 4), and the grid over (BN-row tiles, S splits)."""
-    wsp = torch.empty((max(max_split, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
+    and tickets read by ``_gemv_store`` (enough for any S a config or the interpreter uses,
+    and any BN >= 4), and the grid over (BN-row tiles, S splits)."""
+    wsp = torch.empty((max(GEMV_MAX_SPLIT, _routing.INTERPRET_GEMV_SPLIT), 1, N), dtype=torch.float32,
                       device=device)
 
     def grid(meta):
