@@ -4,7 +4,7 @@
 # PROBE=0 / TESTS=0 skip a part; TESTS_K narrows the tests (pytest -k); KERNELS=1 adds the T=1
 # kernel bench; PREFILL_SWEEP=1 the prefill gemm_mn/ffn_up tile and TMA sweep; E2E=0 skips the
 # e2e bench; E2E_ARGS=--profile adds the per-kernel profiles. Everything is packed into
-# $OUT/r.tgz (the device tool returns at most 8 files).
+# ${OUT:-/tmp}/r.tgz (the device tool returns at most 8 files; it sets OUT).
 #   run: E2E_ARGS=--profile bash bench/dev_run.sh
 set -u
 export PYTHONPATH=src
@@ -36,4 +36,4 @@ if [ "${E2E:-1}" != 0 ]; then
   echo "e2e exit $?"; grep -E "check|TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
   grep -E "^\| 1 \|" $R/e2e.md | head
 fi
-tar czf $OUT/r.tgz -C $R .
+tar czf ${OUT:-/tmp}/r.tgz -C $R .

@@ -5,6 +5,9 @@
 # One H200: ~13 min. A 2-core CPU: roughly a day (same command with DEVICE=cpu).
 # Resumable: rerun the same command after an interruption (finished methods are cached in RUNS).
 set -euo pipefail
+# the `wide` CLI: the project venv's if there is one (bash scripts/test.sh makes it), else PATH's
+WIDE=${WIDE:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/wide}
+[ -x "$WIDE" ] || WIDE=wide
 cd "$(dirname "$0")/.."
-wide compare --device "${DEVICE:-cuda}" --limit 200 --steps 400 --batch-size 16 --quiet \
+"$WIDE" compare --device "${DEVICE:-cuda}" --limit 200 --steps 400 --batch-size 16 --quiet \
     --runs "${RUNS:-runs/compare}" --out bench/results/quality_smollm2 "$@"

@@ -1,6 +1,6 @@
 """GPU smoke test of the engine, 1-2 min (mostly first-time compilation and autotuning): a
 small random Llama (bf16, 4 layers, head dim 128) with routers at 50 %, run through ``wide.accelerate`` with CUDA graphs and autotuning on. Checks that
-graph replay equals the eager step, that greedy generation matches the masked HF path on a
+graph replay equals the eager step (decode, and a short prefill), that greedy generation matches the masked HF path on a
 short prompt, and that split-K tickets are all back at zero afterwards. Exit 1 on a failure.
 
     PYTHONPATH=src python3 scripts/gpu_smoke.py
@@ -39,6 +39,16 @@ def main() -> int:
     err = float((graphed - eager).norm() / eager.norm())
     print(f"graph vs eager decode: rel err {err:.2e}")
     ok &= err == 0.0
+    # a short prefill replays a CUDA graph: two prompts through one graph == eager prefill
+    eng.setup_cache(1, 256)
+    for j in range(2):
+        p = ids[j:j + 1, : 40 + j]
+        with torch.no_grad():
+            eager = eng._prefill_eager(p).clone()
+        graphed = eng.prefill(p).clone()
+        err = float((graphed - eager).norm() / eager.norm())
+        print(f"graph vs eager prefill ({p.shape[1]} tokens): rel err {err:.2e}")
+        ok &= err < 1e-2
     # greedy generation vs the masked HF path, token by token
     prompt = ids[0, :16].tolist()
     got = eng.generate([prompt], max_new_tokens=8).tokens[0]

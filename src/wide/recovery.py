@@ -1,4 +1,4 @@
-"""Stage 2: LoRA recovery on top of stage-1 routers (METHOD.md section 5).
+"""Stage 2: LoRA recovery on top of stage-1 routers (the paper's two-stage training; docs/baselines.md).
 
 Adapters are injected in place with PEFT (``inject_adapter_in_model``) rather than through a
 ``PeftModel`` wrapper, so the wrapped HF model stays the object that owns ``wide_routers``
