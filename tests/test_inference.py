@@ -303,10 +303,10 @@ def test_cublas_choices_match_masked_path(monkeypatch):
 
 
 def test_short_prefill_graph_buckets(monkeypatch):
-    # On a GPU a short prefill replays a CUDA graph captured once per (batch, length rounded up
-    # to 128) on padded static buffers. Here the capture is replaced by a graph whose replay
-    # reruns the same step into the same output buffer, which checks what the GPU path relies
-    # on: padded prompts of different lengths give the eager prefill's logits from one graph,
+    # On a GPU a short prefill replays a CUDA graph captured on the second use of a (batch,
+    # length rounded up to 128) bucket, on padded static buffers. Here the capture is replaced
+    # by a graph whose replay reruns the same step into the same output buffer, which checks
+    # what the GPU path relies on: padded prompts of different lengths give the eager prefill's logits from one graph,
     # the cache holds the right keys for the decode steps that follow, and a mask_fn, long
     # prompts and all_logits stay eager.
     class ReplayGraph:
@@ -334,7 +334,9 @@ def test_short_prefill_graph_buckets(monkeypatch):
         got = eng.prefill(ids[:, :T])
         assert rel(got, eng._prefill_eager(ids[:, :T])) < 1e-5, T
         assert rel(got, ref[:, T - 1]) < 1e-5, T
+    # the first prefill of a bucket ran eagerly, the second captured the bucket's graph
     assert [k for k in eng._graphs if isinstance(k, tuple)] == [("prefill", 1, 128)]
+    assert eng._graphs[("prefill", 1, 128)] is not None
     eng.prefill(ids[:, :17])  # keys of positions 17..127 are padding, overwritten as decode goes
     for t in range(17, 21):
         out = eng.decode(ids[:, t], torch.tensor([t]))

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -462,8 +461,8 @@ class AcceleratedModel:
             self.layers.append(L)
         self._cache_key = None
         self._graphs = {}
-        self._prefill_pool = None
-        self._prefill_graphs_ok = True
+        self._prefill_pool = None  # one memory pool for every prefill graph
+        self._capture_stream = None  # every capture on one stream, so the pool's blocks are reused
         self._rope_len = 0
 
     # -------------------------------------------------------------- set-up and checks
@@ -528,6 +527,7 @@ class AcceleratedModel:
         if self._cache_key == key:
             return
         self._graphs.clear()
+        self._prefill_pool = None
         self.k_cache = self.v_cache = None
         shape = (batch, max_len, self.num_kv, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -539,6 +539,7 @@ class AcceleratedModel:
 
     def free_cache(self) -> None:
         self._graphs.clear()
+        self._prefill_pool = None
         self.k_cache = self.v_cache = None
         self._cache_key = None
 
@@ -622,37 +623,36 @@ class AcceleratedModel:
         writing their keys/values to cache positions 0..len-1. Returns logits at each
         sequence's last prompt token [B, V] (or [B, T, V] with ``all_logits``).
 
-        Short prompts (B x T <= PREFILL_GRAPH_MAX_TOKENS) replay a CUDA graph captured once per
-        (B, T rounded up to 128): there the ~20 launches per layer cost more host time than
-        the GPU needs, as in decode (a 1k-token routed prefill on an H200: 29-54 ms of wall
-        time eagerly, 21.9 ms replayed). The returned logits are then the graph's buffer, overwritten by
-        the next prefill; positions T..bucket-1 of the cache get padding keys, which no
-        sequence reads (they lie past its length). ``WIDE_PREFILL_GRAPHS=0`` turns it off."""
+        Short prompts (B x T <= PREFILL_GRAPH_MAX_TOKENS) replay a CUDA graph from the second
+        prefill of a (B, T rounded up to 128) bucket on (the first runs eagerly, so a one-off
+        prompt pays no capture): there the ~20 launches per layer cost more host time than the
+        GPU needs, as in decode (a 1k-token routed prefill on an H200: 29-54 ms of wall time
+        eagerly, 21.9 ms replayed). The returned logits are then a graph buffer, overwritten by
+        the next prefill of any length (clone them to keep them); positions T..bucket-1 of the
+        cache get padding keys, which no sequence reads (they lie past its length).
+        ``WIDE_PREFILL_GRAPHS=0`` turns it off."""
         B, T = ids.shape
         if self._cache_key is None or self._cache_key[0] != B or self._cache_key[1] < T:
             raise ValueError(f"call setup_cache(batch={B}, max_len>={T}) first")
         Tb = -(-T // 128) * 128
-        if (self.cuda_graphs and self._prefill_graphs_ok and not all_logits
-                and B * Tb <= PREFILL_GRAPH_MAX_TOKENS and Tb <= self._cache_key[1]
-                and getattr(self.state, "mask_fn", None) is None
+        key = ("prefill", B, Tb)
+        if (self.cuda_graphs and not all_logits and B * Tb <= PREFILL_GRAPH_MAX_TOKENS
+                and Tb <= self._cache_key[1] and getattr(self.state, "mask_fn", None) is None
                 and os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0"):
-            try:
-                return self._prefill_graphed(ids, lens, Tb)
-            except RuntimeError as exc:  # e.g. an op that cannot be captured: stay correct
-                warnings.warn(f"wide: prefill CUDA-graph capture failed ({exc}); prefill runs "
-                              "eagerly from now on")
-                self._prefill_graphs_ok = False
+            if key in self._graphs:
+                return self._prefill_graphed(ids, lens, key)
+            self._graphs[key] = None  # seen once: capture on the next prefill of this bucket
         return self._prefill_eager(ids, lens, all_logits)
 
-    def _prefill_graphed(self, ids: torch.Tensor, lens: Optional[torch.Tensor], Tb: int):
-        B, T = ids.shape
-        key = ("prefill", B, Tb)
-        g = self._graphs.get(key)
+    def _prefill_graphed(self, ids: torch.Tensor, lens: Optional[torch.Tensor], key: tuple):
+        _, B, Tb = key
+        T = ids.shape[1]
+        g = self._graphs[key]
         if g is None:
             ids_buf = torch.zeros(B, Tb, dtype=torch.long, device=self.device)
             lens_buf = torch.full((B,), T, dtype=torch.long, device=self.device)
             ids_buf[:, :T].copy_(ids)
-            if self._prefill_pool is None:  # one memory pool for every prefill graph
+            if self._prefill_pool is None:
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph, out = self._capture(lambda: self._prefill_eager(ids_buf, lens_buf),
                                        pool=self._prefill_pool)
@@ -978,8 +978,8 @@ class AcceleratedModel:
         if pos is not None:
             self.pos.copy_(pos)
         self.tok.copy_(tok)
-        if not self.cuda_graphs:
-            return self._decode_eager(self.tok, self.pos)
+        if not self.cuda_graphs or getattr(self.state, "mask_fn", None) is not None:
+            return self._decode_eager(self.tok, self.pos)  # (a Python mask_fn is not captured)
         B = tok.shape[0]
         g = self._graphs.get(B)
         if g is None:
@@ -990,8 +990,12 @@ class AcceleratedModel:
         return out
 
     def _capture(self, step: Callable[[], torch.Tensor], pool=None):
-        """(CUDA graph of ``step()``, its output buffer). ``step`` reads only static buffers."""
-        stream = torch.cuda.Stream(self.device)
+        """(CUDA graph of ``step()``, its output buffer). ``step`` reads only static buffers.
+        All captures share one stream: the caching allocator reuses a freed block only on the
+        stream that allocated it, so graphs sharing a pool must be captured on one stream."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if HAS_TRITON:
             from .kernels.routing import fresh_split_tickets

@@ -312,16 +312,16 @@ def main(argv=None) -> int:
             graphed = routed.decode(tok, pos).clone()
             e4 = max(e4, float((graphed - eager).norm() / eager.norm()))
             routed.free_cache()
-        # a short prompt's prefill replays a CUDA graph (one per length bucket): two prompts
-        # through one graph against the eager prefill of each
+        # a short prompt's prefill replays a CUDA graph (one per length bucket, captured on its
+        # second use): the second and third prompt through one graph against the eager prefill
         e5, Tp = 0.0, (1000 if not args.tiny else 20)
         routed.setup_cache(1, 1152)
-        for _ in range(2):
+        for _ in range(3):
             p = rand_ids(1, Tp)
             eager = routed._prefill_eager(p).clone()
             graphed = routed.prefill(p).clone()
             e5 = max(e5, float((graphed - eager).norm() / eager.norm()))
-        graphs = sum(1 for k in routed._graphs if isinstance(k, tuple) and k[0] == "prefill")
+        graphs = sum(1 for k, g in routed._graphs.items() if isinstance(k, tuple) and g is not None)
         routed.free_cache()
         checks = [("prefill logits, routed kernels vs masked HF path", e1, e1 < 1e-2),
                   ("decode step logits, routed kernels vs masked HF path", e2, e2 < 1e-2),
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
             # The raw bf16-vs-bf16 differences are then rounding drift, reported but not failed.
             checks = [(n + " (over 1e-2: bf16 drift, judged by the fp32 rows)" if i in (0, 1, 2) and not ok else n,
                        e, True if i in (0, 1, 2) else ok) for i, (n, e, ok) in enumerate(checks)]
-        if routed.cuda_graphs:
+        if routed.cuda_graphs and os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0":
             checks.append((f"CUDA-graph prefill vs eager prefill, two {Tp}-token prompts through "
                            f"{graphs} captured graph(s)", e5, e5 < 1e-2 and graphs == 1))
         nr = check_norm_route(routed) if routed.backend == "triton" else None  # the kernel's own check
