@@ -166,10 +166,19 @@ def main(argv=None) -> int:
                          "(first sparsity)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new measurement after this many seconds")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                    help="prompts up to this many tokens prefill by CUDA-graph replay, both engines "
+                         "(default: wide.inference.PREFILL_GRAPH_MAX_TOKENS)")
     args = ap.parse_args(argv)
 
     import wide
+    import wide.inference as inference
     from wide.inference import AcceleratedModel, accelerate
+
+    if args.prefill_graph_max_tokens is not None:
+        if args.prefill_graph_max_tokens < 0:
+            ap.error("--prefill-graph-max-tokens must be >= 0")
+        inference.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_max_tokens
 
     t_start = _now()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -195,6 +204,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python -m wide.benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "prefill_graph_max_tokens": inference.PREFILL_GRAPH_MAX_TOKENS if device.type == "cuda" else None,
             "model": "Llama-3.1-8B config, random weights" if not args.tiny else "tiny random Llama",
             "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)",
             "records": [], "checks": [], "errors": []}
@@ -703,6 +713,9 @@ def markdown(meta: dict) -> str:
     lines = [f"# End-to-end TTFT / TPOT ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
              f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
+    if meta.get("prefill_graph_max_tokens") is not None:
+        lines += [f"Prefills of up to {meta['prefill_graph_max_tokens']} tokens (batch x length "
+                  "rounded up to 128) replay a CUDA graph in both engines; longer ones run eagerly.", ""]
     if meta.get("realised_sparsity"):
         lines += ["Realised sparsity on a fresh random prompt (group rate; attention / FFN):", ""]
         for s, v in meta["realised_sparsity"].items():
