@@ -1,7 +1,8 @@
 """GPU smoke test of the engine, 1-2 min (mostly first-time compilation and autotuning): a
-small random Llama (bf16, 4 layers, head dim 128) with routers at 50 %, run through ``wide.accelerate`` with CUDA graphs and autotuning on. Checks that
-graph replay equals the eager step (decode, and a short prefill), that greedy generation matches the masked HF path on a
-short prompt, and that split-K tickets are all back at zero afterwards. Exit 1 on a failure.
+small random Llama (bf16, 4 layers, head dim 128) with routers at 50 %, run through
+``wide.accelerate`` with CUDA graphs and autotuning on. Checks that graph replay equals the
+eager step (decode, and a short prefill), that greedy generation matches the masked HF path on
+a short prompt, and that split-K tickets are all back at zero afterwards. Exit 1 on a failure.
 
     PYTHONPATH=src python3 scripts/gpu_smoke.py
 """

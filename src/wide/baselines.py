@@ -1,4 +1,5 @@
-"""The paper's baselines (docs/method.md, "Baselines from the same machinery"), built from the same machinery as WIDE.
+"""The paper's baselines, built from the same machinery as WIDE (docs/method.md, "Baselines
+from the same machinery").
 
 * **Token-level dynamic depth pruning**: one router per layer; a skipped token passes the
   residual stream through the layer (attention and FFN outputs dropped) while its K/V are

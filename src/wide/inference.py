@@ -648,22 +648,23 @@ class AcceleratedModel:
         _, B, Tb = key
         T = ids.shape[1]
         g = self._graphs[key]
-        if g is None:
-            ids_buf = torch.zeros(B, Tb, dtype=torch.long, device=self.device)
-            lens_buf = torch.full((B,), T, dtype=torch.long, device=self.device)
-            ids_buf[:, :T].copy_(ids)
-            if self._prefill_pool is None:
-                self._prefill_pool = torch.cuda.graph_pool_handle()
-            graph, out = self._capture(lambda: self._prefill_eager(ids_buf, lens_buf),
-                                       pool=self._prefill_pool)
-            g = self._graphs[key] = (graph, out, ids_buf, lens_buf)
-        graph, out, ids_buf, lens_buf = g
+        if g is None:  # static inputs, filled below before the capture's warm-up reads them
+            ids_buf = torch.empty(B, Tb, dtype=torch.long, device=self.device)
+            lens_buf = torch.empty(B, dtype=torch.long, device=self.device)
+        else:
+            graph, out, ids_buf, lens_buf = g
         ids_buf[:, :T].copy_(ids)
         ids_buf[:, T:].zero_()
         if lens is None:
             lens_buf.fill_(T)
         else:
             lens_buf.copy_(lens)
+        if g is None:
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph, out = self._capture(lambda: self._prefill_eager(ids_buf, lens_buf),
+                                       pool=self._prefill_pool)
+            self._graphs[key] = (graph, out, ids_buf, lens_buf)
         graph.replay()
         return out
 
@@ -801,7 +802,6 @@ class AcceleratedModel:
         from .kernels import gemm_mn
         w = L.wqkv if fused_kv else L.wq
         tail = L.wkv.shape[0] if fused_kv else 0
-
         gs = self.attn_gs * self.head_dim
         return self._measured("qkv" if fused_kv else "q", h, w, gs,
                               lambda: gemm_mn(h, w, ma, gs, route=route, dense_tail=tail, router=router),

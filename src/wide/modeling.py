@@ -401,7 +401,8 @@ def forward_sparsity(model) -> Sparsity:
 
 
 def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
-    """|target - rate| in the configured mode (docs/method.md, "Sparsity and loss"), before the coefficient."""
+    """|target - rate| in the configured mode (docs/method.md, "Sparsity and loss"), before
+    the coefficient."""
     if config.attn_target is not None:
         gaps = []
         for target, rate in ((config.attn_target, sp.attn_rate), (config.ffn_target, sp.ffn_rate)):
