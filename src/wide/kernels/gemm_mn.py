@@ -20,7 +20,6 @@ pad), which can also finish a half-evaluated router and write the mask (``Router
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from typing import Optional
 
@@ -173,8 +172,7 @@ def _router_decision(g, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK,
 def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, GS, NG_MASKED,
                     stride_wn, stride_w2n, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK,
                     BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, FUSED: tl.constexpr,
-                    ROUTER: tl.constexpr, R: tl.constexpr, NC_PAD: tl.constexpr,
-                    TAIL_FIRST: tl.constexpr):
+                    ROUTER: tl.constexpr, R: tl.constexpr, NC_PAD: tl.constexpr):
     # One token (batch-1 decode): BN weight rows x a 1/S share of K per program, CUDA-core FMAs
     # on whole contiguous rows and one row reduction at the end. Measured on an H200 against the
     # tl.dot path (whose 16-row MMA tile is 15/16 padding here): q 8.9 vs 11.5 us, q+k+v 12.8
@@ -186,20 +184,13 @@ def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K
     # the operators after this one.
     tl.static_assert((not FUSED) or (S == 1), "the fused SiLU*up epilogue needs whole sums")
     pid = tl.program_id(0)
-    if TAIL_FIRST:
-        # The dense tail's programs (K/V after routed Q) need no routing decision: launched
-        # first, their weight loads start at once while the routed programs wait for theirs.
-        n_head = (NG_MASKED * GS) // BN
-        n_tail = tl.cdiv(N, BN) - n_head
-        pid = tl.where(pid < n_tail, pid + n_head, pid - n_tail)
     n = pid * BN + tl.arange(0, BN)
     n_ok = n < N
     g = (pid * BN) // GS  # BN divides GS: a program never straddles two groups
     if ROUTER:
         routed = g < NG_MASKED
-        on = g >= NG_MASKED
-        if routed:  # (a branch: the tail's weight loads do not wait for the decision)
-            on = _router_decision(g, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK, R, NC_PAD)
+        on = _router_decision(tl.minimum(g, NG_MASKED - 1), hp_ptr, hb_ptr, uw_ptr, ub_ptr,
+                              off_ptr, NCHUNK, R, NC_PAD)
         act = (on | (g >= NG_MASKED)).to(tl.int32)
         tl.store(mask_ptr + g, on.to(tl.uint8),
                  mask=routed & ((pid * BN) % GS == 0) & (tl.program_id(1) == 0))
@@ -428,7 +419,6 @@ def _launch_gemv(x, ws, y, mask, group_size, ng_masked, fused, router=None):
         rargs = (m, m, m, m, m, 0)
         rflags = dict(ROUTER=False, R=16, NC_PAD=2)
     args = (x, w, w2, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0), w2.stride(0)) + rargs
-    rflags["TAIL_FIRST"] = ng_masked * group_size < N and os.environ.get("WIDE_TAIL_FIRST", "1") != "0"
     if autotune_enabled():  # (tuning reruns are harmless: every run writes the same y and mask)
         (_tuned_gemv_fused if fused else _tuned_gemv)[grid](*args, FUSED=fused, **rflags)
     else:
