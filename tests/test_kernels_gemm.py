@@ -430,3 +430,41 @@ def test_prefill_sweep_variants_match_reference():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--check-only"]) == 0
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
+@pytest.mark.parametrize("masks", ["random", "all", "none", "router"])
+def test_ffn_decode_trial_matches_reference(masks):
+    # bench/ffn_decode_ab.py's one-kernel batch-1 FFN (a measured trial, not in the library):
+    # checked here so its recorded comparison stays reproducible
+    import importlib.util
+    import pathlib
+
+    from wide.kernels import RouterPartials
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "ffn_decode_ab.py"
+    spec = importlib.util.spec_from_file_location("ffn_decode_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gen = torch.Generator().manual_seed(3)
+    K, G, ng, N = 80, 32, 4, 33
+    x, (wg, wu) = _inputs(1, K, G * ng, torch.float32, gen, n_w=2)
+    wd = (torch.randn(N, G * ng, generator=gen) / (G * ng) ** 0.5).to(DEVICE)
+    router = None
+    if masks == "router":
+        router = RouterPartials(torch.randn(3, 16, generator=gen).to(DEVICE), torch.zeros(16, device=DEVICE),
+                                torch.randn(2 * ng, 16, generator=gen).to(DEVICE),
+                                torch.zeros(2 * ng, device=DEVICE), torch.zeros((), device=DEVICE))
+        mask = torch.zeros(1, ng, dtype=torch.bool, device=DEVICE)
+    else:
+        mask = {"random": torch.tensor([[True, False, False, True]]),
+                "all": torch.ones(1, ng, dtype=torch.bool),
+                "none": torch.zeros(1, ng, dtype=torch.bool)}[masks].to(DEVICE)
+    y = mod.ffn_decode(x, wg, wu, wd, mask, G, router=router)
+    ref = mod.ffn_decode_reference(x, wg, wu, wd, mask, G)  # the mask the router wrote
+    if masks == "none":
+        assert torch.equal(y, torch.zeros_like(y))
+    else:
+        assert rel_err(y, ref) < 1e-5
+    if masks == "router":
+        assert 0 < int(mask.sum()) < ng  # both branches ran
