@@ -8,6 +8,10 @@ library's tl.dot kernels over a grid of tiles and split-K factors, and CUDA-core
 the fp32 reference.
 
     python bench/decode_gemv_sweep.py --out bench/results/decode_gemv_sweep
+    python bench/decode_gemv_sweep.py --wide --shapes o,q,down --out DIR   # wide-step variants
+(``--wide``: steps of up to a whole row over 1-4 rows per program, gemm_k loads predicated per
+column, so each program has all its bytes in flight at once as the plain-read floor does; not
+yet run on a GPU when written.)
 """
 from __future__ import annotations
 
@@ -101,6 +105,8 @@ def _cc_mn(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, GS, NG_MASKED, 
 def _cc_k(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
           BN: tl.constexpr, BK: tl.constexpr, NG_PAD: tl.constexpr, SPLIT: tl.constexpr,
           FLAT: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr = 0):
+    # FLAT: 0 loop over the active groups only, 1 every step predicated on its group, 2 every
+    # step predicated per column
     pid = tl.program_id(0)
     if GDC > 0:
         tl.extra.cuda.gdc_wait()
@@ -113,13 +119,18 @@ def _cc_k(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
     s = tl.program_id(1)
     n_s = tl.num_programs(1)
     if FLAT:
-        # every step of K, loads predicated on the step's group being active
+        # every step of K, loads predicated on the step's group being active (FLAT == 2: on
+        # each column's group, so a step may span several groups, e.g. a whole row in one step:
+        # all of a program's bytes in flight at once, as in the plain read)
         n_steps = K // BK
         j_lo = (s * n_steps) // n_s
         j_hi = ((s + 1) * n_steps) // n_s
         for j in tl.range(j_lo, j_hi, num_stages=STAGES):
             k0 = j * BK
-            a = tl.load(mask_ptr + k0 // GS + k * 0) != 0
+            if FLAT == 2:
+                a = tl.load(mask_ptr + (k0 + k) // GS) != 0
+            else:
+                a = tl.load(mask_ptr + k0 // GS + k * 0) != 0
             xk = tl.load(x_ptr + k0 + k, mask=a, other=0.0).to(tl.float32)
             w = tl.load(w_rows + (k0 + k)[None, :], mask=n_ok[:, None] & a[None, :], other=0.0)
             acc += w.to(tl.float32) * xk[None, :]
@@ -237,6 +248,9 @@ def main():
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe-only", action="store_true")
+    ap.add_argument("--wide", action="store_true",
+                    help="wide-step CUDA-core variants only (BK up to a whole row, 1-4 rows)")
+    ap.add_argument("--shapes", default="qkv,q,o,down")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -258,6 +272,7 @@ def main():
         "o": ("k", 4096, 4096, 512, 8, 0),
         "down": ("k", 4096, 14336, 128, 112, 0),
     }
+    shapes = {k: v for k, v in shapes.items() if k in a.shapes.split(",")}
     for name, (kind, N, K, GS, ngm, tail) in ({} if a.probe_only else shapes).items():
         C = a.copies
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(C)]
@@ -284,27 +299,37 @@ def main():
         record(name, "lib_autotuned", "-", graph_time_us(lib), err, nbytes)
 
         # CUDA-core candidates
-        if kind == "mn":
+        if a.wide:
+            # Wide steps: up to a whole row per step (per-column predication for gemm_k), so
+            # a program has all of its bytes in flight at once; few rows per program; software
+            # pipelining of the remaining steps.
+            bks = [1024, 2048, 4096]
+            splits = [1, 2] if K > 4096 else [1]
+            bns, warps, stages = [1, 2, 4], [4, 8, 16], [1, 3]
+        elif kind == "mn":
             bks = [512, 1024]
             splits = [1, 2, 4]
         else:
             bks = [128] if GS == 128 else [256, 512]
             splits = [1, 2, 4, 8]
-        bns = [4, 8, 16]
-        warps = [4, 8]
-        stages = [1]
+        if not a.wide:
+            bns = [4, 8, 16]
+            warps = [4, 8]
+            stages = [1]
         if a.quick:
             bns, warps, stages = bns[1:3], [4], [1]
         for bn, bk, sp, nw, st in itertools.product(bns, bks, splits, warps, stages):
-            if bn * bk > 16384 or bk > GS * (1 if kind == "k" else 8):
+            if bn * bk > 16384 or (not a.wide and bk > GS * (1 if kind == "k" else 8)):
                 continue
+            if a.wide and (bk > K or K % bk or (st > 1 and bk * sp >= K) or bn * bk < 32 * nw * 8):
+                continue  # one step needs no pipelining; fewer than 8 elements per thread
             kc = triton.cdiv(triton.cdiv(K, sp), bk) * bk
             nsp = triton.cdiv(K, kc) if kind == "mn" else sp
             wsp = torch.empty((nsp, N), device=dev, dtype=torch.float32)
             tick = split_tickets(dev, triton.cdiv(N, bn))
-            flat_opts = [False, True] if kind == "k" else [False]
+            flat_opts = ([2] if a.wide else [0, 1]) if kind == "k" else [0]
             for flat in flat_opts:
-                cfg = f"BN={bn} BK={bk} S={nsp} w={nw} st={st}" + (" flat" if flat else "")
+                cfg = f"BN={bn} BK={bk} S={nsp} w={nw} st={st}" + (["", " flat", " flatcol"][flat])
 
                 def call(i, bn=bn, bk=bk, kc=kc, nsp=nsp, nw=nw, st=st, flat=flat, wsp=wsp,
                          tick=tick):
@@ -324,7 +349,8 @@ def main():
         torch.cuda.empty_cache()
         print(f"[{time.time() - t_start:.0f} s]", flush=True)
 
-    probe(rows, record, dev, gen)
+    if not a.wide:
+        probe(rows, record, dev, gen)
     import os
     os.makedirs(a.out, exist_ok=True)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -440,8 +440,6 @@ def test_ffn_decode_trial_matches_reference(masks):
     import importlib.util
     import pathlib
 
-    from wide.kernels import RouterPartials
-
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "ffn_decode_ab.py"
     spec = importlib.util.spec_from_file_location("ffn_decode_ab", path)
     mod = importlib.util.module_from_spec(spec)
@@ -468,3 +466,35 @@ def test_ffn_decode_trial_matches_reference(masks):
         assert rel_err(y, ref) < 1e-5
     if masks == "router":
         assert 0 < int(mask.sum()) < ng  # both branches ran
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
+@pytest.mark.parametrize("flat,bk,split", [(0, 32, 1), (1, 32, 2), (2, 128, 1), (2, 64, 2), (2, 256, 1)])
+def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
+    # bench/decode_gemv_sweep.py's CUDA-core GEMVs, incl. the --wide steps that span several
+    # groups (per-column predication, FLAT=2) and whole rows, on tiny shapes
+    import importlib.util
+    import pathlib
+
+    from wide.kernels.routing import split_tickets
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "decode_gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("decode_gemv_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gen = torch.Generator().manual_seed(5 + flat)
+    N, K, GS, ng = 16, 256, 32, 8
+    x, (w,) = _inputs(1, K, N, torch.float32, gen)
+    mask = (torch.rand(1, ng, generator=gen) < 0.5).to(DEVICE)
+    mask[0, 0], mask[0, 1] = True, False
+    y = torch.empty(1, N, device=DEVICE)
+    wsp = torch.empty(split, N, device=DEVICE)
+    tick = split_tickets(torch.device(DEVICE), N)
+    mod._cc_k[(N // 4, split)](x, w, y, mask.view(torch.uint8), wsp, tick, N, K, ng, GS, BN=4, BK=bk,
+                               NG_PAD=16, SPLIT=split > 1, FLAT=flat, STAGES=1, num_warps=4)
+    assert rel_err(y, gemm_k_reference(x, w, mask, GS)) < 1e-5
+    mn_mask = torch.tensor([[True, False]], device=DEVICE)  # two 8-row groups, one active
+    kc = K // split
+    mod._cc_mn[(N // 4, split)](x, w, y, mn_mask.view(torch.uint8), wsp, tick, N, K, 8, 2, kc,
+                                BN=4, BK=min(bk, kc), SPLIT=split > 1, STAGES=1, num_warps=4)
+    assert rel_err(y, gemm_mn_reference(x, w, mn_mask, 8)) < 1e-5
