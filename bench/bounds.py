@@ -56,7 +56,7 @@ def _record(e2e: dict, op: str, engine: str, sparsity, **kw) -> float:
         if r.get("op") == op and r.get("engine") == engine and \
                 (sparsity is None or abs((r.get("sparsity") or 0) - sparsity) < 1e-6) and \
                 all(r.get(k) == v for k, v in kw.items()):
-            return r["ms"] if "ms" in r else r["time_ms"]
+            return r["ms"]
     raise SystemExit(f"no {op} record for engine={engine} sparsity={sparsity} {kw} in e2e.json")
 
 

@@ -303,19 +303,14 @@ def main():
             # Wide steps: up to a whole row per step (per-column predication for gemm_k), so
             # a program has all of its bytes in flight at once; few rows per program; software
             # pipelining of the remaining steps.
-            bks = [1024, 2048, 4096]
-            splits = [1, 2] if K > 4096 else [1]
+            bks, splits = [1024, 2048, 4096], ([1, 2] if K > 4096 else [1])
             bns, warps, stages = [1, 2, 4], [4, 8, 16], [1, 3]
-        elif kind == "mn":
-            bks = [512, 1024]
-            splits = [1, 2, 4]
         else:
-            bks = [128] if GS == 128 else [256, 512]
-            splits = [1, 2, 4, 8]
-        if not a.wide:
-            bns = [4, 8, 16]
-            warps = [4, 8]
-            stages = [1]
+            if kind == "mn":
+                bks, splits = [512, 1024], [1, 2, 4]
+            else:
+                bks, splits = ([128] if GS == 128 else [256, 512]), [1, 2, 4, 8]
+            bns, warps, stages = [4, 8, 16], [4, 8], [1]
         if a.quick:
             bns, warps, stages = bns[1:3], [4], [1]
         for bn, bk, sp, nw, st in itertools.product(bns, bks, splits, warps, stages):

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from wide.benchmarks.kernels import _graph_time_us
 from wide.kernels import RouterPartials, ffn_up, gemm_k
-from wide.kernels.gemm_mn import _router_decision
+from wide.kernels.gemm_mn import _router_decision, router_launch_args
 from wide.kernels.routing import check_group_size, check_mask, interpret_mode, next_pow2
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -146,13 +146,8 @@ def ffn_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
         if not mask.is_contiguous():
             raise ValueError("a router writes the mask: it must be contiguous")
         router.check(ng, x.device)
-        hp = router.partials
-        rargs = (hp, router.down_bias, router.up_weight, router.up_bias, router.offset, hp.shape[0])
-        rflags = dict(ROUTER=True, R=hp.shape[1], NC_PAD=max(2, next_pow2(hp.shape[0])))
-    m = mask.view(torch.uint8) if mask.is_contiguous() else mask.contiguous().view(torch.uint8)
-    if router is None:
-        rargs = (m, m, m, m, m, 0)
-        rflags = dict(ROUTER=False, R=16, NC_PAD=2)
+    m = mask.contiguous().view(torch.uint8)
+    rargs, rflags = router_launch_args(router, m)
     if K == 0 or I == 0:
         if router is not None and I:
             raise ValueError("a router needs K > 0")

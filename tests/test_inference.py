@@ -306,9 +306,9 @@ def test_short_prefill_graph_buckets(monkeypatch):
     # On a GPU a short prefill replays a CUDA graph captured on the second use of a (batch,
     # length rounded up to 128) bucket, on padded static buffers. Here the capture is replaced
     # by a graph whose replay reruns the same step into the same output buffer, which checks
-    # what the GPU path relies on: padded prompts of different lengths give the eager prefill's logits from one graph,
-    # the cache holds the right keys for the decode steps that follow, and a mask_fn, long
-    # prompts and all_logits stay eager.
+    # what the GPU path relies on: padded prompts of different lengths give the eager
+    # prefill's logits from one graph, the cache holds the right keys for the decode steps
+    # that follow, and a mask_fn, long prompts and all_logits stay eager.
     class ReplayGraph:
         def __init__(self, step, out):
             self.step, self.out = step, out

@@ -63,6 +63,11 @@ K_CHOICES: dict = {}
 PREFILL_GRAPH_MAX_TOKENS = 2048
 
 
+def prefill_graphs_enabled() -> bool:
+    """Short prefills replay CUDA graphs unless ``WIDE_PREFILL_GRAPHS=0``."""
+    return os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0"
+
+
 def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, default: str) -> str:
     """The name of the fastest of ``candidates`` (name -> zero-argument callable) by ``timer``,
     cached in ``choices[key]``. While a CUDA graph is being captured nothing may be timed, so an
@@ -638,7 +643,7 @@ class AcceleratedModel:
         key = ("prefill", B, Tb)
         if (self.cuda_graphs and not all_logits and B * Tb <= PREFILL_GRAPH_MAX_TOKENS
                 and Tb <= self._cache_key[1] and getattr(self.state, "mask_fn", None) is None
-                and os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0"):
+                and prefill_graphs_enabled()):
             if key in self._graphs:
                 return self._prefill_graphed(ids, lens, key)
             self._graphs[key] = None  # seen once: capture on the next prefill of this bucket

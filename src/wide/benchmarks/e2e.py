@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -352,7 +351,7 @@ def main(argv=None) -> int:
             # The raw bf16-vs-bf16 differences are then rounding drift, reported but not failed.
             checks = [(n + " (over 1e-2: bf16 drift, judged by the fp32 rows)" if i in (0, 1, 2) and not ok else n,
                        e, True if i in (0, 1, 2) else ok) for i, (n, e, ok) in enumerate(checks)]
-        if routed.cuda_graphs and os.environ.get("WIDE_PREFILL_GRAPHS", "1") != "0":
+        if routed.cuda_graphs and inference.prefill_graphs_enabled():
             checks.append((f"CUDA-graph prefill vs eager prefill, two {Tp}-token prompts through "
                            f"{graphs} captured graph(s)", e5, e5 < 1e-2 and graphs == 1))
         nr = check_norm_route(routed) if routed.backend == "triton" else None  # the kernel's own check

@@ -405,19 +405,23 @@ def gemv_launch_state(device: torch.device, N: int):
     return wsp, split_tickets(device, triton.cdiv(N, 4)), grid
 
 
+def router_launch_args(router: Optional[RouterPartials], m: torch.Tensor):
+    """(pointer args, constexpr flags) of a kernel that may finish a batch-1 router
+    (``_router_decision``): the router's tensors, or ``m`` as placeholders without one."""
+    if router is None:
+        return (m, m, m, m, m, 0), dict(ROUTER=False, R=16, NC_PAD=2)
+    hp = router.partials
+    return ((hp, router.down_bias, router.up_weight, router.up_bias, router.offset, hp.shape[0]),
+            dict(ROUTER=True, R=hp.shape[1], NC_PAD=max(2, next_pow2(hp.shape[0]))))
+
+
 def _launch_gemv(x, ws, y, mask, group_size, ng_masked, fused, router=None):
     T, K = x.shape
     w, w2 = ws[0], ws[-1]
     N = w.shape[0]
     m = mask.contiguous().view(torch.uint8)  # the router path's mask is checked contiguous
     wsp, tickets, grid = gemv_launch_state(x.device, N)
-    if router is not None:
-        hp = router.partials
-        rargs = (hp, router.down_bias, router.up_weight, router.up_bias, router.offset, hp.shape[0])
-        rflags = dict(ROUTER=True, R=hp.shape[1], NC_PAD=max(2, next_pow2(hp.shape[0])))
-    else:
-        rargs = (m, m, m, m, m, 0)
-        rflags = dict(ROUTER=False, R=16, NC_PAD=2)
+    rargs, rflags = router_launch_args(router, m)
     args = (x, w, w2, y, m, wsp, tickets, N, K, group_size, ng_masked, w.stride(0), w2.stride(0)) + rargs
     if autotune_enabled():  # (tuning reruns are harmless: every run writes the same y and mask)
         (_tuned_gemv_fused if fused else _tuned_gemv)[grid](*args, FUSED=fused, **rflags)
