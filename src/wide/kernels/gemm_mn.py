@@ -226,9 +226,12 @@ def _gcfg(bn, bk, w, s):
     return triton.Config({"BN": bn, "BK": bk, "S": s}, num_warps=w, num_stages=1)
 
 
-# Batch-1 GEMV tiles: the fastest few of the sweep, per shape they differ by ~1 us.
+# Batch-1 GEMV tiles: the fastest few of the sweeps, per shape they differ by ~1 us. The
+# 2048-wide steps (few rows, half a row per step, so a program has more bytes in flight) took
+# q from 9.24 to 6.90 us, q+k/v to 10.92 us (bench/results/decode_gemv_sweep_wide.md).
 _GEMV_CFGS = [_gcfg(4, 1024, 8, 1), _gcfg(4, 512, 8, 1), _gcfg(4, 512, 4, 1), _gcfg(4, 1024, 4, 1),
-              _gcfg(16, 1024, 8, 1), _gcfg(8, 512, 8, 2)]
+              _gcfg(16, 1024, 8, 1), _gcfg(8, 512, 8, 2), _gcfg(4, 2048, 4, 1),
+              _gcfg(1, 2048, 4, 1), _gcfg(1, 1024, 4, 1)]
 GEMV_MAX_SPLIT = 2
 # Fused gate/up: two weight streams per program, and the SiLU needs whole sums (no split).
 _GEMV_FUSED_CFGS = [_gcfg(2, 1024, 4, 1), _gcfg(2, 512, 4, 1), _gcfg(4, 1024, 8, 1),
