@@ -1,0 +1,77 @@
+"""The README's examples match the code: every `wide ...` line of its command-line block parses
+with the CLI's parser, and its Python example runs as written (two calibration steps instead of
+100, outputs under a temporary folder; slow: it needs the real default model and Wikipedia
+text, and skips when they are not cached)."""
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from wide import data
+from wide.cli import build_parser
+from wide.routers import TokenRouter
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def block(section: str, lang: str) -> str:
+    m = re.search(rf"## {section}\n\n```{lang}\n(.*?)```", README.read_text(), re.S)
+    assert m, f"README.md has no ```{lang} block under '## {section}'"
+    return m.group(1)
+
+
+def python_api_block() -> str:
+    return block("Python API", "python")
+
+
+def cli_lines() -> list:
+    """The block's commands as argument lists after the program name (continuations joined,
+    comments dropped; `torchrun ... -m wide.cli ARGS` counts as `wide ARGS`)."""
+    out = []
+    for line in block("Command line", "bash").replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[0] == "wide":
+            out.append(words[1:])
+        elif "wide.cli" in words:
+            out.append(words[words.index("wide.cli") + 1:])
+    return out
+
+
+def test_readme_command_lines_parse():
+    lines = cli_lines()
+    assert len(lines) >= 10
+    parser = build_parser()
+    for argv in lines:
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README command does not parse: wide {' '.join(argv)}")
+
+
+def test_readme_block_is_found_and_names_the_calls_it_shows():
+    code = python_api_block()
+    for call in ("wide.wrap(", "train(", "wide.calibrate_offsets(", "wide.save_routers(",
+                 "wide.from_pretrained("):
+        assert call in code
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(tmp_path, capsys):
+    if not data._model_ok(data.CACHE_DIR / "models" / data.MODEL_NAME):
+        pytest.skip("the default model is not cached (run wide.data.fetch_default_model())")
+    code = python_api_block()
+    for old, new in (("TrainArgs(steps=100)", "TrainArgs(steps=2)"),
+                     ('"runs/mine', f'"{tmp_path}/mine')):
+        assert old in code, f"README example changed: {old!r} no longer in it; update this test"
+        code = code.replace(old, new)
+    torch.manual_seed(0)
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)
+    printed = capsys.readouterr().out
+    assert "'flop_rate'" in printed and "'per_layer'" in printed
+    assert (tmp_path / "mine" / "routers" / "routers.safetensors").is_file()
+    reloaded = ns["model"]  # the example's last line rebinds model to the one loaded back
+    n_routers = sum(isinstance(m, TokenRouter) for m in reloaded.modules())
+    assert n_routers == 2 * reloaded.config.num_hidden_layers  # attention + FFN, every layer
