@@ -418,6 +418,49 @@ def test_batch1_gemv_reads_a_strided_mask(op):
     assert rel_err(y, ref) < 1e-5
 
 
+def _kernel_modules():
+    # by import_module: the package's gemm_mn / gemm_k attributes are the functions
+    import importlib
+    return (importlib.import_module("wide.kernels.gemm_mn"),
+            importlib.import_module("wide.kernels.gemm_k"))
+
+
+def _gemv_tiles():
+    gm, gk = _kernel_modules()
+    return ([("gemm_mn", c) for c in gm._GEMV_CFGS] + [("ffn_up", c) for c in gm._GEMV_FUSED_CFGS]
+            + [("gemm_k", c) for c in gk._GEMV_CFGS])
+
+
+@pytest.mark.parametrize("op,cfg", _gemv_tiles(), ids=lambda v: v if isinstance(v, str) else
+                         "BN{BN}-BK{BK}-S{S}".format(**v.kwargs) + f"-w{v.num_warps}")
+def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
+    # On a GPU the autotuner may pick any tile of these lists and no test would see the others:
+    # run each one here (ragged K and N against the tile, a dense tail, both kinds of group).
+    gm, gk = _kernel_modules()
+    meta = dict(cfg.kwargs, num_warps=cfg.num_warps)
+    gen = torch.Generator().manual_seed(5)
+    if op == "gemm_k":
+        G, ng, N = 512, 3, 33
+        if G % meta["BK"]:
+            pytest.skip("pruned for this group size (gemm_k._gemv_prune)")
+        monkeypatch.setattr(gk, "_gemv_heuristic", lambda gs: meta)
+        x, (w,) = _inputs(1, G * ng, N, torch.float32, gen)
+        mask = torch.tensor([[True, False, True]], device=DEVICE)
+        y, ref = gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)
+    else:
+        monkeypatch.setattr(gm, "_gemv_heuristic", lambda K, gs, fused: meta)
+        G, ng, tail, K = 16, 4, 16, 2048 + 96
+        mask = torch.tensor([[True, False, False, True]], device=DEVICE)
+        if op == "ffn_up":
+            x, ws = _inputs(1, K, G * ng, torch.float32, gen, n_w=2)
+            y, ref = ffn_up(x, ws[0], ws[1], mask, G), ffn_up_reference(x, ws[0], ws[1], mask, G)
+        else:
+            x, (w,) = _inputs(1, K, G * ng + tail, torch.float32, gen)
+            y = gemm_mn(x, w, mask, G, dense_tail=tail)
+            ref = gemm_mn_reference(x, w, mask, G, dense_tail=tail)
+    assert rel_err(y, ref) < 1e-5
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
 def test_prefill_sweep_variants_match_reference():
     # bench/prefill_gemm_sweep.py (TMA-descriptor weight tiles; the library kernel at tiles its

@@ -332,12 +332,14 @@ def _launch_gemv(x, w, y, mask, group_size, ng):
     if autotune_enabled():
         _tuned_gemv[grid](*args, NG_PAD=ng_pad)
     else:
-        bk = largest_pow2_divisor(group_size, 32 if interpret_mode() else 512)
-        if interpret_mode():  # few programs; the kernel tests turn the split on
-            bn, s = 64, _routing.INTERPRET_GEMV_SPLIT
-        else:
-            bn, s = 4, 1
-        _gemv_k_kernel[grid](*args, BN=bn, BK=bk, S=s, NG_PAD=ng_pad, num_warps=4)
+        _gemv_k_kernel[grid](*args, **_gemv_heuristic(group_size), NG_PAD=ng_pad)
+
+
+def _gemv_heuristic(group_size: int) -> dict:
+    bk = largest_pow2_divisor(group_size, 32 if interpret_mode() else 512)
+    if interpret_mode():  # few programs; the kernel tests turn the split on
+        return dict(BN=64, BK=bk, S=_routing.INTERPRET_GEMV_SPLIT, num_warps=4)
+    return dict(BN=4, BK=bk, S=1, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
