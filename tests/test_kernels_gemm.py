@@ -461,6 +461,63 @@ def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
     assert rel_err(y, ref) < 1e-5
 
 
+def _mma_tiles():
+    gm, gk = _kernel_modules()
+    out = []
+    for c in gm._DECODE_CFGS + gm._PREFILL_CFGS:
+        out.append(("gemm_mn", c))
+    for c in gm._DECODE_CFGS + gm._FUSED_PREFILL_CFGS:
+        out.append(("ffn_up", c))
+    for c in gk._DECODE_CFGS + gk._PREFILL_CFGS:
+        out.append(("gemm_k", c))
+    return out
+
+
+def _tile_id(v):
+    if isinstance(v, str):
+        return v
+    return "-".join(f"{k}{x}" for k, x in v.kwargs.items()) + f"-w{v.num_warps}-s{v.num_stages}"
+
+
+@pytest.mark.parametrize("op,cfg", _mma_tiles(), ids=_tile_id)
+def test_every_tl_dot_tile_matches_reference(op, cfg, monkeypatch):
+    # The tl.dot paths' autotune lists (decode tiles for T <= 16, prefill tiles above), each
+    # tile run here as the GPU autotuner could pick it: K and N ragged against the tile, T
+    # not a multiple of BM, random masks with empty and full groups.
+    gm, gk = _kernel_modules()
+    gen = torch.Generator().manual_seed(9)
+    used = []
+
+    def pick(*_):
+        used.append(cfg)
+        return cfg
+
+    if op == "gemm_k":
+        decode = any(cfg is c for c in gk._DECODE_CFGS)
+        T, G, ng, N = (5 if decode else 45), 128, 3, 200
+        monkeypatch.setattr(gk, "_heuristic", pick)
+        x, (w,) = _inputs(T, G * ng, N, torch.float32, gen)
+        mask = make_mask(T, ng, "random", gen)
+        mask[0], mask[-1] = True, False
+        mask = mask.to(DEVICE)
+        y, ref = gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)
+    else:
+        decode = cfg.kwargs["BM"] == 16
+        T, G, ng, K = (5 if decode else 70), 256, 2, 300
+        monkeypatch.setattr(gm, "_heuristic", pick)
+        mask = make_mask(T, ng, "random", gen)
+        mask[0], mask[-1] = True, False
+        mask = mask.to(DEVICE)
+        if op == "ffn_up":
+            x, ws = _inputs(T, K, G * ng, torch.float32, gen, n_w=2)
+            y, ref = ffn_up(x, ws[0], ws[1], mask, G), ffn_up_reference(x, ws[0], ws[1], mask, G)
+        else:
+            x, (w,) = _inputs(T, K, G * ng, torch.float32, gen)
+            y, ref = gemm_mn(x, w, mask, G), gemm_mn_reference(x, w, mask, G)
+    assert used, "the tile was not launched"
+    assert rel_err(y, ref) < 1e-5
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the script's CPU mode; on a GPU run the script itself")
 def test_prefill_sweep_variants_match_reference():
     # bench/prefill_gemm_sweep.py (TMA-descriptor weight tiles; the library kernel at tiles its
