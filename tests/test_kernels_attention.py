@@ -16,6 +16,9 @@ from wide.kernels.attention import (  # noqa: E402
     prefill_attention_reference,
 )
 
+import importlib  # noqa: E402
+
+attention = importlib.import_module("wide.kernels.attention")  # the module, for its tile lists
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 D = 64
@@ -159,9 +162,8 @@ def _paged(k, v, lens, block_size, gen):
 
 def _check_decode(q, kc, vc, mask, lens, **kw):
     out = decode_attention(q, kc, vc, mask, lens, **kw)
-    kw.pop("num_splits", None)
-    kw.pop("block_n", None)
-    kw.pop("combine_block", None)
+    for launch_only in ("num_splits", "block_n", "combine_block", "num_warps", "num_stages"):
+        kw.pop(launch_only, None)
     ref = decode_attention_reference(q, kc, vc, mask, lens, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     head_on = mask.repeat_interleave(q.shape[1] // mask.shape[1], dim=1)
@@ -434,3 +436,41 @@ def test_decode_split_autotune_flow(monkeypatch):
 
     assert A._pick_splits([(8, 128), (2, 512), (4, 256)], [10.0, 9.9, 9.0]) == 4
     assert A._pick_splits([(8, 128), (2, 512), (4, 256)], [10.0, 9.9, 9.85]) == 8  # within noise
+
+
+def _tile_id(c):
+    return "-".join(f"{k}{x}" for k, x in c.kwargs.items()) + f"-w{c.num_warps}-s{c.num_stages}"
+
+
+@pytest.mark.parametrize("cfg", attention._PREFILL_CONFIGS, ids=_tile_id)
+def test_every_prefill_tile_matches_reference(cfg):
+    # Each tile the GPU autotuner may pick (no GPU run checks the ones it did not pick): T and
+    # Tk ragged against the tile, GQA, variable lengths, one sequence with no active head.
+    gen = torch.Generator().manual_seed(21)
+    B, T, Tk = 2, 150, 150
+    q, k, v = _qkv(B, T, Tk, 4, 2, torch.float32, gen)
+    mask = _mask("random", (B, T, 2), gen).to(DEV)
+    mask[1] = False
+    lens = torch.tensor([150, 131], dtype=torch.int32, device=DEV)
+    _check_prefill(q, k, v, mask, q_lens=lens, k_lens=lens,
+                   block_m=cfg.kwargs["BLOCK_M"], block_n=cfg.kwargs["BLOCK_N"])
+
+
+@pytest.mark.parametrize("cfg", attention._DECODE_CONFIGS, ids=_tile_id)
+@pytest.mark.parametrize("paged", [False, True])
+def test_every_decode_tile_matches_reference(cfg, paged):
+    gen = torch.Generator().manual_seed(22)
+    B, Tk, hq, hkv = 3, 300, 8, 2
+    q = torch.randn(B, hq, D, generator=gen).to(DEV)
+    k = torch.randn(B, Tk, hkv, D, generator=gen).to(DEV)
+    v = torch.randn(B, Tk, hkv, D, generator=gen).to(DEV)
+    lens = torch.tensor([300, 1, 129], dtype=torch.int32, device=DEV)
+    mask = _mask("random", (B, hkv), gen).to(DEV)
+    mask[0] = True
+    kw = dict(num_splits=2, block_n=cfg.kwargs["BLOCK_N"], num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages)
+    if paged:
+        kp, vp, table = _paged(k, v, lens, 128, gen)
+        _check_decode(q, kp, vp, mask, lens, block_table=table, **kw)
+    else:
+        _check_decode(q, k, v, mask, lens, **kw)
