@@ -425,14 +425,39 @@ def _kernel_modules():
             importlib.import_module("wide.kernels.gemm_k"))
 
 
+def _tile_id(v):
+    if isinstance(v, str):
+        return v
+    return "-".join(f"{k}{x}" for k, x in v.kwargs.items()) + f"-w{v.num_warps}-s{v.num_stages}"
+
+
 def _gemv_tiles():
     gm, gk = _kernel_modules()
     return ([("gemm_mn", c) for c in gm._GEMV_CFGS] + [("ffn_up", c) for c in gm._GEMV_FUSED_CFGS]
             + [("gemm_k", c) for c in gk._GEMV_CFGS])
 
 
-@pytest.mark.parametrize("op,cfg", _gemv_tiles(), ids=lambda v: v if isinstance(v, str) else
-                         "BN{BN}-BK{BK}-S{S}".format(**v.kwargs) + f"-w{v.num_warps}")
+def _mma_tiles():
+    gm, gk = _kernel_modules()
+    return ([("gemm_mn", c) for c in gm._DECODE_CFGS + gm._PREFILL_CFGS]
+            + [("ffn_up", c) for c in gm._DECODE_CFGS + gm._FUSED_PREFILL_CFGS]
+            + [("gemm_k", c) for c in gk._DECODE_CFGS + gk._PREFILL_CFGS])
+
+
+def _pin(monkeypatch, module, name, value):
+    """Make ``module.name`` (an untuned launch's tile heuristic) return ``value``; the list
+    returned records each launch that used it."""
+    used = []
+
+    def pick(*_):
+        used.append(value)
+        return value
+
+    monkeypatch.setattr(module, name, pick)
+    return used
+
+
+@pytest.mark.parametrize("op,cfg", _gemv_tiles(), ids=_tile_id)
 def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
     # On a GPU the autotuner may pick any tile of these lists and no test would see the others:
     # run each one here (ragged K and N against the tile, a dense tail, both kinds of group).
@@ -443,12 +468,12 @@ def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
         G, ng, N = 512, 3, 33
         if G % meta["BK"]:
             pytest.skip("pruned for this group size (gemm_k._gemv_prune)")
-        monkeypatch.setattr(gk, "_gemv_heuristic", lambda gs: meta)
+        used = _pin(monkeypatch, gk, "_gemv_heuristic", meta)
         x, (w,) = _inputs(1, G * ng, N, torch.float32, gen)
         mask = torch.tensor([[True, False, True]], device=DEVICE)
         y, ref = gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)
     else:
-        monkeypatch.setattr(gm, "_gemv_heuristic", lambda K, gs, fused: meta)
+        used = _pin(monkeypatch, gm, "_gemv_heuristic", meta)
         G, ng, tail, K = 16, 4, 16, 2048 + 96
         mask = torch.tensor([[True, False, False, True]], device=DEVICE)
         if op == "ffn_up":
@@ -458,25 +483,8 @@ def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
             x, (w,) = _inputs(1, K, G * ng + tail, torch.float32, gen)
             y = gemm_mn(x, w, mask, G, dense_tail=tail)
             ref = gemm_mn_reference(x, w, mask, G, dense_tail=tail)
+    assert used, "the tile was not launched"
     assert rel_err(y, ref) < 1e-5
-
-
-def _mma_tiles():
-    gm, gk = _kernel_modules()
-    out = []
-    for c in gm._DECODE_CFGS + gm._PREFILL_CFGS:
-        out.append(("gemm_mn", c))
-    for c in gm._DECODE_CFGS + gm._FUSED_PREFILL_CFGS:
-        out.append(("ffn_up", c))
-    for c in gk._DECODE_CFGS + gk._PREFILL_CFGS:
-        out.append(("gemm_k", c))
-    return out
-
-
-def _tile_id(v):
-    if isinstance(v, str):
-        return v
-    return "-".join(f"{k}{x}" for k, x in v.kwargs.items()) + f"-w{v.num_warps}-s{v.num_stages}"
 
 
 @pytest.mark.parametrize("op,cfg", _mma_tiles(), ids=_tile_id)
@@ -486,34 +494,26 @@ def test_every_tl_dot_tile_matches_reference(op, cfg, monkeypatch):
     # not a multiple of BM, random masks with empty and full groups.
     gm, gk = _kernel_modules()
     gen = torch.Generator().manual_seed(9)
-    used = []
-
-    def pick(*_):
-        used.append(cfg)
-        return cfg
-
     if op == "gemm_k":
         decode = any(cfg is c for c in gk._DECODE_CFGS)
-        T, G, ng, N = (5 if decode else 45), 128, 3, 200
-        monkeypatch.setattr(gk, "_heuristic", pick)
-        x, (w,) = _inputs(T, G * ng, N, torch.float32, gen)
-        mask = make_mask(T, ng, "random", gen)
-        mask[0], mask[-1] = True, False
-        mask = mask.to(DEVICE)
-        y, ref = gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)
+        T, G, ng, other = (5 if decode else 45), 128, 3, 200  # other: N
+        used = _pin(monkeypatch, gk, "_heuristic", cfg)
     else:
         decode = cfg.kwargs["BM"] == 16
-        T, G, ng, K = (5 if decode else 70), 256, 2, 300
-        monkeypatch.setattr(gm, "_heuristic", pick)
-        mask = make_mask(T, ng, "random", gen)
-        mask[0], mask[-1] = True, False
-        mask = mask.to(DEVICE)
-        if op == "ffn_up":
-            x, ws = _inputs(T, K, G * ng, torch.float32, gen, n_w=2)
-            y, ref = ffn_up(x, ws[0], ws[1], mask, G), ffn_up_reference(x, ws[0], ws[1], mask, G)
-        else:
-            x, (w,) = _inputs(T, K, G * ng, torch.float32, gen)
-            y, ref = gemm_mn(x, w, mask, G), gemm_mn_reference(x, w, mask, G)
+        T, G, ng, other = (5 if decode else 70), 256, 2, 300  # other: K
+        used = _pin(monkeypatch, gm, "_heuristic", cfg)
+    mask = make_mask(T, ng, "random", gen)
+    mask[0], mask[-1] = True, False
+    mask = mask.to(DEVICE)
+    if op == "gemm_k":
+        x, (w,) = _inputs(T, G * ng, other, torch.float32, gen)
+        y, ref = gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)
+    elif op == "ffn_up":
+        x, ws = _inputs(T, other, G * ng, torch.float32, gen, n_w=2)
+        y, ref = ffn_up(x, ws[0], ws[1], mask, G), ffn_up_reference(x, ws[0], ws[1], mask, G)
+    else:
+        x, (w,) = _inputs(T, other, G * ng, torch.float32, gen)
+        y, ref = gemm_mn(x, w, mask, G), gemm_mn_reference(x, w, mask, G)
     assert used, "the tile was not launched"
     assert rel_err(y, ref) < 1e-5
 
