@@ -30,6 +30,13 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
     return model
 
 
+def tile_id(v) -> str:
+    """pytest id of a triton.Config (its meta-parameters, warps and stages); strings as they are."""
+    if isinstance(v, str):
+        return v
+    return "-".join(f"{k}{x}" for k, x in v.kwargs.items()) + f"-w{v.num_warps}-s{v.num_stages}"
+
+
 @pytest.fixture
 def llama():
     return tiny_model("llama")

@@ -9,6 +9,8 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from conftest import tile_id  # noqa: E402
+from wide.kernels import attention  # noqa: E402  (the module, for its tile lists)
 from wide.kernels.attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
@@ -16,9 +18,6 @@ from wide.kernels.attention import (  # noqa: E402
     prefill_attention_reference,
 )
 
-import importlib  # noqa: E402
-
-attention = importlib.import_module("wide.kernels.attention")  # the module, for its tile lists
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
 D = 64
@@ -438,11 +437,7 @@ def test_decode_split_autotune_flow(monkeypatch):
     assert A._pick_splits([(8, 128), (2, 512), (4, 256)], [10.0, 9.9, 9.85]) == 8  # within noise
 
 
-def _tile_id(c):
-    return "-".join(f"{k}{x}" for k, x in c.kwargs.items()) + f"-w{c.num_warps}-s{c.num_stages}"
-
-
-@pytest.mark.parametrize("cfg", attention._PREFILL_CONFIGS, ids=_tile_id)
+@pytest.mark.parametrize("cfg", attention._PREFILL_CONFIGS, ids=tile_id)
 def test_every_prefill_tile_matches_reference(cfg):
     # Each tile the GPU autotuner may pick (no GPU run checks the ones it did not pick): T and
     # Tk ragged against the tile, GQA, variable lengths, one sequence with no active head.
@@ -456,7 +451,7 @@ def test_every_prefill_tile_matches_reference(cfg):
                    block_m=cfg.kwargs["BLOCK_M"], block_n=cfg.kwargs["BLOCK_N"])
 
 
-@pytest.mark.parametrize("cfg", attention._DECODE_CONFIGS, ids=_tile_id)
+@pytest.mark.parametrize("cfg", attention._DECODE_CONFIGS, ids=tile_id)
 @pytest.mark.parametrize("paged", [False, True])
 def test_every_decode_tile_matches_reference(cfg, paged):
     gen = torch.Generator().manual_seed(22)

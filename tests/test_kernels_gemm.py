@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from conftest import tile_id  # noqa: E402
 from wide.kernels.gemm_k import gemm_k, gemm_k_reference  # noqa: E402
 from wide.kernels.gemm_mn import ffn_up, ffn_up_reference, gemm_mn, gemm_mn_reference  # noqa: E402
 from wide.kernels.routing import (RouteIndex, RouterPartials, build_route,  # noqa: E402
@@ -425,12 +426,6 @@ def _kernel_modules():
             importlib.import_module("wide.kernels.gemm_k"))
 
 
-def _tile_id(v):
-    if isinstance(v, str):
-        return v
-    return "-".join(f"{k}{x}" for k, x in v.kwargs.items()) + f"-w{v.num_warps}-s{v.num_stages}"
-
-
 def _gemv_tiles():
     gm, gk = _kernel_modules()
     return ([("gemm_mn", c) for c in gm._GEMV_CFGS] + [("ffn_up", c) for c in gm._GEMV_FUSED_CFGS]
@@ -457,7 +452,7 @@ def _pin(monkeypatch, module, name, value):
     return used
 
 
-@pytest.mark.parametrize("op,cfg", _gemv_tiles(), ids=_tile_id)
+@pytest.mark.parametrize("op,cfg", _gemv_tiles(), ids=tile_id)
 def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
     # On a GPU the autotuner may pick any tile of these lists and no test would see the others:
     # run each one here (ragged K and N against the tile, a dense tail, both kinds of group).
@@ -487,7 +482,7 @@ def test_every_batch1_gemv_tile_matches_reference(op, cfg, monkeypatch):
     assert rel_err(y, ref) < 1e-5
 
 
-@pytest.mark.parametrize("op,cfg", _mma_tiles(), ids=_tile_id)
+@pytest.mark.parametrize("op,cfg", _mma_tiles(), ids=tile_id)
 def test_every_tl_dot_tile_matches_reference(op, cfg, monkeypatch):
     # The tl.dot paths' autotune lists (decode tiles for T <= 16, prefill tiles above), each
     # tile run here as the GPU autotuner could pick it: K and N ragged against the tile, T
