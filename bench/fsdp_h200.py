@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from wide import distributed, modeling
+from wide import arch, distributed, modeling
 from wide.config import WideConfig
 from wide.train import TrainArgs, train
 
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
     ctx = distributed.init()
-    cfg = distributed.hf_config(a.model)
+    cfg = arch.hf_config(a.model)
     if a.layers:
         cfg.num_hidden_layers = a.layers
     cuda = ctx.device.type == "cuda"

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from wide import arch
+
 
 def tiny_config(model_type: str = "llama", **kw):
     """A randomly initialised Llama-family config small enough for CPU unit tests."""
@@ -22,11 +24,16 @@ def tiny_model(model_type: str = "llama", seed: int = 0, **kw):
     cfg = tiny_config(model_type, **kw)
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    if model_type == "qwen2":  # biases start at zero; make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+    spec = arch.spec_for(model)
+    with torch.no_grad():  # biases and q/k norm weights start at 0 / 1: make them matter
+        for layer in arch.decoder_layers(model):
+            for role in spec.bias_ok:
+                bias = arch.projection(layer, spec, role).bias
+                if bias is not None:
+                    bias.normal_(0, 0.5)
+            for name in (spec.q_norm, spec.k_norm):
+                if name:
+                    getattr(getattr(layer, spec.attn), name).weight.normal_(1.0, 0.2)
     return model
 
 

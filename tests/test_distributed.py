@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_model
 
 import wide
-from wide import distributed
+from wide import arch, distributed
 from wide.config import WideConfig
 from wide.distributed import DistContext
 from wide.train import TrainArgs, train
@@ -113,7 +113,7 @@ def test_keyed_noise_ignores_the_split():
 
 
 def test_estimate_llama_8b():
-    cfg = distributed.hf_config("llama-3.1-8b")
+    cfg = arch.hf_config("llama-3.1-8b")
     wc = WideConfig()
     one = distributed.estimate(cfg, wc, world_size=1, seq_len=4096, batch_size=1)
     assert one.detail["total_params"] == pytest.approx(8.03e9, rel=0.01)

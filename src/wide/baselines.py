@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from . import arch
 from .config import WideConfig
 from .modeling import (KINDS, Geometry, ModelDims, _summarise, get_state, resolve_geometry, wrap)
 
@@ -71,13 +72,14 @@ def channel_importance(model, batches: Iterable[torch.Tensor]) -> dict:
     A wrapped model is measured with routing switched off, so the scores never depend on a
     previous mask.
     """
-    from .modeling import _decoder_layers
-
+    spec = arch.spec_for(model)
     sums: dict = {}
     count = [0]
     handles = []
-    for i, layer in enumerate(_decoder_layers(model)):
-        for kind, proj in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        for kind in KINDS:
+            proj = arch.reduction_projection(layer, spec, kind)
+
             def hook(mod, args, key=(i, kind)):
                 x = args[0].detach().float().abs()
                 sums[key] = sums.get(key, 0) + x.reshape(-1, x.shape[-1]).sum(0)
@@ -102,8 +104,9 @@ def channel_importance(model, batches: Iterable[torch.Tensor]) -> dict:
     if not count[0]:
         raise ValueError("static pruning needs at least one calibration batch")
     out = {}
-    for i, layer in enumerate(_decoder_layers(model)):
-        for kind, proj in (("attn", layer.self_attn.o_proj), ("ffn", layer.mlp.down_proj)):
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        for kind in KINDS:
+            proj = arch.reduction_projection(layer, spec, kind)
             w = getattr(proj, "get_base_layer", lambda p=proj: p)().weight.float()
             out[(i, kind)] = (w.norm(dim=0) * (sums[(i, kind)] / count[0])).cpu()
     return out

@@ -197,7 +197,8 @@ def _dry_run(args) -> dict:
     """Memory and time per rank of a planned run, without loading weights."""
     import os
 
-    from .distributed import estimate, hf_config
+    from .arch import hf_config
+    from .distributed import estimate
 
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
     model = args.model if args.model != DEFAULT else "smollm2-135m"
@@ -219,9 +220,11 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
                         "DCP checkpoints); automatic under torchrun, where --batch-size is the global micro-batch")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer in backward: less memory, one more forward")
+    from .arch import PRESETS
+
     g.add_argument("--dry-run", action="store_true",
                    help="print the per-rank memory and time estimate for --model (a HF directory or a preset: "
-                        "llama-3.1-8b, llama-3.1-70b, llama-3.2-1b, smollm2-135m) and exit")
+                        f"{', '.join(PRESETS)}) and exit")
     g.add_argument("--world-size", type=int, default=None, help="ranks for --dry-run (default: WORLD_SIZE or 1)")
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed by --dry-run (default: %(default)s)")
     g.add_argument("--gpu", default="h200", choices=["h200", "h100", "a100", "l40s"],

@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as tdist
 
-from .modeling import KINDS, ModelDims, _decoder_layers, _summarise, get_state, resolve_geometry
+from .arch import decoder_layers
+from .modeling import KINDS, ModelDims, _summarise, get_state, resolve_geometry
 
 DCP_DIR = "dcp"
 _CURRENT: Optional["DistContext"] = None
@@ -184,7 +185,7 @@ def shard_model(model, ctx: DistContext, *, mixed_precision: Optional[bool] = No
           if mixed_precision else MixedPrecisionPolicy())
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     ignored = set(keep)
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
@@ -371,7 +372,7 @@ def recover(model, train_ids, args, out_dir, ctx: DistContext, *, lora=None, fre
     from .recovery import FINAL_DIR, LoraArgs, add_lora, read_adapters, save_recovered, write_adapters
     from .train import train
 
-    lora = lora or LoraArgs()
+    lora = (lora or LoraArgs()).resolved(model)
     params = add_lora(model, lora, freeze_routers=freeze_routers)
     if shard:
         shard_model(model, ctx, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
@@ -392,34 +393,8 @@ def recover(model, train_ids, args, out_dir, ctx: DistContext, *, lora=None, fre
 # ---------------------------------------------------------------- memory and time estimate
 
 
-PRESETS = {
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0),
-    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0),
-    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0),
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         tie_word_embeddings=True, max_position_embeddings=8192),
-}
-
 # Dense bf16 tensor-core peaks (FLOP/s), for the time estimate only.
 GPU_PEAK = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12}
-
-
-def hf_config(model: str):
-    """A transformers config from a preset name or a local HF model directory."""
-    from transformers import AutoConfig
-
-    if model.lower() in PRESETS:
-        return AutoConfig.for_model(**PRESETS[model.lower()])
-    if not (Path(model) / "config.json").is_file():
-        raise ValueError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
-    return AutoConfig.from_pretrained(model)
 
 
 @dataclass
@@ -535,4 +510,4 @@ def estimate(config, wide_config, *, world_size: int = 1, seq_len: int = 4096, b
 
 __all__ = ["DistContext", "init", "current", "shutdown", "under_torchrun", "shard_model", "trainable_parameters",
            "KeyedGumbel", "TrainingSession", "save_checkpoint", "load_checkpoint", "is_dcp_checkpoint",
-           "recover", "PRESETS", "hf_config", "estimate", "Estimate", "mix_seed"]
+           "recover", "estimate", "Estimate", "mix_seed"]

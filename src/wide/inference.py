@@ -777,7 +777,8 @@ class AcceleratedModel:
         with autotuning on (K_CHOICES), else (or ``routed_only``) the routed kernel. Timed as
         CUDA-graph replays: eager timing of a ~20 us decode kernel measures mostly its Python
         launch cost, which made cuBLAS (one launch) win every T bucket."""
-        from .kernels.routing import autotune_enabled, next_pow2, time_graph
+        from .kernels.routing import autotune_enabled, next_pow2
+        from .timing import time_graph
 
         if routed_only:
             return routed()

@@ -26,11 +26,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from . import arch
+from .arch import KINDS, SUPPORTED_MODEL_TYPES
 from .config import WideConfig
 from .routers import TokenRouter
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-KINDS = ("attn", "ffn")
 
 
 @dataclass(frozen=True)
@@ -46,12 +45,7 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelDims":
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"wide supports the Llama-family architectures {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                f"this model is {model_type!r}"
-            )
+        model_type = arch.spec_for(cfg).model_type
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(
@@ -170,25 +164,6 @@ class WideState:
         self.attention_mask = attention_mask
 
 
-def _decoder_layers(model) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError("could not find model.model.layers: not a Llama-family causal LM")
-    return layers
-
-
-def _check_layer(layer, idx: int) -> None:
-    need = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj",
-            "mlp.gate_proj", "mlp.up_proj"]
-    for path in need:
-        obj = layer
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None:
-            raise ValueError(f"decoder layer {idx} has no {path}: unsupported architecture variant")
-
-
 def _valid_tokens(state: WideState, x: torch.Tensor) -> torch.Tensor:
     """[B, T] float, 1 for real tokens; padding is excluded from every rate."""
     am = state.attention_mask
@@ -260,21 +235,21 @@ def install_hooks(model) -> None:
     for h in state.handles:
         h.remove()
     state.handles.clear()
-    layers = _decoder_layers(model)
-    inner = model.model
+    spec = arch.spec_for(model)
+    layers = arch.decoder_layers(model)
 
     def on_model(module, args, kwargs):
         state.new_forward(kwargs.get("attention_mask"))
 
-    state.handles.append(inner.register_forward_pre_hook(on_model, with_kwargs=True))
+    # The hook sits on the module that owns the layers, which receives the attention mask.
+    owner = arch.get_path(model, spec.layers.rpartition(".")[0]) if "." in spec.layers else model
+    state.handles.append(owner.register_forward_pre_hook(on_model, with_kwargs=True))
     normed = state.config.router_input == "normed"
     for i, layer in enumerate(layers):
         routers = model.wide_routers[i]
-        for kind, norm_name, proj in (
-            ("attn", "input_layernorm", layer.self_attn.o_proj),
-            ("ffn", "post_attention_layernorm", layer.mlp.down_proj),
-        ):
-            norm = getattr(layer, norm_name)
+        for kind in KINDS:
+            norm = arch.module_norm(layer, spec, kind)
+            proj = arch.reduction_projection(layer, spec, kind)
             if normed:
                 def tap(mod, args, out, i=i, kind=kind, routers=routers):
                     _route(state, routers, i, kind, out)
@@ -296,9 +271,10 @@ def wrap(model, config: Optional[WideConfig] = None):
         raise ValueError("model is already wrapped by wide; call wide.unwrap(model) first")
     dims = ModelDims.from_hf_config(model.config)
     geo = resolve_geometry(dims, config)
-    layers = _decoder_layers(model)
+    spec = arch.spec_for(model)
+    layers = arch.decoder_layers(model)
     for i, layer in enumerate(layers):
-        _check_layer(layer, i)
+        arch.check_layer(layer, spec, i)
     device = next(model.parameters()).device
     model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
     model.wide_state = WideState(config=config, geometry=geo)

@@ -17,17 +17,17 @@ write per checkpoint.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
 
+from . import arch
 from .modeling import get_state, install_hooks
 from .serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 FINAL_DIR = "recovered"
@@ -40,7 +40,14 @@ class LoraArgs:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.1
-    targets: Sequence[str] = LORA_TARGETS
+    # PEFT target module names; None = every linear projection the model's ArchSpec names.
+    targets: Optional[Sequence[str]] = None
+
+    def resolved(self, model) -> "LoraArgs":
+        """These arguments with ``targets`` filled in from the model's architecture."""
+        if self.targets is not None:
+            return self
+        return replace(self, targets=arch.spec_for(model).lora_targets)
 
     def peft_config(self):
         from peft import LoraConfig
@@ -65,7 +72,7 @@ def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = F
     get_state(model)
     if has_lora(model):
         raise ValueError("model already has LoRA adapters")
-    lora = lora or LoraArgs()
+    lora = (lora or LoraArgs()).resolved(model)
     cfg = lora.peft_config()
     cfg.base_model_name_or_path = getattr(model.config, "_name_or_path", None)
     inject_adapter_in_model(cfg, model)
@@ -185,7 +192,7 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
     ``args.lr`` should be the stage-2 rate (2e-4 in the paper). The model keeps its adapters
     unmerged on return; call ``merge(model)`` for inference.
     """
-    lora = lora or LoraArgs()
+    lora = (lora or LoraArgs()).resolved(model)
     params = add_lora(model, lora, freeze_routers=freeze_routers)
     result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
                    progress=progress, save_extra=lambda d: write_adapters(model, d),
@@ -199,5 +206,5 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
     return result
 
 
-__all__ = ["LORA_TARGETS", "LoraArgs", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
+__all__ = ["LoraArgs", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
            "save_recovered", "load_recovered", "recover"]

@@ -32,7 +32,6 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 __all__ = ["RouteIndex", "RouterPartials", "build_route", "route_reference",
            "used_groups_reference"]
@@ -55,32 +54,6 @@ def interpret_mode() -> bool:
 
 def autotune_enabled() -> bool:
     return os.environ.get("WIDE_AUTOTUNE", "1") != "0" and not interpret_mode()
-
-
-def time_graph(fn, rep: int = 30) -> float:
-    """Cold-cache GPU time (ms, median) of ``fn`` captured in a CUDA graph.
-
-    ``fn`` runs once eagerly first (compiles it, lets tile autotuners pick outside any capture),
-    then is captured, and ``do_bench`` times graph replays: it flushes the L2 before each rep and
-    a replay costs a few us of host time. Timing the eager call instead would mostly time the
-    ~20-60 us of Python and launch overhead of a small kernel, which is not what it costs inside
-    a captured decode step.
-    """
-    fn()
-    # Warm up on the capture stream itself, so per-stream scratch (split-K tickets) is
-    # allocated and zeroed outside the capture rather than recorded as a memset inside it.
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    try:
-        return triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
-    finally:
-        del g
 
 
 # Split-K tickets, per (device, stream): zero between launches (the last program of a tile
