@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# A quick check in one device call (~3 min on one H200): the decode GEMV probe, the GEMM kernel
+# A quick check in one device call (~3 min on one H200): the plain-read floors, the GEMM kernel
 # tests compiled (bf16 included), and the e2e benchmark at 50 % (TTFT 4k, TPOT batch 1).
 # PROBE=0 / TESTS=0 skip a part; TESTS_K narrows the tests (pytest -k); KERNELS=1 adds the T=1
-# kernel bench; PREFILL_SWEEP=1 the prefill gemm_mn/ffn_up tile and TMA sweep; E2E=0 skips the
-# e2e bench; E2E_ARGS=--profile adds the per-kernel profiles. Everything is packed into
+# kernel bench; E2E=0 skips the e2e bench; E2E_ARGS=--profile adds the per-kernel profiles.
+# Trials from experiments/ ride along: SWEEP_ARGS="--wide --shapes q" the decode GEMV sweep,
+# PREFILL_SWEEP=1 the prefill gemm_mn/ffn_up tile and TMA sweep. Everything is packed into
 # ${OUT:-/tmp}/r.tgz (the device tool returns at most 8 files; it sets OUT).
 #   run: E2E_ARGS=--profile bash bench/dev_run.sh
 set -u
+cd "$(dirname "$0")/.."
 export PYTHONPATH=src
 R=/tmp/r; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > $R/gpu.txt
 if [ "${PROBE:-1}" != 0 ]; then
-  timeout ${PROBE_S:-150} python bench/decode_gemv_sweep.py ${SWEEP_ARGS:---probe-only} --out $R > $R/sweep.log 2>&1
-  echo "sweep exit $?"; grep -vi warn $R/sweep.log | grep -E "read_floor|probe|lib_|cublas" | head -70
+  timeout ${PROBE_S:-150} python -m wide.benchmarks.read_floors --out $R > $R/read_floors.log 2>&1
+  echo "read floors exit $?"; grep -E "^\| read" $R/read_floors.md
+fi
+if [ -n "${SWEEP_ARGS:-}" ]; then
+  timeout ${SWEEP_S:-300} python experiments/decode_gemv_sweep.py $SWEEP_ARGS --out $R/sweep > $R/sweep.log 2>&1
+  echo "sweep exit $?"; cat $R/sweep/decode_gemv_sweep.md 2>/dev/null | tail -n 20
 fi
 if [ "${TESTS:-1}" != 0 ]; then
   TRITON_INTERPRET=0 timeout ${TESTS_S:-240} python -m pytest -q -x tests/test_kernels_gemm.py \
@@ -26,14 +32,14 @@ if [ "${KERNELS:-0}" != 0 ]; then
   echo "kernels exit $?"; grep -E "^\| (gemm|ffn)" $R/k/kernels.md
 fi
 if [ "${PREFILL_SWEEP:-0}" != 0 ]; then
-  timeout ${PREFILL_SWEEP_S:-300} python bench/prefill_gemm_sweep.py --out $R/prefill_gemm_sweep \
+  timeout ${PREFILL_SWEEP_S:-300} python experiments/prefill_gemm_sweep.py --out $R/prefill_gemm_sweep \
     > $R/prefill_sweep.log 2>&1
   echo "prefill sweep exit $?"; cat $R/prefill_gemm_sweep.md 2>/dev/null | tail -n 8
 fi
 if [ "${E2E:-1}" != 0 ]; then
   timeout ${E2E_S:-240} python -m wide.benchmarks.e2e --out-dir $R --sparsities 0.5 --prompt-lens 4096 \
     --batches 1 --reps 3 --decode-steps 16 --budget-s 150 --no-hf ${E2E_ARGS:-} > $R/e2e.log 2>&1
-  echo "e2e exit $?"; grep -E "check|TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
+  echo "e2e exit $?"; grep -E "TTFT|TPOT" $R/e2e.log | grep -v Warn | tail -n 20
   grep -E "^\| 1 \|" $R/e2e.md | head
 fi
 tar czf ${OUT:-/tmp}/r.tgz -C $R .

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU speed benchmark in one go (one device call): routed GEMMs, routed attention and the
-# end-to-end engine, each checked against its reference before timing. Writes
-# OUT/{kernels,attention,e2e}.{json,md,png,log} and OUT/bounds.{json,md}. ~8-9 min on one H200.
+# Every GPU speed benchmark in one go (one device call): the engine's correctness on the GPU first
+# (scripts/gpu_smoke.py: graph replay = eager, greedy tokens = HF for Llama, Qwen2 and Qwen3, the
+# GPU-only kernel tests), then routed GEMMs and routed attention (each kernel checked against its
+# fp32 reference before it is timed) and the end-to-end engine. Writes
+# OUT/{kernels,attention,e2e}.{json,md,png,log}, OUT/read_floors.{json,md} and OUT/bounds.{json,md}.
+# ~12 min on one H200.
 #   OUT=bench/results bash bench/gpu_all.sh
 # ONLY="kernels e2e" runs a subset. The device tool returns at most 8 files, so a device call
 # writes elsewhere and packs them:  OUT=/tmp/r bash bench/gpu_all.sh; tar czf $OUT/gpu.tgz -C /tmp/r .
@@ -11,7 +14,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-kernels attention e2e bounds}
+ONLY=${ONLY:-smoke kernels attention e2e bounds}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -20,10 +23,11 @@ run() {  # name, time limit (s), command...
     echo "$name: exit $? in $((SECONDS - t0)) s"
     tail -n 4 "$OUT/$name.log"
 }
+run smoke "${SMOKE_S:-400}" python3 scripts/gpu_smoke.py
 run kernels "${KERNELS_S:-170}" python3 -m wide.benchmarks.kernels --out-dir "$OUT"
 run attention "${ATTENTION_S:-170}" python3 -m wide.benchmarks.attention --out "$OUT"
 run e2e "${E2E_S:-200}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --sparsities 0.5,0.75,0.25 \
     --prompt-lens 4096,1024,16384 --batches 1,8,32 --reps 3 --decode-steps 16 --budget-s 150 --profile
-# Bounds from the e2e profiles above and plain-read floors measured now (bench/bounds.py)
-run bounds "${BOUNDS_S:-150}" bash -c "python3 bench/decode_gemv_sweep.py --probe-only --out '$OUT/probe' \
-    && cp '$OUT/probe/decode_gemv_sweep.json' '$OUT/read_floors.json' && python3 bench/bounds.py --results '$OUT'"
+# Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
+run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
+    && python3 -m wide.benchmarks.bounds --results '$OUT'"

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from wide.timing import do_bench_us, graph_time_us, wall_time_us
+
 HQ, HKV, D, G = 32, 8, 128, 8
 # --dry-run: exercise the whole script on the CPU (Triton interpreter, wall-clock timing,
 # math SDPA) so that a broken script never costs GPU time.
@@ -41,16 +43,6 @@ def _flash():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return nullcontext() if _DRY else sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-
-
-def _wall_us(fns, reps=2):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append((time.perf_counter() - t) * 1e6 / len(fns))
-    return statistics.median(ts)
 
 
 def _versions():
@@ -71,46 +63,17 @@ def _rel(out, ref):
     return (out.float() - ref.float()).norm().item() / max(den, 1e-30)
 
 
-def _median_graph_us(fns, reps=30, warm=3):
-    """Median time of one call, from graph replays of all ``fns`` in sequence."""
+def _median_graph_us(fns, reps=30):
+    """Median time of one call, from graph replays of one pass over ``fns`` (3 warm-up replays
+    after two eager passes on the capture stream)."""
     if _DRY:
-        return _wall_us(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(warm):
-        g.replay()
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
+        return wall_time_us(fns)
+    return graph_time_us(fns, calls=len(fns), replays=reps, warmup_replays=3,
+                         warmup_calls=2 * len(fns), stat=statistics.median)
 
 
 def _do_bench_us(fn):
-    import triton.testing
-
-    if _DRY:
-        return _wall_us([fn])
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return wall_time_us([fn]) if _DRY else do_bench_us(fn)
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Each case: fresh random bf16 inputs and an i.i.d. random mask; check against the
 reference (rel err < 1e-2, NaN fails); then time dense and routed in the same process.
 Routed time includes the reordering (a fresh RouteIndex per call). Default timing replays a
 CUDA graph of many calls that rotate over several input sets (so L2 does not hold the
-weights between calls), median of replays; ``--timing eager`` uses triton's do_bench.
+weights between calls), median of replays (``wide.timing.graph_time_us``); ``--timing eager``
+uses triton's do_bench (``wide.timing.do_bench_us``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from wide.timing import do_bench_us, graph_time_us
 
 SHAPES = {  # name: (N, K, G)
     "gate_up": (14336, 4096, 128),
@@ -35,53 +38,6 @@ TARGETS = {  # (shape, T) -> target speedup at 50 % (the kernel issue's targets,
 }
 L2_BYTES = 60e6
 COPY_CEILING_GBPS = 4270.0  # H200 device copy (read + write), measured 2026-12-02
-
-
-def _graph_time_us(fns, target_ms=15.0, replays=10):
-    """Median time per call of a CUDA graph that calls fns[0], fns[1], ... in turn."""
-    for f in fns:  # warm-up (and autotune) outside capture
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(3 * len(fns)):
-        fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    est_ms = (time.perf_counter() - t0) * 1e3 / (3 * len(fns))
-    reps = max(len(fns), min(2000, int(target_ms / max(est_ms, 1e-3))))
-    reps = int(math.ceil(reps / len(fns)) * len(fns))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        fns[0]()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            for i in range(reps):
-                fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _eager_time_us(fns):
-    import triton.testing
-    state = {"i": 0}
-
-    def run():
-        fns[state["i"] % len(fns)]()
-        state["i"] += 1
-    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def run_case(op, shape, T, sparsity, timing, gen_seed):
@@ -137,7 +93,7 @@ def run_case(op, shape, T, sparsity, timing, gen_seed):
 
     fns_d = [lambda s=s: dense(s) for s in sets]
     fns_r = [lambda s=s: routed(s) for s in sets]
-    tf = {"cudagraph": _graph_time_us, "eager": _eager_time_us, "none": lambda fns: float("nan")}[timing]
+    tf = {"cudagraph": graph_time_us, "eager": do_bench_us, "none": lambda fns: float("nan")}[timing]
     dense_us = tf(fns_d)
     routed_us = tf(fns_r)
 

@@ -1,4 +1,4 @@
-"""Prefill routed gemm_mn / ffn_up sweep: weight tiles by TMA descriptor vs pointer loads (H200).
+"""Trial: prefill routed gemm_mn / ffn_up sweep: weight tiles by TMA descriptor vs pointer loads (H200).
 
 Why: at T=4096 and 50 % the fused gate/up (`ffn_up`) runs at ~490 TFLOP/s on its active work,
 cuBLAS at ~684 on dense work (bench/results/kernels.md: 1.64x where the target is 1.85x), and
@@ -9,8 +9,8 @@ pointer-load kernel over a wider tile grid than its autotuner tries, both agains
 call (autotuned) and cuBLAS. Every variant is first checked against the fp32 reference; every
 timed call includes the mask reordering (RouteIndex), as the library call does.
 
-    PYTHONPATH=src python bench/prefill_gemm_sweep.py --out bench/results/prefill_gemm_sweep
-    TRITON_INTERPRET=1 PYTHONPATH=src python bench/prefill_gemm_sweep.py --check-only   # CPU
+    PYTHONPATH=src python experiments/prefill_gemm_sweep.py --out experiments/results/prefill_gemm_sweep
+    TRITON_INTERPRET=1 PYTHONPATH=src python experiments/prefill_gemm_sweep.py --check-only   # CPU
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _launcher(impl, cfg, x, ws, y, mask, G, fused):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results/prefill_gemm_sweep")
+    ap.add_argument("--out", default="experiments/results/prefill_gemm_sweep")
     ap.add_argument("--tokens", type=int, nargs="*", default=[4096])
     ap.add_argument("--check-only", action="store_true",
                     help="tiny shapes, correctness only (CPU under TRITON_INTERPRET=1)")
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.time()
     if not check_only:
-        from wide.benchmarks.kernels import _graph_time_us
+        from wide.timing import graph_time_us
     for (name, (fused, N, K, G)), T in itertools.product(shapes.items(), a.tokens):
         x = torch.randn(T, K, generator=gen).to(dev, dt)
         ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dev, dt) for _ in range(2 if fused else 1)]
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
                     if not row["rel_err"] < 1e-2:
                         row["error"] = "wrong result"
                 if not check_only and "error" not in row:
-                    us = _graph_time_us([fn])
+                    us = graph_time_us([fn])
                     row.update(us=round(us, 1), tflops=round(flop / us / 1e6, 1))
             except Exception as e:  # a tile the compiler or the device refuses: record, go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               command="PYTHONPATH=src python bench/prefill_gemm_sweep.py --out " + a.out)
+               command="PYTHONPATH=src python experiments/prefill_gemm_sweep.py --out " + a.out)
     with open(a.out + ".json", "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     with open(a.out + ".md", "w") as f:

@@ -2,7 +2,7 @@
 FSDP2 on one GPU, with the measured peak memory (torch.cuda.max_memory_allocated) and step
 time set against ``wide calibrate --dry-run``'s estimate for each configuration.
 
-    PYTHONPATH=src python3 bench/fsdp_h200.py --out $OUT
+    python -m wide.benchmarks.fsdp --out $OUT        (or: wide bench fsdp --out $OUT)
 
 Writes OUT/fsdp_h200.json and OUT/fsdp_h200.md. Runs as one process (world size 1) unless
 started by torchrun. ``--model smollm2-135m --layers 2 --seq 64`` is a CPU smoke test (gloo).
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from wide import arch, distributed, modeling
+from wide.estimate import estimate
 from wide.config import WideConfig
 from wide.train import TrainArgs, train
 
@@ -33,7 +34,7 @@ CONFIGS = [  # (sequence length, global micro-batch, activation checkpointing)
 ]
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -64,9 +65,8 @@ def main(argv=None) -> dict:
     configs = [(a.seq, 1, False), (a.seq, 1, True)] if a.seq else CONFIGS
     rows = []
     for seq, batch, ac in configs:
-        est = distributed.estimate(cfg, wcfg, world_size=ctx.world_size, seq_len=seq, batch_size=batch,
-                                   activation_checkpointing=ac, param_bytes=2 if cuda else 4, mfu=a.mfu,
-                                   steps=a.steps)
+        est = estimate(cfg, wcfg, world_size=ctx.world_size, seq_len=seq, batch_size=batch,
+                       activation_checkpointing=ac, param_bytes=2 if cuda else 4, mfu=a.mfu, steps=a.steps)
         if ac:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -109,7 +109,8 @@ def main(argv=None) -> dict:
         print(json.dumps({k: v for k, v in row.items() if k not in ("estimate_rows", "traceback")}), flush=True)
         write(a.out, doc_for(a, cfg, cuda, build_s, resident, wcfg, rows))
     distributed.shutdown()
-    return doc_for(a, cfg, cuda, build_s, resident, wcfg, rows)
+    # an out-of-memory row is a result (the estimate's other side), an exception is not
+    return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
 def doc_for(a, cfg, cuda, build_s, resident, wcfg, rows) -> dict:
@@ -118,7 +119,7 @@ def doc_for(a, cfg, cuda, build_s, resident, wcfg, rows) -> dict:
            "torch": torch.__version__, "python": platform.python_version(), "build_s": round(build_s, 1),
            "resident_after_shard_gib": resident, "steps": a.steps, "assumed_mfu": a.mfu, "wide_config": wcfg.to_dict(),
            "date": time.strftime("%Y-%m-%d"), "rows": rows,
-           "command": "PYTHONPATH=src python3 bench/fsdp_h200.py --out $OUT"}
+           "command": "python -m wide.benchmarks.fsdp --out $OUT"}
 
 
 def write(out, doc: dict) -> None:
@@ -145,4 +146,4 @@ def markdown(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Decode GEMV design sweep (T=1, 50 % masks, Llama-3.1-8B shapes), H200.
+"""Trial: decode GEMV design sweep (T=1, 50 % masks, Llama-3.1-8B shapes), H200.
 
 Why: the routed decode GEMVs other than ffn_up read their bytes at 1.6-2.6 TB/s (e2e profile),
 cuBLAS at ~3.1 TB/s on the same sizes. This times, inside one CUDA graph of back-to-back calls on
@@ -7,11 +7,14 @@ library's tl.dot kernels over a grid of tiles and split-K factors, and CUDA-core
 (elementwise FMA + row reduction, no MMA), against cuBLAS. Every variant is first checked against
 the fp32 reference.
 
-    python bench/decode_gemv_sweep.py --out bench/results/decode_gemv_sweep
-    python bench/decode_gemv_sweep.py --wide --shapes o,q,down --out DIR   # wide-step variants
+    PYTHONPATH=src python experiments/decode_gemv_sweep.py --out DIR
+    PYTHONPATH=src python experiments/decode_gemv_sweep.py --wide --shapes o,q,down --out DIR
+    PYTHONPATH=src python experiments/decode_gemv_sweep.py --probe-only --out DIR
 (``--wide``: steps of up to a whole row over 1-4 rows per program, gemm_k loads predicated per
 column, so each program has all its bytes in flight at once as the plain-read floor does;
-results: bench/results/decode_gemv_sweep_wide.md.)
+results: experiments/results/decode_gemv_sweep_wide.md. ``--probe-only``: the plain-read floors
+(``wide.benchmarks.read_floors``, the reproducible part, which the bounds use), the o/q GEMVs
+with L2-hot weights and with programmatic dependent launch; experiments/results/decode_gemv_probe.md.)
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ sys.path.insert(0, "src")
 import importlib  # noqa: E402
 gk = importlib.import_module("wide.kernels.gemm_k")
 gm = importlib.import_module("wide.kernels.gemm_mn")
-from wide.benchmarks.kernels import _graph_time_us  # noqa: E402
+from wide.benchmarks import read_floors  # noqa: E402
 from wide.kernels.routing import split_tickets  # noqa: E402
+from wide.timing import graph_time_us  # noqa: E402
 
 
 @triton.jit
@@ -57,16 +61,6 @@ def _prefetch_l2(ptrs):
     # keeps the call from being removed.
     return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _read_kernel(w_ptr, out_ptr, CH: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    base = w_ptr + pid.to(tl.int64) * CH
-    for i in range(0, CH, BLOCK):
-        acc += tl.load(base + i + tl.arange(0, BLOCK)).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -154,13 +148,6 @@ def _cc_k(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
     _store_1d(tl.sum(acc, axis=1), ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, SPLIT)
 
 
-def graph_time_us(calls):
-    """Per-call GPU time (us) of ``calls`` run back to back inside one CUDA graph (the kernel
-    benchmark's timer; the committed sweep JSONs were made with an inline copy of it that
-    replayed one pass over the 8 copies, 20 times)."""
-    return _graph_time_us(calls)
-
-
 def rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item()
 
@@ -191,16 +178,7 @@ def half_mask(ng, gen, dev):
 def probe(rows, record, dev, gen):
     """Floors: a plain read of the same bytes; the o GEMV with its weights hot in L2; PDL."""
     C = 8
-    for mb in (16.8, 33.5, 58.7):
-        n = int(mb * 1e6 / 2) // 8192 * 8192
-        bufs = [torch.randn(n, device=dev, dtype=torch.bfloat16) for _ in range(C)]
-        for ch in (16384, 32768, 65536):
-            out = torch.empty(n // ch, device=dev, dtype=torch.float32)
-            for nw in (4, 8):
-                calls = [lambda i=i, ch=ch, nw=nw: _read_kernel[(n // ch,)](
-                    bufs[i], out, CH=ch, BLOCK=2048, num_warps=nw) for i in range(C)]
-                record(f"read{mb}", "read_floor", f"CH={ch} w={nw}", graph_time_us(calls), 0.0, n * 2)
-        del bufs
+    read_floors.measure(record, dev)
     # q / o shapes: cold (rotating copies), hot (same copy), PDL, PDL + L2 prefetch
     N, K, GS, ngm = 4096, 4096, 512, 8
     ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(C)]
@@ -257,13 +235,7 @@ def main():
     gen = torch.Generator().manual_seed(0)
     rows = []
     t_start = time.time()
-
-    def record(shape, impl, cfg, us, err, nbytes):
-        r = dict(shape=shape, impl=impl, cfg=cfg, us=round(us, 2), rel_err=err,
-                 tbps=round(nbytes / us / 1e6, 3))
-        rows.append(r)
-        print(f"{shape:8s} {impl:14s} {cfg:40s} {us:8.2f} us {r['tbps']:5.2f} TB/s err {err:.1e}",
-              flush=True)
+    record = read_floors.recorder(rows, widths=(8, 14, 40))
 
     # shape: (kind, N, K, GS, n routed groups, dense tail cols)
     shapes = {
@@ -349,7 +321,7 @@ def main():
     import os
     os.makedirs(a.out, exist_ok=True)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               command="python bench/decode_gemv_sweep.py " + " ".join(sys.argv[1:]))
+               command="python experiments/decode_gemv_sweep.py " + " ".join(sys.argv[1:]))
     with open(os.path.join(a.out, "decode_gemv_sweep.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     best = {}

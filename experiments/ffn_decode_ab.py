@@ -2,7 +2,7 @@
 two-kernel path (``ffn_up`` then ``gemm_k``) and cuBLAS dense, Llama-3.1-8B shapes, i.i.d.
 50 % masks, CUDA-graph timing over three weight sets (so L2 never holds a layer's weights),
 plus a tile sweep of the fused kernel. Every timed variant is checked against the fp32
-reference first. Result (bench/results/ffn_decode_ab.md): the fused kernel is slower.
+reference first. Result (experiments/results/ffn_decode_ab.md): the fused kernel is slower.
 
 The fused kernel: each program owns CH intermediate channels of one group, computes their
 gate/up sums and SiLU product (rounded to the input dtype, as the two-kernel path stores it),
@@ -12,8 +12,8 @@ order (deterministic). The hope was to drop the down GEMV's own ramp-up, split-K
 mask wait; what it costs is parallelism (one program per CH channels) and 64-128 B pieces of
 w_down per row.
 
-    PYTHONPATH=src python bench/ffn_decode_ab.py --out bench/results/ffn_decode_ab
-    PYTHONPATH=src TRITON_INTERPRET=1 python bench/ffn_decode_ab.py --tiny   # CPU smoke run
+    PYTHONPATH=src python experiments/ffn_decode_ab.py --out experiments/results/ffn_decode_ab
+    PYTHONPATH=src TRITON_INTERPRET=1 python experiments/ffn_decode_ab.py --tiny   # CPU smoke run
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from wide.benchmarks.kernels import _graph_time_us
 from wide.kernels import RouterPartials, ffn_up, gemm_k
 from wide.kernels.gemm_mn import _router_decision, router_launch_args
 from wide.kernels.routing import check_group_size, check_mask, interpret_mode, next_pow2
+from wide.timing import graph_time_us
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -178,7 +178,7 @@ def ffn_decode_reference(x, w_gate, w_up, w_down, mask, group_size):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/ffn_decode_ab")
+    ap.add_argument("--out", default="experiments/results/ffn_decode_ab")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--quick", action="store_true", help="a few tiles only")
     ap.add_argument("--tiny", action="store_true",
@@ -186,7 +186,7 @@ def main() -> None:
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     K, I, N, G = 4096, 14336, 4096, 128
-    timer = _graph_time_us
+    timer = graph_time_us
     if args.tiny:
         dev, dt = "cpu", torch.float32
         K, I, N, G = 64, 256, 64, 32
@@ -269,7 +269,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                command="PYTHONPATH=src python bench/ffn_decode_ab.py " + " ".join(
+                command="PYTHONPATH=src python experiments/ffn_decode_ab.py " + " ".join(
                     f"--{k}" if v is True else f"--{k} {v}"
                     for k, v in vars(args).items() if v not in (False, None)),
                 shape=dict(K=K, I=I, N=N, G=G, sparsity=args.sparsity))

@@ -3,8 +3,9 @@
 # finish the router and write the masks; 0: the decode norm kernel does, with its cross-program
 # ticket). Alternates 0/1 twice so drift shows; each run is the e2e bench at 50 %, TTFT 4k and
 # TPOT batch 1 (a cold first run may spend its time budget compiling: its rows are skipped).
-#   OUT=/tmp/o bash bench/defer_router_ab.sh     (results packed into $OUT/ab.tgz)
+#   OUT=/tmp/o bash experiments/defer_router_ab.sh     (results packed into $OUT/ab.tgz)
 set -u
+cd "$(dirname "$0")/.."
 export PYTHONPATH=src
 for v in 0 1 0 1; do
   d=/tmp/ab/$v$SECONDS; mkdir -p $d

@@ -1,4 +1,4 @@
-"""Batch-1 ffn_up: the CUDA-core GEMV kernel against the tl.dot decode path, same bytes (H200).
+"""Trial: batch-1 ffn_up: the CUDA-core GEMV kernel against the tl.dot decode path, same bytes (H200).
 
 Why: at T=1 ``ffn_up`` runs the CUDA-core GEMV (``_gemv_mn_kernel``, FUSED), which can also
 finish the batch-1 router; this checks that it is not slower than the tl.dot decode path it
@@ -6,7 +6,7 @@ replaced. T=2 with the same mask row twice makes ``ffn_up`` take the tl.dot path
 reading exactly the same weight bytes. Times are CUDA-graph replays with a cold L2
 (``time_graph``), so they include the replay's own overhead (same for every row).
 
-    PYTHONPATH=src python bench/decode_ffn_up_ab.py
+    PYTHONPATH=src python experiments/decode_ffn_up_ab.py
 """
 import torch
 import torch.nn.functional as F

@@ -5,8 +5,9 @@ Inputs (all committed results of one device session each; re-run the benchmarks 
 - ``e2e.json``: the e2e benchmark with ``--profile`` (GPU time per kernel of one eager B=1
   decode step and of one 4096-token prefill, dense and routed engine) and its TTFT/TPOT records;
 - ``read_floors.json``: the time of a plain read of 16.8 / 33.5 / 58.7 MB in a CUDA graph (the
-  floor for a kernel that must read those bytes, ramp-up and drain included): the
-  ``decode_gemv_sweep.json`` that ``bench/decode_gemv_sweep.py --probe-only --out DIR`` writes;
+  floor for a kernel that must read those bytes, ramp-up and drain included), written by
+  ``python -m wide.benchmarks.read_floors --out DIR`` (older files: the probe rows of the
+  decode GEMV sweep in experiments/, same schema);
 - ``kernels.json``: the routed ffn_up GEMV at T=1 (already at its read floor).
 
 TTFT bound (4k prompt): the dense engine's prefill profile, with every part that routing can
@@ -20,8 +21,9 @@ TPOT floor (batch 1): the routed engine's eager decode step with each routed GEM
 plain read of the bytes it must read (its measured floor), everything else as measured, plus the
 CUDA-graph replay overhead seen in the same run (graph TPOT - eager GPU time).
 
-    python bench/bounds.py --results bench/results
-(``bash bench/gpu_all.sh`` runs the probe and this after the e2e benchmark, on the same machine.)
+    python -m wide.benchmarks.bounds --results bench/results
+(``bash bench/gpu_all.sh`` measures the read floors and runs this after the e2e benchmark, on the
+same machine.)
 """
 from __future__ import annotations
 
@@ -135,8 +137,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{res / name} is missing: run the kernels and e2e benchmarks first")
     probe_path = Path(args.probe) if args.probe else res / "read_floors.json"
     if not probe_path.exists():
-        raise SystemExit(f"{probe_path} is missing: python bench/decode_gemv_sweep.py --probe-only "
-                         "--out DIR, then pass --probe DIR/decode_gemv_sweep.json")
+        raise SystemExit(f"{probe_path} is missing: python -m wide.benchmarks.read_floors --out DIR, "
+                         "then pass --probe DIR/read_floors.json")
     e2e = json.loads((res / "e2e.json").read_text())
     probe = json.loads(probe_path.read_text())
     kernels = json.loads((res / "kernels.json").read_text())
@@ -144,14 +146,14 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else res / "bounds"
     meta = dict(device=e2e.get("device"), torch=e2e.get("torch"), triton=e2e.get("triton"),
                 e2e_date=e2e.get("date"), probe=probe.get("env", {}).get("command"),
-                command=f"python bench/bounds.py --results {args.results}")
+                command=f"python -m wide.benchmarks.bounds --results {args.results}")
     out.with_suffix(".json").write_text(json.dumps(dict(meta, ttft=t, tpot=d), indent=1))
     ms = lambda us, nd=1: f"{us / 1e3:.{nd}f} ms"  # noqa: E731
     lines = [
         "# How far the 50 % ratios can go in this benchmark (bounds from measured profiles)", "",
         f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; profiles and records of "
         f"the e2e run of {meta['e2e_date']} (e2e.json), read floors of {probe_path.name}, the "
-        "T=1 ffn_up of kernels.json. Method: bench/bounds.py's docstring.", "",
+        "T=1 ffn_up of kernels.json. Method: wide/benchmarks/bounds.py's docstring.", "",
         f"Command: `{meta['command']}`", "",
         "| 50 % | dense engine | routed | ratio | bound (measured parts, ideal routing) | target |",
         "|---|---|---|---|---|---|",

@@ -1,0 +1,93 @@
+"""The trials in experiments/ (measured, not kept in the library) carry their own copies of
+kernels: checked here against the fp32 references on tiny shapes under the interpreter, so the
+comparisons recorded in experiments/results stay reproducible from the scripts."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from wide.kernels import RouterPartials, gemm_k_reference, gemm_mn_reference  # noqa: E402
+from wide.kernels.routing import split_tickets  # noqa: E402
+
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the scripts' CPU mode; on a GPU run the scripts themselves")
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rel(y, ref):
+    assert not torch.isnan(y).any(), "NaN in output"
+    return ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def _randn(gen, *shape, scale=1.0):
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def test_prefill_sweep_variants_match_reference():
+    # TMA-descriptor weight tiles, and the library kernel at tiles its autotuner does not try
+    assert _script("prefill_gemm_sweep").main(["--check-only"]) == 0
+
+
+@pytest.mark.parametrize("masks", ["random", "all", "none", "router"])
+def test_ffn_decode_trial_matches_reference(masks):
+    # the one-kernel batch-1 FFN, with a given mask and with the router writing it
+    mod = _script("ffn_decode_ab")
+    gen = torch.Generator().manual_seed(3)
+    K, G, ng, N = 80, 32, 4, 33
+    x = _randn(gen, 1, K)
+    wg, wu = (_randn(gen, G * ng, K, scale=K ** -0.5) for _ in range(2))
+    wd = _randn(gen, N, G * ng, scale=(G * ng) ** -0.5)
+    router = None
+    if masks == "router":
+        router = RouterPartials(_randn(gen, 3, 16), torch.zeros(16), _randn(gen, 2 * ng, 16),
+                                torch.zeros(2 * ng), torch.zeros(()))
+        mask = torch.zeros(1, ng, dtype=torch.bool)
+    else:
+        mask = {"random": torch.tensor([[True, False, False, True]]),
+                "all": torch.ones(1, ng, dtype=torch.bool),
+                "none": torch.zeros(1, ng, dtype=torch.bool)}[masks]
+    y = mod.ffn_decode(x, wg, wu, wd, mask, G, router=router)
+    ref = mod.ffn_decode_reference(x, wg, wu, wd, mask, G)  # the mask the router wrote
+    if masks == "none":
+        assert torch.equal(y, torch.zeros_like(y))
+    else:
+        assert _rel(y, ref) < 1e-5
+    if masks == "router":
+        assert 0 < int(mask.sum()) < ng  # both branches ran
+
+
+@pytest.mark.parametrize("flat,bk,split", [(0, 32, 1), (1, 32, 2), (2, 128, 1), (2, 64, 2), (2, 256, 1)])
+def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
+    # the CUDA-core GEMVs, incl. the --wide steps that span several groups (per-column
+    # predication, FLAT=2) and whole rows
+    mod = _script("decode_gemv_sweep")
+    gen = torch.Generator().manual_seed(5 + flat)
+    N, K, GS, ng = 16, 256, 32, 8
+    x, w = _randn(gen, 1, K), _randn(gen, N, K, scale=K ** -0.5)
+    mask = torch.rand(1, ng, generator=gen) < 0.5
+    mask[0, 0], mask[0, 1] = True, False
+    y = torch.empty(1, N)
+    wsp = torch.empty(split, N)
+    tick = split_tickets(torch.device("cpu"), N)
+    mod._cc_k[(N // 4, split)](x, w, y, mask.view(torch.uint8), wsp, tick, N, K, ng, GS, BN=4, BK=bk,
+                               NG_PAD=16, SPLIT=split > 1, FLAT=flat, STAGES=1, num_warps=4)
+    assert _rel(y, gemm_k_reference(x, w, mask, GS)) < 1e-5
+    mn_mask = torch.tensor([[True, False]])  # two 8-row groups, one active
+    kc = K // split
+    mod._cc_mn[(N // 4, split)](x, w, y, mn_mask.view(torch.uint8), wsp, tick, N, K, 8, 2, kc,
+                                BN=4, BK=min(bk, kc), SPLIT=split > 1, STAGES=1, num_warps=4)
+    assert _rel(y, gemm_mn_reference(x, w, mn_mask, 8)) < 1e-5
