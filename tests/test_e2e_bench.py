@@ -1,20 +1,44 @@
-"""The end-to-end benchmark's correctness checks run on a tiny model (CPU, interpreter)."""
+"""The end-to-end benchmark runs on tiny models (CPU, interpreter) through the engine's public API
+only, for two families in one run, and every record says which model it timed."""
 
 import json
 import os
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (alone or in a suite)
 
 from wide.benchmarks import e2e  # noqa: E402
 
 
-def test_e2e_checks_only_tiny(tmp_path):
-    assert e2e.main(["--tiny", "--checks-only", "--out-dir", str(tmp_path)]) == 0
+def test_e2e_two_models_tiny(tmp_path):
+    argv = ["--tiny", "--model", "llama-3.1-8b,qwen2.5-7b", "--sparsities", "0.5", "--prompt-lens", "16",
+            "--batches", "1", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
+            "--out-dir", str(tmp_path)]
+    assert e2e.main(argv) == 0
     meta = json.loads((tmp_path / "e2e.json").read_text())
-    names = [c["check"] for c in meta["checks"]]
-    assert any("fp32 masked model" in n for n in names)
-    assert any("RMSNorm+router kernel" in n for n in names)
-    assert any("router finished inside the q and gate/up GEMVs" in n for n in names)
-    assert all(c["ok"] and c["rel_err"] < 1e-4 for c in meta["checks"])  # fp32 on the CPU: exact
-    assert meta["precision"][0]["routed_vs_fp32"] < 1e-4
-    assert "Precision, first" in (tmp_path / "e2e.md").read_text()
+    assert meta["errors"] == [] and meta["models"] == ["llama-3.1-8b", "qwen2.5-7b"]
+    recs = meta["records"]
+    for model in meta["models"]:
+        mine = {(r["op"], r["engine"]): r for r in recs if r["model"] == model}
+        assert set(mine) == {(op, eng) for op in ("e2e_ttft", "e2e_tpot") for eng in ("dense", "routed")}
+        assert all(r["ms"] > 0 for r in mine.values())
+        assert mine[("e2e_tpot", "routed")]["speedup"] > 0  # against this model's own dense engine
+        # the routed decode's masks, recorded through decode(record=...): about half the groups
+        assert 0.2 < mine[("e2e_tpot", "routed")]["active_frac_per_token"] < 0.8
+    assert set(meta["realised_sparsity_by_model"]) == set(meta["models"])
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| model |" in md and "qwen2.5-7b" in md
+
+
+def test_e2e_default_is_llama_only(tmp_path, monkeypatch):
+    # Without --model a run times Llama-3.1-8B alone, and its records read as before, plus the
+    # model's name.
+    seen = []
+    monkeypatch.setattr(e2e, "_bench_model", lambda name, first, *a: seen.append((name, first)))
+    assert e2e.main(["--tiny", "--out-dir", str(tmp_path)]) == 0
+    assert seen == [("llama-3.1-8b", True)]
+    meta = json.loads((tmp_path / "e2e.json").read_text())
+    assert meta["model"] == "tiny random Llama"
+    with pytest.raises(SystemExit):  # argparse's error: not a preset
+        e2e.main(["--tiny", "--model", "gpt-9", "--out-dir", str(tmp_path)])

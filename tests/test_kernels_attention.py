@@ -378,7 +378,7 @@ def test_decode_split_candidates():
     finally:
         del A._DECODE_SPLITS_TUNED[key]
     # Off CUDA (and under the interpreter) nothing is tuned.
-    assert A._autotune_enabled() is (os.environ.get("TRITON_INTERPRET") != "1"
+    assert A.autotune_enabled() is (os.environ.get("TRITON_INTERPRET") != "1"
                                       and os.environ.get("WIDE_AUTOTUNE", "1") != "0")
 
 
@@ -469,3 +469,17 @@ def test_every_decode_tile_matches_reference(cfg, paged):
         _check_decode(q, kp, vp, mask, lens, block_table=table, **kw)
     else:
         _check_decode(q, k, v, mask, lens, **kw)
+
+
+@pytest.mark.parametrize("hq,hkv,G", [(7, 1, 1), (14, 2, 2), (14, 2, 7), (14, 2, 14)])
+def test_packs_of_seven_heads_and_groups_across_packs(hq, hkv, G):
+    # Qwen2.5-7B's 7 query heads per KV head (not a power of two), with groups of a whole pack,
+    # of 2 heads that straddle two packs (14 heads, G=7) and of one head: prefill and decode.
+    gen = torch.Generator().manual_seed(hq + G)
+    q, k, v = _qkv(2, 21, 21, hq, hkv, torch.float16, gen)
+    _check_prefill(q, k, v, _mask("random", (2, 21, G), gen).to(DEV))
+    qd = torch.randn(2, hq, D, generator=gen).half().to(DEV)
+    md = _mask("random", (2, G), gen).to(DEV)
+    md[0, 0] = True
+    lens = torch.tensor([21, 9], dtype=torch.int32, device=DEV)
+    _check_decode(qd, k, v, md, lens, num_splits=2)

@@ -50,6 +50,11 @@ class TokenRouter(nn.Module):
         logits = self(x)
         return logits[..., 0] - logits[..., 1] + self.offset
 
+    def runs(self, x: torch.Tensor) -> torch.Tensor:
+        """Bool execute mask [..., groups]: the deterministic inference rule."""
+        logits = self(x)
+        return group_runs(logits[..., 0], logits[..., 1], self.offset)
+
     def decide(self, x: torch.Tensor, tau: float | None = None) -> torch.Tensor:
         """Float 0/1 execute mask [..., groups].
 
@@ -58,8 +63,15 @@ class TokenRouter(nn.Module):
         deterministic inference rule.
         """
         if tau is None:
-            return (self.margin(x) >= 0).float()
+            return self.runs(x).float()
         return gumbel_straight_through(self(x), tau)[..., 0]
+
+
+def group_runs(logit_exec: torch.Tensor, logit_skip: torch.Tensor, offset) -> torch.Tensor:
+    """The inference rule: a group runs iff logit_exec - logit_skip + offset >= 0. The Triton
+    kernels that decide (fused norm, prefill router, batch-1 GEMV) call the same expression,
+    in the same order, through ``wide.kernels.routing.group_runs``: keep the two identical."""
+    return (logit_exec - logit_skip + offset) >= 0
 
 
 def gumbel_straight_through(logits: torch.Tensor, tau: float) -> torch.Tensor:

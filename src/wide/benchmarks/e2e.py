@@ -1,10 +1,12 @@
 """End-to-end benchmark: TTFT and TPOT of the accelerated engine, routed vs dense, and HF generate.
 
     PYTHONPATH=src python3 -m wide.benchmarks.e2e --out-dir bench/results      # H200
+    PYTHONPATH=src python3 -m wide.benchmarks.e2e --model llama-3.1-8b,qwen2.5-7b --out-dir /tmp/e2e
     python -m wide.benchmarks.e2e --tiny --out-dir /tmp/e2e                      # CPU smoke run
 
-Model: the Llama-3.1-8B configuration (default RoPE, no llama3 frequency scaling: the
-timing does not depend on it) with random bf16 weights built on the GPU. Routers: wide's
+Models: ``--model``, named shapes of ``wide.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
+no llama3 frequency scaling, which the timing does not depend on), one after the other in one
+run, with random bf16 weights built on the GPU; every record carries its ``"model"``. Routers: wide's
 own random routers (kaiming init) with offsets calibrated per module on a random prompt so
 each module skips the target fraction of its groups (``calibrate_offsets(mode="per_module")``);
 the masks are therefore what real rank-16 routers produce from the residual stream, not
@@ -14,8 +16,10 @@ Engines, all in one process and run: ``dense`` = the same static-cache engine wi
 (fused QKV and gate/up cuBLAS GEMMs, SDPA flash prefill, flash-decoding attention with all
 heads, same fused norm and RoPE/cache kernels, same CUDA-graph decode); ``routed`` = the
 routed kernels; ``hf`` = plain ``transformers`` ``model.generate()`` on the dense model (SDPA,
-its default dynamic cache, no routing). Correctness is checked first (bf16 vs the masked
-PyTorch path of the HF model, rel. err. < 1e-2); a failed check is recorded and printed.
+its default dynamic cache, no routing). The benchmark only times the engine's public API; its
+correctness is checked by the tests (``tests/test_inference.py``, ``tests/test_kernels_*.py``, on
+the CPU) and on a GPU by ``scripts/gpu_smoke.py`` (graph replay = eager, greedy tokens = the
+masked HF path, the fused norm / router kernels against PyTorch, bf16 error against fp32).
 
 TTFT = prefill of one prompt to its first token's logits. TPOT = one CUDA-graph decode step
 plus greedy sampling, averaged over ``--decode-steps`` steps after a ``--decode-ctx``-token
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -42,49 +47,31 @@ def _now():
     return time.perf_counter()
 
 
-class Timer:
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn, reps: int, warmup: int = 1) -> float:
-        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = _now()
-                fn()
-                times.append(_now() - t0)
-        return statistics.median(times)
+# --tiny: every preset shrunk to a CPU-sized model of its family (Qwen2.5's 7 query heads per KV
+# head kept, so a GQA pack is not a power of two there either).
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2, head_dim=64,
+            max_position_embeddings=4096, tie_word_embeddings=False)
+TINY_HEADS = {"qwen2": (7, 1)}  # model_type -> (query heads, KV heads); others 4 and 2
 
 
-def build_model(tiny: bool, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(name: str, tiny: bool, device, dtype):
+    """A random-weight causal LM of preset ``name`` (``wide.arch.PRESETS``), shrunk by ``tiny``."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from wide import arch
+
+    over = {}
     if tiny:
-        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          max_position_embeddings=4096, tie_word_embeddings=False)
-    else:  # Llama-3.1-8B shapes
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, max_position_embeddings=32768, rope_theta=500000.0,
-                          rms_norm_eps=1e-5, tie_word_embeddings=False)
+        heads, kv = TINY_HEADS.get(arch.hf_config(name).model_type, (4, 2))
+        over = dict(TINY, num_attention_heads=heads, num_key_value_heads=kv)
+    cfg = arch.hf_config(name, **over)
     cfg._attn_implementation = "sdpa"
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            model = LlamaForCausalLM(cfg)
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
@@ -149,7 +136,10 @@ def set_offsets(model, offsets: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="wide bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke test)")
+    ap.add_argument("--model", default="llama-3.1-8b",
+                    help="comma-separated presets of wide.arch.PRESETS, benchmarked one after the other "
+                         "(default: %(default)s)")
+    ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke test)")
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--sparsities", default="0.5,0.25,0.75")
@@ -159,7 +149,6 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
-    ap.add_argument("--checks-only", action="store_true", help="run the correctness checks and stop")
     ap.add_argument("--profile", action="store_true",
                     help="also profile an eager B=1 decode step and a 4k prefill per kernel, dense vs routed "
                          "(first sparsity)")
@@ -170,9 +159,13 @@ def main(argv=None) -> int:
                          "(default: wide.inference.PREFILL_GRAPH_MAX_TOKENS)")
     args = ap.parse_args(argv)
 
-    import wide
     import wide.inference as inference
-    from wide.inference import AcceleratedModel, accelerate
+    from wide.arch import PRESETS
+
+    models = [m.strip().lower() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in PRESETS]
+    if not models or unknown:
+        ap.error(f"--model takes presets of wide.arch.PRESETS ({', '.join(PRESETS)}), got {args.model!r}")
 
     if args.prefill_graph_max_tokens is not None:
         if args.prefill_graph_max_tokens < 0:
@@ -204,10 +197,9 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python -m wide.benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
             "prefill_graph_max_tokens": inference.PREFILL_GRAPH_MAX_TOKENS if device.type == "cuda" else None,
-            "model": "Llama-3.1-8B config, random weights" if not args.tiny else "tiny random Llama",
+            "model": _describe(models, args.tiny), "models": models,
             "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)",
-            "records": [], "checks": [], "errors": []}
-    records = meta["records"]
+            "records": [], "errors": []}
 
     def save():
         (out_dir / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
@@ -228,10 +220,42 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             return None
 
-    model = build_model(args.tiny, device, dtype)
-    print(f"[e2e] model built in {_now() - t_start:.1f}s", flush=True)
+    for i, name in enumerate(models):
+        guarded(f"model {name}", lambda: _bench_model(name, i == 0, args, device, dtype, sparsities,
+                                                      prompt_lens, batches, meta, save, over_budget,
+                                                      guarded, t_start))
+        gc.collect()  # the engines reference the model (model.wide_engine): free both now
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta["wall_s"] = _now() - t_start
+    from wide.inference import K_CHOICES
+
+    # Which implementation the engine measured fastest per projection, shape and T bucket.
+    meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],
+                          "impl": v} for k, v in K_CHOICES.items()]
+    save()
+    guarded("plot", lambda: plot(meta, out_dir / f"{args.name}.png"))
+    print(markdown(meta), flush=True)
+    return 0
+
+
+def _describe(models: list, tiny: bool) -> str:
+    if models == ["llama-3.1-8b"]:
+        return "Llama-3.1-8B config, random weights" if not tiny else "tiny random Llama"
+    return ("tiny random models of " if tiny else "random weights, configs of ") + ", ".join(models)
+
+
+def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, prompt_lens, batches,
+                 meta, save, over_budget, guarded, t_start) -> None:
+    """Calibration and measurements of one preset, appended to ``meta`` (the ``first`` model's
+    profiles and realised rates keep the keys of a single-model run)."""
+    import wide
+    from wide.inference import AcceleratedModel, accelerate
+
+    records = meta["records"]
+    model = build_model(model_name, args.tiny, device, dtype)
+    print(f"[e2e] {model_name} built in {_now() - t_start:.1f}s", flush=True)
     model = wide.wrap(model, wide.WideConfig(ffn_group_size=128 if not args.tiny else 32))
-    geo = model.wide_state.geometry
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -246,137 +270,22 @@ def main(argv=None) -> int:
             model(input_ids=rand_ids(1, calib.shape[1]))
         realised[s] = tr.summary().as_dict()
         realised[s].pop("per_layer")
-    meta["realised_sparsity"] = {str(k): v for k, v in realised.items()}
+    realised = {str(k): v for k, v in realised.items()}
+    meta.setdefault("realised_sparsity_by_model", {})[model_name] = realised
+    if first:
+        meta["realised_sparsity"] = realised
     print(f"[e2e] calibrated {sparsities} in {_now() - t_start:.1f}s: "
           f"{ {k: round(v['group_rate'], 3) for k, v in realised.items()} }", flush=True)
 
     routed = accelerate(model)
     dense = AcceleratedModel(model, mode="dense")
     print(f"[e2e] backend {routed.backend}, graphs {routed.cuda_graphs}", flush=True)
-    timer = Timer(device)
+    from functools import partial
+
+    from wide.timing import step_time_s
+
+    timer = partial(step_time_s, device=device)
     state = model.wide_state
-
-    # ---------------------------------------------------------------- correctness
-    def check_prefill():
-        T = 256 if not args.tiny else 24
-        ids = rand_ids(1, T)
-        g = torch.Generator(device="cpu").manual_seed(1)
-        fixed = {(i, k): (torch.rand(T, geo.groups(k), generator=g) > 0.5).to(device)
-                 for i in range(geo.dims.num_layers) for k in ("attn", "ffn")}
-        at = {"row": None}
-
-        def mask_fn(layer, kind, x):  # fixed masks, so both paths route identically
-            n = x.shape[1]
-            m = fixed[(layer, kind)]
-            return (m[:n] if at["row"] is None else m[at["row"]:at["row"] + 1])[None].expand(x.shape[0], -1, -1)
-
-        state.mask_fn = mask_fn
-        try:
-            with torch.no_grad():
-                ref = model(input_ids=ids).logits.float()
-            got = routed.logits(ids)
-            e1 = float((got - ref).norm() / ref.norm())
-            # decode of the last token (eager: the mask_fn is position-dependent)
-            routed.setup_cache(1, -(-T // 128) * 128 + 128)
-            routed.prefill(ids[:, :-1])
-            at["row"] = T - 1
-            with torch.no_grad():
-                pos = torch.full((1,), T - 1, dtype=torch.long, device=device)
-                dl = routed._decode_eager(ids[:, -1], pos)
-            e2 = float((dl - ref[:, -1]).norm() / ref[:, -1].norm())
-            at["row"] = None
-            state.mask_fn = lambda layer, kind, x: torch.ones(*x.shape[:-1], geo.groups(kind), device=x.device)
-            with torch.no_grad():
-                ref_d = model(input_ids=ids).logits.float()
-            e3 = float((dense.logits(ids) - ref_d).norm() / ref_d.norm())
-            # The dense engine's fused norm sums squares in another order than HF's: judged,
-            # like the routed engine, by its distance to an fp32 run.
-            meta["precision_dense"] = precision_diagnosis(model, ids, lambda: dense.logits(ids))
-            # Is a difference bf16 rounding compounding over the layers, or a kernel bug? Both
-            # bf16 paths against an fp32 run of the same masks, at full depth and on 2 layers.
-            state.mask_fn = mask_fn
-            prec = [precision_diagnosis(model, ids, lambda: routed.logits(ids))]
-            if model.config.num_hidden_layers > 2:
-                short = AcceleratedModel(model, mode="routed", cuda_graphs=False)
-                short.layers = short.layers[:2]
-                prec.append(precision_diagnosis(model, ids, lambda: short.logits(ids), layers=2))
-                short.free_cache()
-            meta["precision"] = prec
-        finally:
-            state.mask_fn = None
-        routed.free_cache()
-        dense.free_cache()
-        # graph replay equals the eager step (real routers); batch 1 runs the batch-1 GEMV
-        # kernels (and their split-K tickets), batch 2 the tl.dot decode paths
-        set_offsets(model, offsets[sparsities[0]])
-        e4 = 0.0
-        for nb in (1, 2):
-            p = rand_ids(nb, 40 if not args.tiny else 8)
-            routed.setup_cache(nb, 128)
-            routed.prefill(p)
-            pos = torch.full((nb,), p.shape[1], dtype=torch.long, device=device)
-            tok = rand_ids(nb, 1)[:, 0]
-            with torch.no_grad():
-                eager = routed._decode_eager(tok, pos).clone()
-            graphed = routed.decode(tok, pos).clone()
-            e4 = max(e4, float((graphed - eager).norm() / eager.norm()))
-            routed.free_cache()
-        # a short prompt's prefill replays a CUDA graph (one per length bucket, captured on its
-        # second use): the second and third prompt through one graph against the eager prefill
-        e5, Tp = 0.0, (1000 if not args.tiny else 20)
-        routed.setup_cache(1, 1152)
-        for _ in range(3):
-            p = rand_ids(1, Tp)
-            eager = routed._prefill_eager(p).clone()
-            graphed = routed.prefill(p).clone()
-            e5 = max(e5, float((graphed - eager).norm() / eager.norm()))
-        graphs = sum(1 for k, g in routed._graphs.items() if isinstance(k, tuple) and g is not None)
-        routed.free_cache()
-        checks = [("prefill logits, routed kernels vs masked HF path", e1, e1 < 1e-2),
-                  ("decode step logits, routed kernels vs masked HF path", e2, e2 < 1e-2),
-                  ("dense engine logits vs HF dense", e3, e3 < 1e-2),
-                  ("CUDA-graph decode vs eager decode (real routers, B=1 and 2)", e4, e4 < 1e-2)]
-        for pr in meta.get("precision", []):
-            # bf16 tolerance: the engine's error against fp32 may exceed the HF bf16 path's by 25%.
-            checks.append((f"routed engine vs fp32 masked model, {pr['layers']} layers "
-                           f"(HF bf16 path: {pr['hf_vs_fp32']:.2e})", pr["routed_vs_fp32"],
-                           pr["routed_vs_fp32"] <= max(1e-2, 1.25 * pr["hf_vs_fp32"])))
-        pd = meta.get("precision_dense")
-        if pd:
-            checks.append((f"dense engine vs fp32 model, {pd['layers']} layers (HF bf16 path: "
-                           f"{pd['hf_vs_fp32']:.2e})", pd["routed_vs_fp32"],
-                           pd["routed_vs_fp32"] <= max(1e-2, 1.25 * pd["hf_vs_fp32"])))
-        fp32_rows = checks[4:]
-        if meta.get("precision") and all(c[2] for c in fp32_rows):
-            # The raw bf16-vs-bf16 differences are then rounding drift, reported but not failed.
-            checks = [(n + " (over 1e-2: bf16 drift, judged by the fp32 rows)" if i in (0, 1, 2) and not ok else n,
-                       e, True if i in (0, 1, 2) else ok) for i, (n, e, ok) in enumerate(checks)]
-        if routed.cuda_graphs and inference.prefill_graphs_enabled():
-            checks.append((f"CUDA-graph prefill vs eager prefill, two {Tp}-token prompts through "
-                           f"{graphs} captured graph(s)", e5, e5 < 1e-2 and graphs == 1))
-        nr = check_norm_route(routed) if routed.backend == "triton" else None  # the kernel's own check
-        if nr is not None:
-            checks.append((f"fused residual+RMSNorm+router kernel vs PyTorch, B=32, every layer and module x3 "
-                           f"({nr['mask_flips']} mask flips of {nr['decisions']}, allowed at |margin| < "
-                           f"{nr['flip_margin']:g} std; normed rel err {nr['normed_err']:.1e})", nr["normed_err"],
-                           nr["ok"]))
-            dr = check_deferred_router(routed)
-            checks.append((f"batch-1 router finished inside the q and gate/up GEMVs vs PyTorch, every layer "
-                           f"and module, {dr['rows']} rows ({dr['mask_flips']} mask flips of {dr['decisions']}, "
-                           f"allowed at |margin| < {dr['flip_margin']:g} std)", dr["flip_rate"], dr["ok"]))
-            pr = check_prefill_router(routed)
-            checks.append((f"prefill router kernel vs PyTorch, 4096 tokens, every layer and module "
-                           f"({pr['mask_flips']} mask flips of {pr['decisions']}, allowed at |margin| < "
-                           f"{pr['flip_margin']:g} std)", pr["flip_rate"], pr["ok"]))
-        for name, err, ok in checks:
-            meta["checks"].append({"check": name, "rel_err": err, "ok": bool(ok)})
-            print(f"[e2e] check {name}: rel err {err:.2e} {'OK' if ok else 'FAILED'}", flush=True)
-        save()
-
-    guarded("correctness", check_prefill)
-    if args.checks_only:
-        save()
-        return 0 if meta["checks"] and not meta["errors"] and all(c["ok"] for c in meta["checks"]) else 1
 
     # ---------------------------------------------------------------- TTFT
     def ttft(engine, T, engine_name, s):
@@ -413,7 +322,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 for step in range(4):
                     rec_list = []
-                    tok = engine._decode_eager(tok, engine.pos, record=rec_list).argmax(-1)
+                    tok = engine.decode(tok, record=rec_list).argmax(-1)  # eager, masks recorded
                     engine.pos += 1
                     masks += [(step, layer, kind, m) for layer, kind, m in rec_list]
             rec.update(bytes_fraction(model, masks, B))
@@ -437,15 +346,16 @@ def main(argv=None) -> int:
         return t1, (tn - t1) / n
 
     def add(rec, base_key=None):
-        # speedup = dense engine time over this engine's, same run and shape
+        rec["model"] = model_name
+        # speedup = dense engine time over this engine's, same run, model and shape
         if rec["engine"] != "dense":
             for r in records:
                 if r["op"] == rec["op"] and r["engine"] == "dense" and r["B"] == rec["B"] \
-                        and r["prompt_len"] == rec["prompt_len"]:
+                        and r["prompt_len"] == rec["prompt_len"] and r.get("model") == model_name:
                     rec["dense_ms"] = r["ms"]
                     rec["speedup"] = r["ms"] / rec["ms"]
         records.append(rec)
-        print(f"[e2e] {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
+        print(f"[e2e] {model_name} {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
               f"s={rec.get('sparsity')}: {rec['ms']:.3f} ms"
               + (f"  speedup {rec['speedup']:.2f}x" if 'speedup' in rec else "")
               + (f"  bytes {rec['weight_bytes_frac_kernel']:.3f}" if 'weight_bytes_frac_kernel' in rec else ""),
@@ -500,122 +410,14 @@ def main(argv=None) -> int:
             add(rec)
     if args.profile and device.type == "cuda":
         set_offsets(model, offsets[s0])
-        meta["profile"] = {}
+        profiles = meta.setdefault("profile", {})
         T_p = 4096 if not args.tiny else 32
+        pre = "" if first else f"{model_name}: "  # (the bounds script reads the first model's)
         for name, eng in (("dense", dense), ("routed", routed)):
-            meta["profile"][name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
-            meta["profile"][f"{name} prefill {T_p}"] = guarded(
+            profiles[pre + name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
+            profiles[f"{pre}{name} prefill {T_p}"] = guarded(
                 f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
         save()
-    meta["wall_s"] = _now() - t_start
-    from wide.inference import K_CHOICES
-
-    # Which implementation the engine measured fastest per projection, shape and T bucket.
-    meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],
-                          "impl": v} for k, v in K_CHOICES.items()]
-    save()
-    guarded("plot", lambda: plot(meta, out_dir / f"{args.name}.png"))
-    print(markdown(meta), flush=True)
-    return 0
-
-
-@torch.no_grad()
-def check_norm_route(engine, B: int = 32, reps: int = 3, flip_margin: float = 1e-2) -> dict:
-    """The fused decode kernel (residual add, RMSNorm, router) against PyTorch on random rows,
-    every layer and module, ``reps`` times: the router's partial sums cross programs, so this
-    is the check that its last-program reduction sees every partial on the GPU. A decision may
-    differ only where the fp32 margin is within ``flip_margin`` standard deviations of zero
-    (summation order, one-ulp differences of the normed input)."""
-    g = torch.Generator(device="cpu").manual_seed(11)
-    flips = decisions = 0
-    worst = 0.0
-    ok = True
-    for _ in range(reps):
-        for L, kind, norm, router, x, d in _router_cases(engine, g, B):
-            resid, normed, mask, _ = engine._launch_norm_route(x, d, norm, router)
-            r_ref = x + d
-            n_ref = norm.forward(r_ref)
-            src = n_ref if engine.cfg.router_input == "normed" else r_ref
-            f, n, near_ok = _flips(mask, router.margin(src), flip_margin)
-            flips, decisions = flips + f, decisions + n
-            ok &= bool(torch.equal(resid, r_ref)) and near_ok
-            worst = max(worst, float((normed.float() - n_ref.float()).norm() / n_ref.float().norm()))
-    return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
-            "normed_err": worst, "ok": ok and worst < 1e-2}
-
-
-def _router_cases(engine, g, rows: int):
-    """(layer, kind, norm, router, x, d) for every routed module, with fresh random bf16 rows
-    x (residual) and d (delta) [rows, hidden]."""
-    dev, dt, H = engine.device, engine.dtype, engine.hidden
-    for L in engine.layers:
-        for kind, norm in (("attn", L.attn_norm), ("ffn", L.ffn_norm)):
-            router = L.routers.get(kind)
-            if router is not None:
-                x = torch.randn(rows, H, generator=g).to(dev, dt)
-                d = torch.randn(rows, H, generator=g).to(dev, dt)
-                yield L, kind, norm, router, x, d
-
-
-@torch.no_grad()
-def check_deferred_router(engine, rows: int = 16, flip_margin: float = 1e-2) -> dict:
-    """Batch-1 decode leaves the router at its partial sums in the norm kernel and lets the
-    first GEMV of the module (q+k/v, gate/up) finish it and write the mask: that mask, for
-    ``rows`` random single-token rows per layer and module, against the router module."""
-    from ..kernels import ffn_up, gemm_mn
-    g = torch.Generator(device="cpu").manual_seed(13)
-    flips = decisions = 0
-    ok = True
-    for L, kind, norm, router, x, d in _router_cases(engine, g, rows):
-        r_ref = x + d
-        src = norm.forward(r_ref) if engine.cfg.router_input == "normed" else r_ref
-        margin = router.margin(src)
-        masks = []
-        for r in range(rows):
-            _, normed, mask, rp = engine._launch_norm_route(x[r:r + 1], d[r:r + 1], norm, router,
-                                                            defer=True)
-            mask.copy_(margin[r:r + 1] < 0)  # wrong everywhere until the GEMV writes it
-            if kind == "ffn":
-                ffn_up(normed, L.wg, L.wu, mask, engine.ffn_gs, router=rp)
-            elif L.wqkv is not None:
-                gemm_mn(normed, L.wqkv, mask, engine.attn_gs * engine.head_dim,
-                        dense_tail=L.wkv.shape[0], router=rp)
-            else:
-                gemm_mn(normed, L.wq, mask, engine.attn_gs * engine.head_dim, router=rp)
-            masks.append(mask)
-        f, n, near_ok = _flips(torch.cat(masks), margin, flip_margin)
-        flips, decisions, ok = flips + f, decisions + n, ok and near_ok
-    return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin, "rows": rows,
-            "flip_rate": flips / max(1, decisions), "ok": ok}
-
-
-def _flips(mask: torch.Tensor, margin: torch.Tensor, flip_margin: float):
-    """(decisions of ``mask`` that differ from ``margin >= 0``, decisions, whether every such
-    flip has |margin| < ``flip_margin`` standard deviations)."""
-    diff = mask != (margin >= 0)
-    near = margin.abs() < flip_margin * margin.std()
-    return int(diff.sum()), diff.numel(), bool(near[diff].all())
-
-
-def check_prefill_router(engine, T: int = 4096, flip_margin: float = 1e-3) -> dict:
-    """The prefill router kernel (TF32x3 dots straight from the bf16 rows, one launch per
-    router) against the router module on the same rows: decisions may differ only where the
-    margin is within ``flip_margin`` standard deviations of zero (rounding, summation order)."""
-    dev, dt, H = engine.device, engine.dtype, engine.hidden
-    g = torch.Generator(device="cpu").manual_seed(12)
-    flips = decisions = 0
-    ok = True
-    for L in engine.layers:
-        for kind in ("attn", "ffn"):
-            router = L.routers.get(kind)
-            if router is None:
-                continue
-            x = torch.randn(T, H, generator=g).to(dev, dt)
-            f, n, near_ok = _flips(engine._router_mask(router, x), router.margin(x), flip_margin)
-            flips, decisions = flips + f, decisions + n
-            ok &= near_ok
-    return {"mask_flips": flips, "decisions": decisions, "flip_margin": flip_margin,
-            "flip_rate": flips / max(1, decisions), "ok": ok}
 
 
 def _kernel_table(prof, steps: int, top: int) -> dict:
@@ -658,54 +460,15 @@ def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
     engine.setup_cache(B, -(-(ctx + steps + 8) // 128) * 128)
     tok = engine.prefill(ids).argmax(-1)
     pos = torch.full((B,), ctx, dtype=torch.long, device=ids.device)
-    engine._decode_eager(tok, pos)  # warm-up: autotuning and implementation choices happen here
+    # decode(record=...) runs the step eagerly (no graph replay): one launch per kernel to see.
+    engine.decode(tok, pos, record=[])  # warm-up: autotuning and implementation choices happen here
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            tok = engine._decode_eager(tok, pos).argmax(-1)
+            tok = engine.decode(tok, pos, record=[]).argmax(-1)
         torch.cuda.synchronize()
     engine.free_cache()
     return _kernel_table(prof, steps, top)
-
-
-def _backbone_params(model):
-    # Routers stay fp32 in every run; only the HF weights change precision.
-    return [p for n, p in model.named_parameters() if "wide_routers" not in n]
-
-
-@torch.no_grad()
-def precision_diagnosis(model, ids, routed_logits_fn, layers=None) -> dict:
-    """Errors of the bf16 masked HF path and of the bf16 routed engine against the same masked
-    model run in fp32 (weights upcast in place and cast back: bf16 -> fp32 -> bf16 is exact),
-    over the first ``layers`` decoder layers (all by default). Two bf16 implementations of a
-    32-layer random model drift apart by more than one op's rounding, so the engine is judged by
-    whether it is as close to fp32 as the HF bf16 path is, not by their mutual difference."""
-    def rel(a, b):
-        return float((a.float() - b.float()).norm() / b.float().norm())
-
-    inner, cfg = model.model, model.config
-    all_layers, n = inner.layers, cfg.num_hidden_layers
-    params = _backbone_params(model)
-    dtype = params[0].dtype
-    try:
-        if layers is not None:
-            inner.layers = torch.nn.ModuleList(list(all_layers)[:layers])
-            cfg.num_hidden_layers = layers
-        h16 = model(input_ids=ids, output_hidden_states=True)
-        got = routed_logits_fn().float()
-        for p in params:
-            p.data = p.data.float()
-        try:
-            h32 = model(input_ids=ids, output_hidden_states=True)
-        finally:
-            for p in params:
-                p.data = p.data.to(dtype)
-    finally:
-        inner.layers, cfg.num_hidden_layers = all_layers, n
-    ref32 = h32.logits.float()
-    return {"layers": layers or n, "hf_vs_fp32": rel(h16.logits, ref32), "routed_vs_fp32": rel(got, ref32),
-            "routed_vs_hf": rel(got, h16.logits),
-            "hf_vs_fp32_hidden_per_layer": [rel(a, b) for a, b in zip(h16.hidden_states[1:], h32.hidden_states[1:])]}
 
 
 def markdown(meta: dict) -> str:
@@ -715,38 +478,37 @@ def markdown(meta: dict) -> str:
     if meta.get("prefill_graph_max_tokens") is not None:
         lines += [f"Prefills of up to {meta['prefill_graph_max_tokens']} tokens (batch x length "
                   "rounded up to 128) replay a CUDA graph in both engines; longer ones run eagerly.", ""]
+    by_model = meta.get("realised_sparsity_by_model") or {}
+    multi = len(by_model) > 1
     if meta.get("realised_sparsity"):
         lines += ["Realised sparsity on a fresh random prompt (group rate; attention / FFN):", ""]
-        for s, v in meta["realised_sparsity"].items():
-            lines.append(f"- target {s}: attn {v['attn_rate']:.3f}, ffn {v['ffn_rate']:.3f}, "
-                         f"FLOP-weighted {v['flop_rate']:.3f}")
-        lines.append("")
-    if meta["checks"]:
-        lines += ["| correctness check (bf16) | rel err | ok |", "|---|---|---|"]
-        lines += [f"| {c['check']} | {c['rel_err']:.2e} | {'yes' if c['ok'] else 'NO'} |" for c in meta["checks"]]
-        for pr in meta.get("precision", []):
-            lines += ["", f"Precision, first {pr['layers']} layers (same fixed masks; fp32 = the masked HF model "
-                      "upcast to fp32): masked HF path bf16 vs fp32 "
-                      f"{pr['hf_vs_fp32']:.2e}; routed engine bf16 vs fp32 {pr['routed_vs_fp32']:.2e}; routed vs "
-                      f"HF bf16 {pr['routed_vs_hf']:.2e}. HF bf16 vs fp32 hidden state after each layer: "
-                      + ", ".join(f"{x:.1e}" for x in pr["hf_vs_fp32_hidden_per_layer"])]
+        for name, rates in (by_model.items() if multi else [(None, meta["realised_sparsity"])]):
+            for s, v in rates.items():
+                lines.append(f"- {name + ', ' if name else ''}target {s}: attn {v['attn_rate']:.3f}, "
+                             f"ffn {v['ffn_rate']:.3f}, FLOP-weighted {v['flop_rate']:.3f}")
         lines.append("")
     recs = meta["records"]
+    order = {m: i for i, m in enumerate(by_model)}
     for op, title, key in (("e2e_ttft", "Time to first token (batch 1)", "prompt_len"),
                            ("e2e_tpot", "Time per output token (CUDA-graph decode)", "B")):
         rows = [r for r in recs if r["op"] == op]
         if not rows:
             continue
         lines += [f"## {title}", "",
-                  "| B | prompt | engine | sparsity | ms | dense engine ms | speedup vs dense engine |"
+                  ("| model " if multi else "")
+                  + "| B | prompt | engine | sparsity | ms | dense engine ms | speedup vs dense engine |"
                   + (" weight bytes read (union / kernels) | active per token |" if op == "e2e_tpot" else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|---|" if op == "e2e_tpot" else "")]
-        for r in sorted(rows, key=lambda r: (r[key], r["engine"], r.get("sparsity") or 0)):
+                  ("|---" if multi else "") + "|---|---|---|---|---|---|---|"
+                  + ("---|---|" if op == "e2e_tpot" else "")]
+        for r in sorted(rows, key=lambda r: (order.get(r.get("model"), 0), r[key], r["engine"],
+                                             r.get("sparsity") or 0)):
             sp = "-" if r.get("sparsity") is None else f"{r['sparsity']:.2f}"
             line = (f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | "
                     f"{r.get('dense_ms', r['ms'] if r['engine'] == 'dense' else float('nan')):.3f} | "
                     f"{r['speedup']:.2f}x |" if "speedup" in r else
                     f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | - | - |")
+            if multi:
+                line = f"| {r.get('model')} " + line
             if op == "e2e_tpot":
                 if "weight_bytes_frac_union" in r:
                     line += (f" {r['weight_bytes_frac_union']:.3f} / {r['weight_bytes_frac_kernel']:.3f} |"
@@ -755,11 +517,12 @@ def markdown(meta: dict) -> str:
                     line += " - | - |"
             lines.append(line)
         lines.append("")
-    for name, pr in (meta.get("profile") or {}).items():
+    for key, pr in (meta.get("profile") or {}).items():
         if not pr:
             continue
+        model, _, name = key.rpartition(": ")  # a later model's profiles carry its name
         what = (f"B=1 prefill of {name.split()[-1]} tokens, {name.split()[0]} engine" if "prefill" in name
-                else f"Eager B=1 decode step, {name} engine")
+                else f"Eager B=1 decode step, {name} engine") + (f", {model}" if model else "")
         lines += [f"{what}: {pr['total_us_per_step']:.0f} us of GPU time in "
                   f"{pr['launches_per_step']:.0f} kernel launches; largest:", "",
                   "| kernel | us / step | launches / step |", "|---|---|---|"]
@@ -785,14 +548,19 @@ def plot(meta: dict, path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, op, key, title in ((axes[0], "e2e_ttft", "prompt_len", "TTFT speedup over dense engine"),
                                (axes[1], "e2e_tpot", "B", "TPOT speedup over dense engine")):
+        models = list(dict.fromkeys(r.get("model") for r in recs))
         sps = sorted({r["sparsity"] for r in recs if r["op"] == op and r["engine"] == "routed"})
-        for s in sps:
-            rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "routed"
-                           and r["sparsity"] == s and "speedup" in r), key=lambda r: r[key])
-            if rows:
-                ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows], "o-", label=f"routed {s:.0%}")
-        rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "hf_generate"), key=lambda r: r[key])
-        dense = {r[key]: r["ms"] for r in recs if r["op"] == op and r["engine"] == "dense"}
+        for m in models:
+            for s in sps:
+                rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "routed" and r.get("model") == m
+                               and r["sparsity"] == s and "speedup" in r), key=lambda r: r[key])
+                if rows:
+                    ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows], "o-",
+                            label=(f"{m} " if len(models) > 1 else "") + f"routed {s:.0%}")
+        rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "hf_generate"
+                       and r.get("model") == models[0]), key=lambda r: r[key])
+        dense = {r[key]: r["ms"] for r in recs if r["op"] == op and r["engine"] == "dense"
+                 and r.get("model") == models[0]}
         rows = [r for r in rows if r[key] in dense]
         if rows:
             ax.plot([str(r[key]) for r in rows], [dense[r[key]] / r["ms"] for r in rows], "s--",

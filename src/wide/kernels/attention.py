@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Optional
 
 import torch
+
+from .env import autotune_enabled, interpret_mode, num_sms
 
 try:  # Triton is optional on CPU-only installs; the fp32 references work without it.
     import triton
@@ -70,10 +71,6 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _SUPPORTED_HEAD_DIMS = (64, 128)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -647,9 +644,9 @@ def prefill_attention(
     )
     kw = dict(HEADS_PER_KV=Hq // Hkv, HEADS_PER_G=Hq // G, CAUSAL=bool(causal), HEAD_DIM=D,
               HAS_QLEN=q_lens is not None, HAS_KLEN=k_lens is not None, LEFT=padding_side == "left")
-    if block_m is not None or block_n is not None or _interpret() or not q.is_cuda:
-        bm = block_m or (16 if _interpret() else 128)
-        bn = block_n or (16 if _interpret() else 64)
+    if block_m is not None or block_n is not None or interpret_mode() or not q.is_cuda:
+        bm = block_m or (16 if interpret_mode() else 128)
+        bn = block_n or (16 if interpret_mode() else 64)
         grid = (B * Hq, triton.cdiv(T, bm))
         _prefill_kernel[grid](*args, **kw, BLOCK_M=bm, BLOCK_N=bn,
                               num_warps=4 if bm <= 64 else 8, num_stages=3)
@@ -657,18 +654,6 @@ def prefill_attention(
         grid = lambda meta: (B * Hq, triton.cdiv(T, meta["BLOCK_M"]))  # noqa: E731
         _prefill_kernel_tuned[grid](*args, **kw)
     return out
-
-
-_SM_COUNT = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _split_plan(Tk_max: int, num_splits: int) -> tuple:
@@ -691,7 +676,7 @@ def decode_splits(B: int, Hkv: int, Tk_max: int, device: torch.device, *,
     at Tk=32k read 3.05 and 3.80 TB/s; doubling the splits raised that to 3.52 and 4.17. A split holds at least ``min_chunk`` keys, a multiple of 128 so that
     every BLOCK_N divides it.
     """
-    target = waves * _num_sms(device)
+    target = waves * num_sms(device)
     splits = max(1, min(-(-target // max(1, B * Hkv)), -(-Tk_max // min_chunk)))
     return _split_plan(Tk_max, splits)
 
@@ -717,14 +702,6 @@ def decode_split_candidates(B: int, Hkv: int, Tk_max: int, device: torch.device)
 _DECODE_SPLITS_TUNED: dict = {}
 
 
-def _autotune_enabled() -> bool:
-    try:
-        from wide.kernels.routing import autotune_enabled
-    except Exception:  # pragma: no cover - routing needs Triton, so does this path
-        return os.environ.get("WIDE_AUTOTUNE", "1") != "0" and not _interpret()
-    return autotune_enabled()
-
-
 def _decode_key(q, k_cache, block_table, tk_max):
     B, Hq, D = q.shape
     return (B, 1 << max(0, int(tk_max) - 1).bit_length(), Hq, k_cache.shape[2], D,
@@ -748,7 +725,7 @@ def decode_split_plan(q: torch.Tensor, k_cache: torch.Tensor,
 
 
 def _should_tune(q: torch.Tensor) -> bool:
-    return q.is_cuda and _autotune_enabled()
+    return q.is_cuda and autotune_enabled()
 
 
 def _is_capturing() -> bool:
@@ -856,7 +833,7 @@ def decode_attention(
     table = block_table if paged else lens  # any int pointer; never read when not paged
     pinned = block_n is not None or num_warps is not None or num_stages is not None
     # The combine's head-dim slice: at small batch, halves of the head dim double its programs.
-    block_d = min(D, 64 if B * Hq >= _num_sms(q.device) else 32)
+    block_d = min(D, 64 if B * Hq >= num_sms(q.device) else 32)
 
     def launch(splits, chunk):
         po = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
@@ -872,8 +849,8 @@ def decode_attention(
         kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
                   PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
         grid = (splits, B * Hkv)
-        if pinned or _interpret() or not q.is_cuda:
-            bn = block_n or (16 if _interpret() else 64)
+        if pinned or interpret_mode() or not q.is_cuda:
+            bn = block_n or (16 if interpret_mode() else 64)
             _decode_split_kernel[grid](*args, **kw, BLOCK_N=bn, num_warps=num_warps or 4,
                                        num_stages=num_stages or 3)
         else:

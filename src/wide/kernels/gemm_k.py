@@ -23,7 +23,6 @@ the last program of each tile).
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from typing import Optional
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
+from .env import num_sms
 from .gemm_mn import _gcfg, _gemv_store, _splitk_store, gemv_launch_state
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
                       check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
@@ -174,7 +174,7 @@ def _gemv_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K, NG, GS,
     _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S)
 
 
-# Batch-1 tiles: the fastest few of the sweep (bench/results/decode_gemv_sweep.md); S stays
+# Batch-1 tiles: the fastest few of the sweep (experiments/results/decode_gemv_sweep.md); S stays
 # within gemm_mn's GEMV_MAX_SPLIT, which sizes the partials.
 _GEMV_CFGS = [_gcfg(4, 512, 4, 1), _gcfg(8, 512, 8, 1), _gcfg(16, 512, 4, 1), _gcfg(16, 512, 4, 2),
               _gcfg(4, 256, 4, 1), _gcfg(16, 256, 8, 2)]
@@ -342,13 +342,6 @@ def _gemv_heuristic(group_size: int) -> dict:
     return dict(BN=4, BK=bk, S=1, num_warps=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H100 / H200
-
-
 # Decode split-K: target programs per SM, and the fewest columns a split reads when every
 # group is used (about half of that at 50 % density).
 _DECODE_PROGRAMS_PER_SM = 4
@@ -369,7 +362,7 @@ def _decode_splits(N: int, K: int, device: torch.device) -> int:
     if interpret_mode():  # exercise the split path (and empty shares) on tiny test shapes
         return 1 if K <= 64 else 3
     tiles = triton.cdiv(N, 32)
-    want = max(1, (_DECODE_PROGRAMS_PER_SM * _num_sms(device)) // tiles)
+    want = max(1, (_DECODE_PROGRAMS_PER_SM * num_sms(device)) // tiles)
     return max(1, min(16, want, K // _DECODE_MIN_SPLIT_COLS))
 
 

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from . import routing as _routing
 from .routing import (DIRECT_MAX_T, RouteIndex, RouterPartials, autotune_enabled, check_group_size,
-                      check_mask, interpret_mode, largest_pow2_divisor, next_pow2, split_tickets)
+                      check_mask, group_runs, interpret_mode, largest_pow2_divisor, next_pow2,
+                      split_tickets)
 
 __all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
 
@@ -157,15 +158,15 @@ def _gemv_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, n, n_ok, N, S: tl.constexpr):
 def _router_decision(g, hp_ptr, hb_ptr, uw_ptr, ub_ptr, off_ptr, NCHUNK,
                      R: tl.constexpr, NC_PAD: tl.constexpr):
     """Group g's routing decision of one token from the router's per-chunk partial sums
-    (written by the decode norm kernel): h = sum of partials + bias, margin = (u[2g] - u[2g+1]) . h
-    + biases + offset, run iff margin >= 0 (TokenRouter.margin, the norm kernel's last step)."""
+    (written by the decode norm kernel): h = sum of partials + bias, the execute and skip
+    logits u[2g] . h + b[2g] and u[2g+1] . h + b[2g+1], then the shared rule (group_runs)."""
     cs = tl.arange(0, NC_PAD)
     rr = tl.arange(0, R)
     parts = tl.load(hp_ptr + cs[:, None] * R + rr[None, :], mask=(cs < NCHUNK)[:, None], other=0.0)
     h = tl.sum(parts, axis=0) + tl.load(hb_ptr + rr)
     l0 = tl.sum(tl.load(uw_ptr + (2 * g) * R + rr) * h, axis=0) + tl.load(ub_ptr + 2 * g)
     l1 = tl.sum(tl.load(uw_ptr + (2 * g + 1) * R + rr) * h, axis=0) + tl.load(ub_ptr + 2 * g + 1)
-    return (l0 - l1 + tl.load(off_ptr)) >= 0
+    return group_runs(l0, l1, tl.load(off_ptr))
 
 
 @triton.jit
@@ -176,7 +177,7 @@ def _gemv_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, ws_ptr, cnt_ptr, N, K
     # One token (batch-1 decode): BN weight rows x a 1/S share of K per program, CUDA-core FMAs
     # on whole contiguous rows and one row reduction at the end. Measured on an H200 against the
     # tl.dot path (whose 16-row MMA tile is 15/16 padding here): q 8.9 vs 11.5 us, q+k+v 12.8
-    # vs 13.8 us (bench/results/decode_gemv_sweep.md). A program of an inactive group loads no
+    # vs 13.8 us (experiments/results/decode_gemv_sweep.md). A program of an inactive group loads no
     # weights and, unsplit, stores its zeros. FUSED (ffn_up, never split): the same BN rows of
     # the gate and up weights, silu(gate) * up in the epilogue. ROUTER: the mask is an output;
     # each program derives its group's decision from the router partials (no launch and no
@@ -228,7 +229,7 @@ def _gcfg(bn, bk, w, s):
 
 # Batch-1 GEMV tiles: the fastest few of the sweeps, per shape they differ by ~1 us. The
 # 2048-wide steps (few rows, half a row per step, so a program has more bytes in flight) took
-# q from 9.24 to 6.90 us, q+k/v to 10.92 us (bench/results/decode_gemv_sweep_wide.md).
+# q from 9.24 to 6.90 us, q+k/v to 10.92 us (experiments/results/decode_gemv_sweep_wide.md).
 _GEMV_CFGS = [_gcfg(4, 1024, 8, 1), _gcfg(4, 512, 8, 1), _gcfg(4, 512, 4, 1), _gcfg(4, 1024, 4, 1),
               _gcfg(16, 1024, 8, 1), _gcfg(8, 512, 8, 2), _gcfg(4, 2048, 4, 1),
               _gcfg(1, 2048, 4, 1), _gcfg(1, 1024, 4, 1)]

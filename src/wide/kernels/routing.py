@@ -25,7 +25,6 @@ attention Q and O): each derived tensor is computed once and cached on the objec
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -33,8 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .env import autotune_enabled, interpret_mode  # noqa: F401  (the kernels import them from here)
+
 __all__ = ["RouteIndex", "RouterPartials", "build_route", "route_reference",
-           "used_groups_reference"]
+           "used_groups_reference", "group_runs"]
 
 # Tokens at or below this count take the "direct" (decode) path: rows are the tokens
 # themselves with a per-row mask, so no reordering launch is needed.
@@ -46,14 +47,6 @@ SORT_MAX_GROUPS = 62
 # decode steps of the CPU tests fast (each program costs milliseconds there); the kernel
 # tests set 2 to run the split path.
 INTERPRET_GEMV_SPLIT = 1
-
-
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def autotune_enabled() -> bool:
-    return os.environ.get("WIDE_AUTOTUNE", "1") != "0" and not interpret_mode()
 
 
 # Split-K tickets, per (device, stream): zero between launches (the last program of a tile
@@ -118,6 +111,15 @@ def check_mask(mask, num_tokens: int, num_groups: int, device=None) -> torch.Ten
     if device is not None and mask.device != torch.device(device):
         raise ValueError(f"mask is on {mask.device}, expected {device}")
     return mask
+
+
+@triton.jit
+def group_runs(logit_exec, logit_skip, offset):
+    # The inference rule of every router, for the kernels that decide (norm_route, router_mask,
+    # gemm_mn's batch-1 GEMV): a group runs iff logit_exec - logit_skip + offset >= 0. The same
+    # expression, in the same order, is wide.routers.group_runs, which TokenRouter uses; keep
+    # the two identical, or kernel and module decisions drift apart at the threshold.
+    return (logit_exec - logit_skip + offset) >= 0
 
 
 @triton.jit
