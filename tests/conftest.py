@@ -47,3 +47,31 @@ def tile_id(v) -> str:
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+TINY_WORDS = ("the cat dog sat ran on a mat rug and then slept ate fish bread under over big small red blue "
+              "house tree river hill").split()
+
+
+def write_tiny_run(root, documents: int = 24) -> list:
+    """A tiny random Llama directory with a word-level tokenizer (``root/model``) and
+    ``documents`` short JSONL documents (``root/docs.jsonl``); returns the command-line
+    options that point ``wide`` at them, on the CPU."""
+    import json
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(TINY_WORDS)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>")
+    model_dir = root / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"text": " ".join(TINY_WORDS[i] for i in torch.randint(0, len(TINY_WORDS), (40,), generator=g))})
+             for _ in range(documents)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return ["--model", str(model_dir), "--data", str(root / "docs.jsonl"), "--seq-len", "16",
+            "--heldout-fraction", "0.25", "--device", "cpu"]

@@ -1,6 +1,24 @@
-"""Command-line plumbing that the unit tests of the library do not reach."""
+"""Command-line plumbing that the unit tests of the library do not reach: options generated from
+the settings dataclasses (wide.cliargs), and the commands end to end on a tiny local model."""
 
-from wide.cli import build_parser, demo_args
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+from conftest import write_tiny_run
+
+from wide import cliargs, data, runs
+from wide.cli import build_parser, demo_args, main
+from wide.compare import CompareArgs
+from wide.config import WideConfig
+from wide.estimate import DryRunArgs
+from wide.recovery import RECOVERY_LR, LoraArgs
+from wide.train import TrainArgs
 
 
 def test_demo_has_every_option_calibrate_and_eval_read():
@@ -10,3 +28,245 @@ def test_demo_has_every_option_calibrate_and_eval_read():
     assert needed <= set(vars(args))
     assert args.steps == 6 and args.limit == 20 and args.batch_size == 4  # the demo's own values win
     assert args.resume and args.dense and args.eval_every == 3 and args.target == 0.5
+
+
+# ------------------------------------------------------------------ options from dataclasses
+
+# Commands that carry every option of these dataclasses, and the arguments they require.
+FULL = {
+    "calibrate": (["--out", "x"], (runs.ModelArgs, runs.DataArgs, WideConfig, TrainArgs, runs.RunArgs, DryRunArgs)),
+    "recover": (["--routers", "r", "--out", "x"], (runs.ModelArgs, runs.DataArgs, LoraArgs, TrainArgs, runs.RunArgs)),
+    "eval": ([], (runs.ModelArgs, runs.DataArgs, runs.EvalArgs)),
+    "generate": (["--prompt", "p"], (runs.ModelArgs,)),
+}
+# Commands that take some options of these dataclasses.
+PARTIAL = {
+    "compare": (runs.ModelArgs, runs.DataArgs, runs.EvalArgs, CompareArgs, TrainArgs, runs.RunArgs, WideConfig,
+                LoraArgs),
+    "demo": (TrainArgs, runs.DataArgs, runs.EvalArgs, runs.ModelArgs),
+}
+# Where a command's default differs from its dataclass's: the values users see, pinned here.
+OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("compare", "steps"): 240, ("compare", "save_every"): 20,
+             ("demo", "steps"): 40, ("demo", "limit"): 20}
+
+
+def _subparsers() -> dict:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_generated_flags_carry_the_dataclass_default_and_help():
+    subs = _subparsers()
+    used = set()
+    for cmd, classes in {**{c: v[1] for c, v in FULL.items()}, **PARTIAL}.items():
+        flags = set()
+        for a in subs[cmd]._actions:
+            candidates = [f for cls in classes for f in cliargs.options(cls) if cliargs.flag(f) in a.option_strings]
+            if not candidates:
+                continue
+            # --batch-size is both TrainArgs' and EvalArgs': the help says which one this is.
+            source = [f for f in candidates if f.metadata["help"] and a.help.startswith(f.metadata["help"])]
+            assert len(source) == 1, (cmd, a.option_strings, a.help)
+            f = source[0]
+            flags.add(cliargs.flag(f))
+            if (cmd, f.name) in OVERRIDES:
+                used.add((cmd, f.name))
+            assert a.dest == cliargs.dest(f)
+            assert a.default == OVERRIDES.get((cmd, f.name), cliargs.default(f)), (cmd, f.name, a.default)
+        if cmd in FULL:
+            assert flags == {cliargs.flag(f) for cls in classes for f in cliargs.options(cls)}, cmd
+    assert used == set(OVERRIDES)
+
+
+@pytest.mark.parametrize("cmd", sorted(FULL))
+def test_no_flags_build_the_default_dataclasses(cmd):
+    required, classes = FULL[cmd]
+    ns = build_parser().parse_args([cmd, *required])
+    for cls in classes:
+        expected = cls(lr=RECOVERY_LR) if (cmd, cls) == ("recover", TrainArgs) else cls()
+        assert cliargs.from_args(cls, ns) == expected, (cmd, cls.__name__)
+
+
+def test_flags_reach_the_dataclasses():
+    ns = build_parser().parse_args(["calibrate", "--out", "x", "--target", "0.3", "--attn-group-size", "2",
+                                    "--loss-mode", "groups", "--lr", "1e-3", "--steps", "7"])
+    assert cliargs.from_args(WideConfig, ns) == WideConfig(target_sparsity=0.3, attn_group_size=2, loss_mode="groups")
+    assert cliargs.from_args(TrainArgs, ns) == TrainArgs(lr=1e-3, steps=7)
+    ns = build_parser().parse_args(["recover", "--routers", "r", "--out", "x", "--lora-r", "4",
+                                    "--lora-dropout", "0"])
+    assert cliargs.from_args(LoraArgs, ns) == LoraArgs(r=4, dropout=0.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--out", "x", "--router-input", "sideways"])
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", "", text)  # argparse wraps help lines, at hyphens too
+
+
+def test_calibrate_help_lists_every_wideconfig_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = _flat(capsys.readouterr().out)
+    for f in cliargs.options(WideConfig):
+        assert cliargs.flag(f) in out
+        assert _flat(f.metadata["help"]) in out
+    assert "(default:0.5)" in out and "{attention,ffn,all}" in out
+    # The two fields that are not options: the baselines' switch and free-form metadata.
+    names = {f.name for f in dataclasses.fields(WideConfig)} - {f.name for f in cliargs.options(WideConfig)}
+    assert names == {"tie_modules", "extra"}
+
+
+@dataclass
+class Planted:
+    rate: float = field(default=0.5, metadata={"flag": "--r8", "help": "a rate"})
+    size: Optional[int] = field(default=None, metadata={"help": "a size"})
+    mode: str = field(default="a", metadata={"choices": ("a", "b"), "help": "a mode"})
+    names: list = field(default_factory=lambda: ["x"], metadata={"nargs": "*", "help": "names"})
+    on: bool = field(default=False, metadata={"help": "a switch"})
+    hidden: int = 3
+
+
+def _planted_parser(**kw) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    cliargs.add_fields(p, Planted, **kw)
+    return p
+
+
+def test_cliargs_round_trip():
+    p = _planted_parser()
+    assert cliargs.from_args(Planted, p.parse_args([])) == Planted()
+    ns = p.parse_args(["--r8", "0.25", "--size", "4", "--mode", "b", "--names", "p", "q", "--on"])
+    assert ns.r8 == 0.25 and ns.size == 4  # dest follows the flag
+    assert cliargs.from_args(Planted, ns) == Planted(rate=0.25, size=4, mode="b", names=["p", "q"], on=True)
+    assert cliargs.from_args(Planted, ns, size=9, hidden=1) == Planted(0.25, 9, "b", ["p", "q"], True, 1)
+    for bad in (["--mode", "c"], ["--hidden", "1"], ["--rate", "1"], ["--size", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    text = p.format_help()
+    assert "a rate (default: 0.5)" in text and "a size\n" in text and "a switch\n" in text
+
+
+def test_cliargs_selection_and_overrides():
+    p = _planted_parser(only=("rate", "size", "on"), skip=("size",), defaults={"rate": 0.1})
+    assert {a.dest for a in p._actions} == {"help", "r8", "on"}
+    assert cliargs.from_args(Planted, p.parse_args([])) == Planted(rate=0.1)  # the others keep their defaults
+    assert "(default: 0.1)" in p.format_help()
+    with pytest.raises(ValueError, match="hidden"):
+        _planted_parser(only=("hidden",))
+    with pytest.raises(ValueError, match="nope"):
+        _planted_parser(defaults={"nope": 1})
+
+
+# ------------------------------------------------------------------ the commands end to end
+
+@pytest.fixture
+def tiny_run(tmp_path, monkeypatch):
+    """A tiny Llama directory with a word-level tokenizer, and 24 short JSONL documents."""
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")  # the token cache
+    return tmp_path, write_tiny_run(tmp_path)
+
+
+def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
+    tmp, common = tiny_run
+    train = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "1"]
+    assert main(["calibrate", *common, *train, "--target", "0.4", "--ffn-group-size", "32",
+                 "--out", str(tmp / "s1")]) == 0
+    run = json.loads((tmp / "s1" / "run.json").read_text())
+    assert run["wide_config"] == WideConfig(target_sparsity=0.4, ffn_group_size=32).to_dict()
+    assert run["train_args"] == dataclasses.asdict(TrainArgs(steps=2, batch_size=2, eval_every=0))
+    assert run["command"].startswith("wide ") and "torch" in run["machine"]
+
+    assert main(["eval", *common, "--routers", str(tmp / "s1" / "routers"), "--dense", "--tasks",
+                 "--out", str(tmp / "res")]) == 0
+    doc = json.loads((tmp / "res.json").read_text())
+    dense, routed = doc["records"]
+    assert (dense["method"], dense["stage"], routed["method"], routed["stage"]) == ("dense", 0, "wide", 1)
+    assert dense["model"] == routed["model"] == "model" and routed["training"]["steps"] == 2
+    assert dense["sparsity"] == 0.0 < routed["sparsity"] and routed["ppl"] > 0 and "avg" not in routed
+    assert (tmp / "res.md").is_file()
+
+    assert main(["recover", *common, *train, "--routers", str(tmp / "s1" / "routers"), "--lora-r", "4",
+                 "--out", str(tmp / "s2")]) == 0
+    run2 = json.loads((tmp / "s2" / "run.json").read_text())
+    assert run2["train_args"]["lr"] == RECOVERY_LR
+    assert run2["lora"] == dataclasses.asdict(LoraArgs(r=4))
+    assert (tmp / "s2" / "recovered" / "adapter_model.safetensors").is_file()
+
+    assert main(["compare", *common, "--methods", "dense", "wide", "--targets", "0.5", "--steps", "2",
+                 "--batch-size", "2", "--tasks", "--offset-batches", "1", "--ffn-group-size", "32", "--quiet",
+                 "--runs", str(tmp / "cmp"), "--out", str(tmp / "cmp_out")]) == 0
+    cmp = json.loads((tmp / "cmp_out.json").read_text())
+    assert [r["name"] for r in cmp["records"]] == ["dense", "wide"]
+    assert cmp["settings"]["lr"] == TrainArgs().lr and cmp["settings"]["recovery_lr"] == RECOVERY_LR
+    meta = json.loads((tmp / "cmp" / "wide-50" / "stage1" / "final" / "wide_config.json").read_text())
+    assert meta["compare_settings"]["train"] == dataclasses.asdict(
+        TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=20))
+
+
+def test_missing_model_directory_is_a_user_error(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "nothing"), "--tasks"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_fsdp_on_one_process_and_its_resume(tiny_run, capsys):
+    from wide import distributed
+
+    tmp, common = tiny_run
+    argv = ["calibrate", *common, "--steps", "3", "--batch-size", "2", "--eval-every", "0", "--offsets", "none",
+            "--ffn-group-size", "32", "--out", str(tmp / "f")]
+    try:
+        assert main([*argv, "--fsdp", "--stop-at", "2"]) == 0  # no torchrun: a one-process group
+        assert (tmp / "f" / "checkpoint" / distributed.DCP_DIR).is_dir()
+        assert main([*argv, "--resume"]) == 2
+        assert "written by a distributed run" in capsys.readouterr().err
+        assert main([*argv, "--fsdp", "--resume"]) == 0
+    finally:
+        distributed.shutdown()
+    assert json.loads((tmp / "f" / "run.json").read_text())["world_size"] == 1
+    assert [h["step"] for h in json.loads((tmp / "f" / "history.json").read_text())] == [1, 2, 3]
+
+
+TRAIN = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "1", "--ffn-group-size", "32"]
+
+
+def _saved_routers(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "routers" / "routers.safetensors"))
+
+
+def test_same_command_twice_gives_the_same_routers(tiny_run):
+    tmp, common = tiny_run
+    for name, seed in (("a", "5"), ("b", "5"), ("c", "6")):
+        assert main(["calibrate", *common, *TRAIN, "--seed", seed, "--out", str(tmp / name)]) == 0
+    a, b, c = (_saved_routers(tmp / n) for n in "abc")
+    # The first run moved torch's global RNG: only --seed can make the second start where it did.
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_nothing(tiny_run, capsys):
+    tmp, common = tiny_run
+    argv = ["calibrate", *common, *TRAIN, "--out", str(tmp / "r")]
+    assert main([*argv, "--stop-at", "1"]) == 0
+    assert main([*argv, "--target", "0.3", "--overwrite"]) == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert json.loads((tmp / "r" / "settings.json").read_text())["target"] == 0.3
+    first = _saved_routers(tmp / "r")
+    assert main([*argv, "--target", "0.3", "--resume"]) == 0
+    assert "at step 2/2" in capsys.readouterr().out
+    again = _saved_routers(tmp / "r")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]
+
+
+def test_generate_truncates_a_long_prompt_on_request_and_shows_its_start_only(tiny_run, capsys):
+    _, common = tiny_run
+    prompt = " ".join(["the cat sat on a mat"] * 30)  # 180 tokens; the model has 128 positions
+    assert main(["generate", *common[:2], "--prompt", prompt, "--max-new-tokens", "8", "--backend", "torch",
+                 "--truncate-prompt"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "prompt" in line] == [
+        "warning: prompt 1 truncated to its last 120 of 180 tokens (--truncate-prompt)"]
+    shown = next(line for line in out.splitlines() if line.startswith("--- "))
+    assert shown.endswith("...'") and len(shown) <= 90 and prompt not in out

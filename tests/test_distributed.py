@@ -1,5 +1,5 @@
-"""FSDP2 data-parallel calibration: 2 gloo processes match one process on the same global
-batch, and a checkpoint written by 2 processes resumes on 1. Also the --dry-run estimator."""
+"""FSDP2 data-parallel calibration and recovery: 2 gloo processes match one process on the same
+global batch, and a checkpoint written by 2 processes resumes on 1. Also the --dry-run estimator."""
 
 import json
 from pathlib import Path
@@ -10,9 +10,10 @@ import torch.multiprocessing as mp
 from conftest import tiny_model
 
 import wide
-from wide import arch, distributed
+from wide import arch, distributed, recovery
 from wide.config import WideConfig
 from wide.distributed import DistContext
+from wide.estimate import estimate
 from wide.train import TrainArgs, train
 
 STEPS, STOP = 5, 3
@@ -38,15 +39,29 @@ def _routers(model):
     return {k: v.detach().clone() for k, v in model.wide_routers.state_dict().items()}
 
 
+def _stage2(model, out, dist, **kw):
+    # No dropout: its masks are drawn per rank, so they differ between world sizes by design.
+    return recovery.recover(model, _ids(), TrainArgs(steps=2, batch_size=4, eval_every=0, save_every=0, seed=3), out,
+                            lora=recovery.LoraArgs(dropout=0.0), progress=False, dist=dist, **kw)
+
+
+def _trained(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     ctx = distributed.init("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
     try:
         model = _model()
-        distributed.shard_model(model, ctx)
+        ctx.shard(model)
         assert type(model.model.layers[0]).__name__.startswith("FSDP")
-        res = train(model, _ids(), _args(), Path(tmp) / "run", progress=False, stop_at=STOP)
-        torch.save({"history": res["history"], "routers": _routers(model)}, Path(tmp) / f"rank{rank}.pt")
+        res = train(model, _ids(), _args(), Path(tmp) / "run", progress=False, stop_at=STOP, dist=ctx)
+        s2_model = _model()
+        s2 = _stage2(s2_model, Path(tmp) / "stage2", ctx)
+        assert type(s2_model.model.layers[0]).__name__.startswith("FSDP")  # sharded after LoRA was added
+        torch.save({"history": res["history"], "routers": _routers(model), "stage2": s2["history"],
+                    "stage2_trained": _trained(s2_model)}, Path(tmp) / f"rank{rank}.pt")
     finally:
         distributed.shutdown()
 
@@ -94,6 +109,34 @@ def test_two_gloo_processes_match_one_and_resume_on_one(tmp_path):
     loaded = wide.load(tiny_model("llama"), tmp_path / "run" / "routers")
     _assert_same_routers(_routers(loaded), _routers(ref_model))
 
+    # Stage 2: LoRA adapters and routers, replicated, trained on 2 processes as on one.
+    _assert_same_routers(dist_run["stage2_trained"], other["stage2_trained"])
+    s2_model = _model()
+    s2 = _stage2(s2_model, tmp_path / "stage2_ref", DistContext(), shard=False)
+    _assert_same_history(dist_run["stage2"], s2["history"])
+    assert any("lora_" in k for k in dist_run["stage2_trained"])
+    _assert_same_routers(dist_run["stage2_trained"], _trained(s2_model))
+    assert (tmp_path / "stage2" / "recovered" / "adapter_model.safetensors").is_file()  # written by rank 0
+    s2_ckpt = tmp_path / "stage2" / "checkpoint"
+    assert (s2_ckpt / distributed.DCP_DIR).is_dir() and (s2_ckpt / "adapter_model.safetensors").is_file()
+    assert json.loads((s2_ckpt / "wide_config.json").read_text())["world_size"] == 2
+
+
+def test_dcp_checkpoint_needs_the_distributed_loop_to_resume(tmp_path):
+    train(_model(), _ids(), _args(), tmp_path, progress=False, stop_at=1, dist=DistContext())
+    with pytest.raises(ValueError, match="distributed run"):
+        train(_model(), _ids(), _args(), tmp_path, progress=False, resume=True)
+
+
+def test_init_outside_torchrun_makes_a_one_process_group(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    ctx = distributed.init("gloo")
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.collective) == (0, 1, True, False)
+    finally:
+        distributed.shutdown()
+
 
 def test_global_batch_must_split_evenly():
     with pytest.raises(ValueError, match="divisible"):
@@ -115,13 +158,13 @@ def test_keyed_noise_ignores_the_split():
 def test_estimate_llama_8b():
     cfg = arch.hf_config("llama-3.1-8b")
     wc = WideConfig()
-    one = distributed.estimate(cfg, wc, world_size=1, seq_len=4096, batch_size=1)
+    one = estimate(cfg, wc, world_size=1, seq_len=4096, batch_size=1)
     assert one.detail["total_params"] == pytest.approx(8.03e9, rel=0.01)
     assert one.rows[0][1] == pytest.approx(8.03e9 * 2 / 2 ** 30, rel=0.01)
-    four = distributed.estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4)
+    four = estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4)
     assert four.rows[0][1] == pytest.approx(one.rows[0][1] / 4)
     assert four.detail["tokens_per_rank"] == one.detail["tokens_per_rank"] == 4096
-    ac = distributed.estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4, activation_checkpointing=True)
+    ac = estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4, activation_checkpointing=True)
     assert ac.peak_gib < four.peak_gib and ac.step_s > four.step_s
     assert "estimated peak" in ac.table()
 

@@ -22,8 +22,16 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
+
+from . import runs
+from .baselines import NORMALIZE
+from .cliargs import add_fields, from_args
+from .config import WideConfig
+from .recovery import RECOVERY_LR, LoraArgs
+from .train import TrainArgs
 
 METHOD_ROWS = {
     # name: (family, stage, label)
@@ -39,6 +47,28 @@ METHOD_ROWS = {
 }
 DEFAULT_METHODS = ("dense", "wide", "wide_lora", "dynamic_depth", "module_skip", "static_width")
 REFERENCE = "dynamic_depth"
+
+
+@dataclass
+class CompareArgs:
+    """The options of ``wide compare`` beyond the shared model, data, evaluation and training
+    ones (wide.cliargs metadata)."""
+
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS), metadata={
+        "nargs": "+", "choices": list(METHOD_ROWS), "help": "methods to run"})
+    targets: list[float] = field(default_factory=lambda: [0.25, 0.5], metadata={
+        "nargs": "+", "help": "FLOP-weighted sparsity targets", "gt": 0, "lt": 1})
+    runs: str = field(default="runs/compare", metadata={"help": "run directory root, reused on a rerun"})
+    out: str = field(default="bench/results/quality_smollm2", metadata={
+        "help": "results stem: OUT.json, OUT.md, OUT.png"})
+    quiet: bool = field(default=False, metadata={"help": "no per-step progress bars"})
+    recovery_steps: Optional[int] = field(default=None, metadata={"help": "stage-2 steps (default: --steps)", "min": 1})
+    recovery_lr: float = field(default=RECOVERY_LR, metadata={"help": "stage-2 learning rate", "gt": 0})
+    static_calib_sequences: int = field(default=32, metadata={
+        "help": "calibration sequences for channel importance", "min": 1})
+    static_normalize: str = field(default="layer", metadata={
+        "choices": NORMALIZE, "help": "how attention and FFN scores are made comparable"})
+    freeze_routers: bool = field(default=False, metadata={"help": "stage 2 trains adapters only"})
 
 
 def _pct(target: float) -> str:
@@ -58,23 +88,15 @@ class Comparison:
     # ------------------------------------------------------------ setup
 
     def load_data(self):
-        from . import cli
-        from .data import fetch_default_model
-
         import torch
         from transformers import AutoTokenizer
 
         a = self.args
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        self.model_path = str(fetch_default_model() if a.model == cli.DEFAULT else Path(a.model))
-        if not Path(self.model_path).is_dir():
-            raise FileNotFoundError(f"model directory {self.model_path} does not exist")
-        self.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model_path, self.device = runs.resolve(a)
         self.dtype = getattr(torch, a.dtype)
         self.tok = AutoTokenizer.from_pretrained(self.model_path)
-        self.train_ids, _, _ = cli._packed(a, self.tok, "train", a.max_train_tokens)
-        self.heldout, self.bpt = cli._heldout(a, self.tok)
+        self.train_ids, _, _ = runs.packed(a, self.tok, "train", a.max_train_tokens)
+        self.heldout, self.bpt = runs.heldout(a, self.tok)
         need = a.steps * a.batch_size * a.grad_accum
         print(f"compare: {self.train_ids.shape[0]} calibration sequences x {self.train_ids.shape[1]} tokens "
               f"({need} sequences per stage, {'repeating' if need > self.train_ids.shape[0] else 'no repeat'}), "
@@ -85,14 +107,11 @@ class Comparison:
 
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
 
-    def train_args(self, stage: int):
-        from .train import TrainArgs
-
+    def train_args(self, stage: int) -> TrainArgs:
         a = self.args
-        steps = a.steps if stage == 1 else a.recovery_steps
-        return TrainArgs(steps=steps, batch_size=a.batch_size, grad_accum=a.grad_accum,
-                         lr=a.lr if stage == 1 else a.recovery_lr, eval_every=0, save_every=a.save_every,
-                         seed=a.seed)
+        if stage == 1:
+            return from_args(TrainArgs, a, eval_every=0)
+        return from_args(TrainArgs, a, eval_every=0, steps=a.recovery_steps, lr=a.recovery_lr)
 
     def wide_overrides(self) -> dict:
         a = self.args
@@ -124,7 +143,7 @@ class Comparison:
     def build(self, family: str, stage: int, target: float) -> Path:
         """Train (or reuse) one method; returns its final directory."""
         from . import baselines, modeling
-        from .recovery import LoraArgs, load_recovered, recover, save_recovered
+        from .recovery import load_recovered, recover, save_recovered
         from .train import train
 
         run = self.root / f"{family}-{_pct(target)}"
@@ -143,7 +162,7 @@ class Comparison:
             base = self.build(family, 1, target)
             model = load_recovered(self.fresh(), base)
             static = baselines.apply_static_file(model, base)
-            lora = LoraArgs(r=self.args.lora_r, alpha=self.args.lora_alpha, dropout=self.args.lora_dropout)
+            lora = from_args(LoraArgs, self.args)
             print(f"  stage 2 (LoRA) for {family} at {target:.0%}: {targs.steps} steps", flush=True)
             recover(model, self.train_ids, targs, run / "stage2", lora=lora,
                     freeze_routers=self.args.freeze_routers or static is not None, resume=True,
@@ -167,7 +186,7 @@ class Comparison:
             save_recovered(model, final, extra={**extra, "static_rates": r}, write_more=pruning.save)
             return final
         cfg = baselines.method_config(family, model.config, target, **self.wide_overrides())
-        modeling.wrap(model, cfg)
+        modeling.wrap(model, cfg, seed=self.args.seed)  # --seed covers router initialisation too
         modeling.freeze_backbone(model)
         print(f"  stage 1 for {family} at {target:.0%}: {targs.steps} steps", flush=True)
         train(model, self.train_ids, targs, run / "stage1", resume=True, progress=not self.args.quiet)
@@ -191,7 +210,6 @@ class Comparison:
         return f"{name}@{target}|{h}"
 
     def evaluate(self, name: str, target) -> dict:
-        from . import cli
         from .recovery import load_recovered
 
         key = self.eval_key(name, target)
@@ -207,7 +225,7 @@ class Comparison:
             model = load_recovered(self.fresh(), final)
         t_build = time.perf_counter() - t0
         print(f"  evaluating {label} at {target if target is not None else 0:.0%}", flush=True)
-        rec = cli._evaluate_one(model, self.tok, self.args, self.heldout, self.bpt, family or "dense", stage)
+        rec = runs.evaluate_one(model, self.tok, self.args, self.heldout, self.bpt, family or "dense", stage)
         rec["model"] = Path(self.model_path).name
         rec.update(name=name, label=label, target=target, build_s=t_build,
                    eval_s=time.perf_counter() - t0 - t_build)
@@ -264,12 +282,8 @@ class Comparison:
             print(f"[{i}/{len(jobs)}] {METHOD_ROWS[name][2]}{tgt} ({(time.perf_counter() - t0) / 60:.1f} min so far)",
                   flush=True)
             records.append(self.evaluate(name, target))
-            write_outputs(records, a.out, a, command=self.command())
+            write_outputs(records, a.out, a, command=runs.command())
         return records
-
-    @staticmethod
-    def command() -> str:
-        return "wide " + " ".join(sys.argv[1:])
 
 
 # ---------------------------------------------------------------- outputs
@@ -390,44 +404,25 @@ def write_outputs(records: list, out_stem, args, command: str) -> None:
 
 
 def add_arguments(p) -> None:
-    """Options of ``wide compare`` (the model/data/eval options come from the CLI helpers)."""
-    g = p.add_argument_group("comparison")
-    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHOD_ROWS),
-                   help="methods to run (default: %(default)s)")
-    g.add_argument("--targets", nargs="+", type=float, default=[0.25, 0.5],
-                   help="FLOP-weighted sparsity targets (default: %(default)s)")
-    g.add_argument("--runs", default="runs/compare", help="run directory root, reused on a rerun (default: %(default)s)")
-    g.add_argument("--out", default="bench/results/quality_smollm2",
-                   help="results stem: OUT.json, OUT.md, OUT.png (default: %(default)s)")
-    g.add_argument("--quiet", action="store_true", help="no per-step progress bars")
+    """Every option of ``wide compare``, on parser ``p``."""
+    add_fields(p, runs.ModelArgs)
+    add_fields(p, runs.DataArgs)
+    # One --batch-size serves training and evaluation: the training one, with its default.
+    add_fields(p, runs.EvalArgs, skip=("batch_size",))
+    add_fields(p.add_argument_group("comparison"), CompareArgs, only=("methods", "targets", "runs", "out", "quiet"))
     t = p.add_argument_group("shared training budget")
-    t.add_argument("--steps", type=int, default=240, help="stage-1 optimizer steps (default: %(default)s)")
-    t.add_argument("--recovery-steps", type=int, default=None, help="stage-2 steps (default: --steps)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=2e-3, help="stage-1 learning rate (default: %(default)s)")
-    t.add_argument("--recovery-lr", type=float, default=2e-4, help="stage-2 learning rate (default: %(default)s)")
-    t.add_argument("--save-every", type=int, default=20, help="checkpoint period in steps (default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0, help="shared seed (default: %(default)s)")
-    t.add_argument("--max-train-tokens", type=int, default=None, help="cap on packed calibration tokens")
-    t.add_argument("--offsets", default="global", choices=["global", "per_module", "none"],
-                   help="router offset calibration after training (default: %(default)s)")
-    t.add_argument("--offset-batches", type=int, default=8, help="batches for offset calibration (default: %(default)s)")
-    r = p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)")
-    r.add_argument("--router-rank", type=int, default=16, help="(default: %(default)s)")
-    r.add_argument("--router-input", default="residual", choices=["residual", "normed"], help="(default: %(default)s)")
-    r.add_argument("--ffn-group-size", type=int, default=128, help="WIDE / static FFN group (default: %(default)s)")
-    r.add_argument("--sparsity-coef", type=float, default=20.0, help="(default: %(default)s)")
-    r.add_argument("--tau-start", type=float, default=5.0, help="(default: %(default)s)")
-    r.add_argument("--tau-end", type=float, default=0.5, help="(default: %(default)s)")
+    # Every method trains at every target, so stage 1 is shorter than `wide calibrate`'s and
+    # checkpoints more often.
+    add_fields(t, TrainArgs, only=("steps", "batch_size", "grad_accum", "lr", "save_every", "seed"),
+               defaults={"steps": 240, "save_every": 20})
+    add_fields(t, CompareArgs, only=("recovery_steps", "recovery_lr"))
+    add_fields(t, runs.RunArgs, skip=("stop_at",))
+    add_fields(p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)"), WideConfig,
+               only=("router_rank", "router_input", "ffn_group_size", "sparsity_coef", "tau_start", "tau_end"))
     s = p.add_argument_group("static width pruning and LoRA")
-    s.add_argument("--static-calib-sequences", type=int, default=32,
-                   help="calibration sequences for channel importance (default: %(default)s)")
-    s.add_argument("--static-normalize", default="layer", choices=["layer", "module", "none"],
-                   help="how attention and FFN scores are made comparable (default: %(default)s)")
-    s.add_argument("--lora-r", type=int, default=16, help="(default: %(default)s)")
-    s.add_argument("--lora-alpha", type=int, default=32, help="(default: %(default)s)")
-    s.add_argument("--lora-dropout", type=float, default=0.1, help="(default: %(default)s)")
-    s.add_argument("--freeze-routers", action="store_true", help="stage 2 trains adapters only")
+    add_fields(s, CompareArgs, only=("static_calib_sequences", "static_normalize"))
+    add_fields(s, LoraArgs)
+    add_fields(s, CompareArgs, only=("freeze_routers",))
 
 
 def run(args) -> list:
@@ -442,4 +437,4 @@ def run(args) -> list:
     return records
 
 
-__all__ = ["METHOD_ROWS", "DEFAULT_METHODS", "Comparison", "table", "plot", "write_outputs", "add_arguments", "run"]
+__all__ = ["METHOD_ROWS", "DEFAULT_METHODS", "CompareArgs", "Comparison", "table", "plot", "write_outputs", "add_arguments", "run"]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .cliargs import check_fields
+
 SPARSE_TARGETS = ("attention", "ffn", "all")
 LOSS_MODES = ("flops", "groups")
 ROUTER_INPUTS = ("residual", "normed")
@@ -20,27 +22,38 @@ ROUTER_INPUTS = ("residual", "normed")
 
 @dataclass
 class WideConfig:
-    # Fraction of routable work to skip. With ``loss_mode="flops"`` it is the share of the
-    # routable MACs (q+o for attention, gate+up+down for the FFN); with "groups" the
-    # unweighted mean of the attention and FFN group rates (the paper's definition).
-    target_sparsity: float = 0.5
-    # Separate targets per module type; when both are set the penalty is the mean of the
-    # two absolute gaps (docs/method.md, "Sparsity and loss") and ``target_sparsity`` is ignored.
-    attn_target: Optional[float] = None
-    ffn_target: Optional[float] = None
-    sparse_target: str = "all"
-    # Query heads per attention group. None = query heads per KV head, so a group is one
-    # GQA pack and a skipped group never needs a K/V head the others do not need.
-    attn_group_size: Optional[int] = None
-    # Intermediate channels per FFN group. Multiples of 16 keep the GPU kernels usable.
-    ffn_group_size: int = 128
-    router_rank: int = 16
-    router_input: str = "residual"
-    loss_mode: str = "flops"
-    sparsity_coef: float = 20.0
-    tau_start: float = 5.0
-    tau_end: float = 0.5
-    # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline).
+    # The metadata is each field's command-line option (wide.cliargs): its help, and its flag
+    # where that is not --field-name. It is not part of asdict, so saved configs do not see it.
+    target_sparsity: float = field(default=0.5, metadata={
+        "flag": "--target",
+        "help": "target sparsity: share of the routable MACs skipped (q+o for attention, gate+up+down for "
+                "the FFN) in FLOP mode, or the unweighted mean of the attention and FFN group rates in "
+                "groups mode (the paper's definition)", "min": 0.0, "max": 1.0})
+    # With both separate targets set the penalty is the mean of the two absolute gaps
+    # (docs/method.md, "Sparsity and loss").
+    attn_target: Optional[float] = field(default=None, metadata={
+        "help": "separate attention target (needs --ffn-target; --target is then ignored)", "min": 0.0, "max": 1.0})
+    ffn_target: Optional[float] = field(default=None, metadata={
+        "help": "separate FFN target (needs --attn-target)", "min": 0.0, "max": 1.0})
+    sparse_target: str = field(default="all", metadata={
+        "choices": SPARSE_TARGETS, "help": "which modules are routed"})
+    # One GQA pack per group (None): the K/V head of a skipped group is read by no other group.
+    attn_group_size: Optional[int] = field(default=None, metadata={
+        "help": "query heads per attention group (default: one GQA pack = query heads per KV head)", "min": 1})
+    ffn_group_size: int = field(default=128, metadata={
+        "help": "intermediate channels per FFN group; a multiple of 16 for the GPU kernels", "min": 1})
+    router_rank: int = field(default=16, metadata={"help": "router bottleneck width r", "min": 1})
+    router_input: str = field(default="residual", metadata={
+        "choices": ROUTER_INPUTS,
+        "help": "what routers read: the residual stream entering the module, or its normed input"})
+    loss_mode: str = field(default="flops", metadata={
+        "choices": LOSS_MODES,
+        "help": "sparsity the penalty measures: FLOP-weighted, or the paper's unweighted group rate"})
+    sparsity_coef: float = field(default=20.0, metadata={"help": "weight of |target - rate| in the loss", "min": 0.0})
+    tau_start: float = field(default=5.0, metadata={"help": "Gumbel temperature at step 0", "gt": 0.0})
+    tau_end: float = field(default=0.5, metadata={"help": "Gumbel temperature at the last step", "gt": 0.0})
+    # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline):
+    # set by wide.baselines, not a command-line option.
     tie_modules: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -51,20 +64,11 @@ class WideConfig:
             raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {self.loss_mode!r}")
         if self.router_input not in ROUTER_INPUTS:
             raise ValueError(f"router_input must be one of {ROUTER_INPUTS}, got {self.router_input!r}")
-        for name in ("target_sparsity", "attn_target", "ffn_target"):
-            v = getattr(self, name)
-            if v is not None and not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {v}")
+        check_fields(self)  # the ranges declared in the fields' metadata
         if (self.attn_target is None) != (self.ffn_target is None):
             raise ValueError("set both attn_target and ffn_target, or neither")
         if self.attn_target is not None and self.sparse_target != "all":
             raise ValueError("separate attn/ffn targets need sparse_target='all'")
-        if self.router_rank < 1:
-            raise ValueError(f"router_rank must be >= 1, got {self.router_rank}")
-        if self.ffn_group_size < 1 or (self.attn_group_size is not None and self.attn_group_size < 1):
-            raise ValueError("group sizes must be positive")
-        if not self.tau_start > 0 or not self.tau_end > 0:
-            raise ValueError("Gumbel temperatures must be positive")
         if self.tie_modules and self.sparse_target != "all":
             raise ValueError("tie_modules (dynamic depth) routes both modules: use sparse_target='all'")
 

@@ -567,7 +567,7 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
             for t in tables:
                 if text_field not in t.column_names:
                     raise ValueError(f"{path}: no column {text_field!r}; columns are {t.column_names} "
-                                     f"(pass text_field=...)")
+                                     "(name the text column with --text-field, or text_field= in Python)")
                 docs += [str(x) for x in t.column(text_field).to_pylist() if x]
             return [(f"{path.name}:{i}", d) for i, d in enumerate(docs)], own_split
         txts = sorted(path.glob("*.txt"))
@@ -589,13 +589,15 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
                 if not isinstance(row, dict) or text_field not in row:
                     keys = list(row) if isinstance(row, dict) else type(row).__name__
-                    raise ValueError(f"{path}:{lineno}: no field {text_field!r} (has {keys}; pass text_field=...)")
+                    raise ValueError(f"{path}:{lineno}: no field {text_field!r} (has {keys}; name the text field "
+                                     "with --text-field, or text_field= in Python)")
                 docs.append((f"{path.name}:{lineno}", str(row[text_field])))
         return docs, False
     if suffix in (".arrow", ".parquet"):
         t = _arrow_tables(path, split)[0]
         if text_field not in t.column_names:
-            raise ValueError(f"{path}: no column {text_field!r}; columns are {t.column_names}")
+            raise ValueError(f"{path}: no column {text_field!r}; columns are {t.column_names} "
+                             "(name the text column with --text-field, or text_field= in Python)")
         return [(f"{path.name}:{i}", str(x)) for i, x in enumerate(t.column(text_field).to_pylist()) if x], False
     raise ValueError(f"unsupported data source {path}: use 'wiki', a .txt or .jsonl file, a directory of .txt "
                      f"files, or a datasets save_to_disk / .arrow / .parquet path")

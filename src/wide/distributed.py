@@ -1,7 +1,8 @@
 """Calibration and recovery on several processes with PyTorch FSDP2 (``fully_shard``).
 
 The one training loop of ``wide.train`` runs unchanged in every process; a ``DistContext``
-passed to it (or installed by :func:`init`) changes four things:
+passed to it (``train(..., dist=ctx)``) hands it a :class:`TrainingSession`, which changes
+four things:
 
 * data: ``TrainArgs.batch_size`` is the GLOBAL micro-batch; each rank takes its contiguous
   slice of the indices ``batch_indices`` gives, so no sequence is seen twice and the global
@@ -35,10 +36,9 @@ import torch
 import torch.distributed as tdist
 
 from .arch import decoder_layers
-from .modeling import KINDS, ModelDims, _summarise, get_state, resolve_geometry
+from .modeling import KINDS, _summarise, get_state
 
 DCP_DIR = "dcp"
-_CURRENT: Optional["DistContext"] = None
 
 
 def _fsdp():
@@ -105,26 +105,32 @@ class DistContext:
         per = global_count // self.world_size
         return slice(self.rank * per, (self.rank + 1) * per)
 
+    def session(self, model, seed: int) -> "TrainingSession":
+        """What ``wide.train.train(..., dist=self)`` runs its loop with."""
+        return TrainingSession(self, model, seed)
+
+    def shard(self, model, **kwargs):
+        """:func:`shard_model` over this context's ranks."""
+        return shard_model(model, self, **kwargs)
+
 
 def init(backend: Optional[str] = None, **pg_kwargs) -> DistContext:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*),
-    pin this process to its GPU, and make the context the default of ``wide.train.train``."""
-    global _CURRENT
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*) and
+    pin this process to its GPU. Outside torchrun (``wide calibrate --fsdp`` on one process)
+    the group is this process alone."""
     if not tdist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if not pg_kwargs and not under_torchrun():
+            # env:// would need MASTER_ADDR and friends; a one-process group needs no rendezvous.
+            pg_kwargs = dict(store=tdist.HashStore(), rank=0, world_size=1)
         tdist.init_process_group(backend, **pg_kwargs)
     if tdist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    _CURRENT = DistContext(tdist.get_rank(), tdist.get_world_size(), device)
-    return _CURRENT
-
-
-def current() -> Optional[DistContext]:
-    return _CURRENT
+    return DistContext(tdist.get_rank(), tdist.get_world_size(), device)
 
 
 def under_torchrun() -> bool:
@@ -132,8 +138,6 @@ def under_torchrun() -> bool:
 
 
 def shutdown() -> None:
-    global _CURRENT
-    _CURRENT = None
     if tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -228,7 +232,8 @@ class KeyedGumbel:
 
 
 class TrainingSession:
-    """What ``wide.train.train`` needs from the distributed side during one call."""
+    """What ``wide.train.train`` needs from the distributed side during one call: data and noise
+    per rank, the global sparsity loss, gradient averaging and DCP checkpoints."""
 
     def __init__(self, ctx: DistContext, model, seed: int):
         self.ctx = ctx
@@ -243,6 +248,27 @@ class TrainingSession:
     def close(self) -> None:
         if self.state.mask_fn is self.noise:
             self.state.mask_fn = self._previous_mask_fn
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    def barrier(self) -> None:
+        self.ctx.barrier()
+
+    def mean(self, value: torch.Tensor) -> float:
+        return self.ctx.mean(value)
+
+    def is_checkpoint(self, path) -> bool:
+        return is_dcp_checkpoint(path)
+
+    def save_checkpoint(self, opt, path, *, step: int, trainer_state: dict,
+                        write_more: Optional[Callable[[Path], None]] = None) -> None:
+        save_checkpoint(self.ctx, self.model, opt, path, step=step, trainer_state=trainer_state,
+                        write_more=write_more)
+
+    def load_checkpoint(self, opt, path) -> dict:
+        return load_checkpoint(self.ctx, self.model, opt, path)
 
     def local_indices(self, indices: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         sl = self.ctx.local_slice(len(indices))
@@ -309,8 +335,8 @@ def _state_dict_options(strict: bool = True):
 def save_checkpoint(ctx: DistContext, model, opt, path, *, step: int, trainer_state: dict,
                     write_more: Optional[Callable[[Path], None]] = None) -> None:
     """Every rank writes its part of the DCP checkpoint into a staging directory; after a
-    barrier rank 0 adds the router files and trainer state and renames the whole into
-    ``path``, so ``path`` always holds one complete checkpoint."""
+    barrier rank 0 adds the router files and trainer state and puts the whole in place with
+    ``wide.serialization``'s crash-safe protocol (manifest, renames, recovery on resume)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -318,7 +344,8 @@ def save_checkpoint(ctx: DistContext, model, opt, path, *, step: int, trainer_st
     from .train import TRAINER_STATE
 
     path = Path(path)
-    staging = path.parent / f".{path.name}.dcp-staging"
+    # Named like atomic_directory's temporaries, so that recovery removes it after a kill.
+    staging = path.parent / f".{path.name}.tmp-dcp"
     if ctx.is_main:
         shutil.rmtree(staging, ignore_errors=True)
         staging.parent.mkdir(parents=True, exist_ok=True)
@@ -358,156 +385,5 @@ def load_checkpoint(ctx: DistContext, model, opt, path) -> dict:
     return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
 
 
-# ---------------------------------------------------------------- stage 2
-
-
-def recover(model, train_ids, args, out_dir, ctx: DistContext, *, lora=None, freeze_routers: bool = False,
-            eval_ids=None, resume: bool = True, progress: bool = True, stop_at=None, extra=None,
-            write_more=None, mixed_precision: Optional[bool] = None, activation_checkpointing: bool = False,
-            shard: bool = True) -> dict:
-    """``wide.recovery.recover`` on several processes: adapters are added before sharding
-    (so they stay replicated float32), and only rank 0 writes the final directory."""
-    from dataclasses import asdict
-
-    from .recovery import FINAL_DIR, LoraArgs, add_lora, read_adapters, save_recovered, write_adapters
-    from .train import train
-
-    lora = (lora or LoraArgs()).resolved(model)
-    params = add_lora(model, lora, freeze_routers=freeze_routers)
-    if shard:
-        shard_model(model, ctx, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
-    result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
-                   progress=progress and ctx.is_main, save_extra=lambda d: write_adapters(model, d),
-                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at, dist=ctx)
-    if result.get("stopped_at") is not None:
-        return result
-    meta = {"stage": 2, "lora": {**asdict(lora), "targets": list(lora.targets)},
-            "freeze_routers": freeze_routers, **(extra or {})}
-    if ctx.is_main:
-        save_recovered(model, Path(out_dir) / FINAL_DIR, extra=meta, write_more=write_more)
-    ctx.barrier()
-    result["recovered_dir"] = str(Path(out_dir) / FINAL_DIR)
-    return result
-
-
-# ---------------------------------------------------------------- memory and time estimate
-
-
-# Dense bf16 tensor-core peaks (FLOP/s), for the time estimate only.
-GPU_PEAK = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12}
-
-
-@dataclass
-class Estimate:
-    rows: list  # (component, GiB per rank, note)
-    peak_gib: float
-    step_s: float
-    total_h: float
-    tokens_per_s_per_rank: float
-    detail: dict
-
-    def table(self) -> str:
-        w = max(len(r[0]) for r in self.rows)
-        lines = [f"{'component':<{w}}  {'GiB/rank':>9}  note", "-" * (w + 40)]
-        for name, gib, note in self.rows:
-            lines.append(f"{name:<{w}}  {gib:>9.2f}  {note}")
-        lines.append("-" * (w + 40))
-        lines.append(f"{'estimated peak':<{w}}  {self.peak_gib:>9.2f}  torch.cuda.max_memory_allocated")
-        d = self.detail
-        lines.append(f"time: {d['flops_per_step'] / 1e15:.2f} PFLOP per step at {d['mfu']:.0%} MFU of "
-                     f"{d['world_size']} x {d['gpu']} -> {self.step_s:.2f} s/step, "
-                     f"{self.tokens_per_s_per_rank:.0f} tokens/s per GPU, {self.total_h:.2f} h for {d['steps']} steps")
-        return "\n".join(lines)
-
-
-def estimate(config, wide_config, *, world_size: int = 1, seq_len: int = 4096, batch_size: int = 1,
-             grad_accum: int = 1, steps: int = 10_000, activation_checkpointing: bool = False,
-             param_bytes: int = 2, lora_r: int = 0, lora_targets: int = 7, mfu: float = 0.4,
-             gpu: str = "h200") -> Estimate:
-    """Per-rank memory and step time of stage 1 (or stage 2 with ``lora_r``) under
-    ``shard_model``. ``batch_size`` is the global micro-batch, as in TrainArgs.
-
-    Activations count what autograd saves when only the routers (and adapters) train: the
-    frozen linears save nothing but their weights, so what remains is the fp32 RMSNorm and
-    router inputs, attention's q/k/v/output, the masked o_proj/down_proj inputs and the
-    SwiGLU operands; the LM head's logits (bf16, their fp32 copy, log-softmax and its
-    gradient) are counted separately, being large for 128k vocabularies.
-    """
-    dims = ModelDims.from_hf_config(config)
-    geo = resolve_geometry(dims, wide_config)
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by world size {world_size}")
-    H, L, I, V = dims.hidden_size, dims.num_layers, dims.intermediate_size, dims.vocab_size
-    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    layer_params = H * (2 * q + 2 * kv) + 3 * H * I + 2 * H
-    tied = getattr(config, "tie_word_embeddings", False)
-    root_params = V * H * (1 if tied else 2) + H
-    total_params = L * layer_params + root_params
-    r = wide_config.router_rank
-    router_params = 0
-    for kind in KINDS:
-        routed = wide_config.routes_attention if kind == "attn" else wide_config.routes_ffn
-        if wide_config.tie_modules:
-            g = 1 if kind == "attn" else 0
-        else:
-            g = geo.groups(kind) if routed else 0
-        if g:
-            router_params += L * (H * r + r + r * 2 * g + 2 * g)
-    lora_params = 0
-    if lora_r:
-        shapes = [(H, q), (H, kv), (H, kv), (q, H), (H, I), (H, I), (I, H)][:lora_targets]
-        lora_params = L * sum(lora_r * (a + b) for a, b in shapes)
-    GiB = 2 ** 30
-    ws = world_size
-    tokens = batch_size // ws * seq_len  # per rank per micro-batch
-
-    sharded = total_params * param_bytes / ws
-    # Root parameters (embeddings, LM head, final norm) stay gathered through the step; the
-    # layers are gathered one at a time, with the next one prefetched.
-    gathered = (root_params * 2 + 2 * layer_params * 2) if ws > 1 else 0
-    trainable = (router_params + lora_params) * 16  # fp32 weight, grad, Adam m and v
-    act = 2  # bytes of a bf16 activation
-    per_layer_token = (2 * 4 * H  # two RMSNorms save their fp32 input
-                       + 2 * 4 * H  # two routers save their fp32 input
-                       + act * (2 * q + 2 * kv)  # attention: q, k, v, output
-                       + act * q  # masked o_proj input
-                       + 4 * act * I)  # silu(gate) input and output, up, masked down_proj input
-    if lora_r:
-        per_layer_token += act * (3 * H + q + 2 * I) + 4 * lora_r * lora_targets
-    if activation_checkpointing:
-        saved = L * act * H * tokens + per_layer_token * tokens  # layer inputs + one layer recomputed
-    else:
-        saved = L * per_layer_token * tokens
-    logits = (2 + 4 + 4 + 4) * V * tokens  # bf16 logits, fp32 copy, log-softmax, its gradient
-    workspace = 3 * act * max(H, I) * tokens + 2 * act * q * tokens  # backward temporaries of one layer
-    rows = [
-        ("backbone parameters (sharded)", sharded / GiB, f"{total_params / 1e9:.2f}B x {param_bytes} B / {ws}"),
-        ("gathered parameters", gathered / GiB, "root + 2 layers unsharded (bf16)" if ws > 1 else "world size 1: none"),
-        ("trainable state (replicated)", trainable / GiB,
-         f"{(router_params + lora_params) / 1e6:.1f}M params x 16 B (fp32 w, grad, AdamW m, v)"),
-        ("activations" + (" (checkpointed)" if activation_checkpointing else ""), saved / GiB,
-         f"{tokens} tokens/rank/micro-batch"),
-        ("logits and loss", logits / GiB, f"vocab {V}: 14 B per token"),
-        ("backward workspace", workspace / GiB, "one layer's transient gradients"),
-    ]
-    peak = sum(r[1] for r in rows)
-    # FLOPs: the frozen backbone needs input gradients only (one forward's worth in backward),
-    # activation checkpointing adds one forward.
-    attn_flops = 2 * 2 * dims.num_heads * dims.head_dim * seq_len / 2  # causal QK^T and PV per token
-    fwd_token = 2 * (total_params - (0 if tied else V * H)) + L * attn_flops
-    passes = 2 + (1 if activation_checkpointing else 0) + (0.1 if lora_r else 0)
-    tokens_step = batch_size * grad_accum * seq_len
-    flops_step = fwd_token * passes * tokens_step
-    peak_flops = GPU_PEAK.get(gpu.lower(), GPU_PEAK["h200"])
-    step_s = flops_step / (ws * peak_flops * mfu)
-    detail = dict(world_size=ws, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, steps=steps,
-                  activation_checkpointing=activation_checkpointing, total_params=total_params,
-                  router_params=router_params, lora_params=lora_params, tokens_per_rank=tokens,
-                  flops_per_step=flops_step, mfu=mfu, gpu=gpu,
-                  bytes={name: gib * GiB for name, gib, _ in rows})
-    return Estimate(rows, peak, step_s, step_s * steps / 3600, tokens_step / ws / step_s, detail)
-
-
-__all__ = ["DistContext", "init", "current", "shutdown", "under_torchrun", "shard_model", "trainable_parameters",
-           "KeyedGumbel", "TrainingSession", "save_checkpoint", "load_checkpoint", "is_dcp_checkpoint",
-           "recover", "estimate", "Estimate", "mix_seed"]
+__all__ = ["DistContext", "init", "shutdown", "under_torchrun", "shard_model", "trainable_parameters",
+           "KeyedGumbel", "TrainingSession", "save_checkpoint", "load_checkpoint", "is_dcp_checkpoint", "mix_seed"]

@@ -264,8 +264,12 @@ def install_hooks(model) -> None:
             state.handles.append(proj.register_forward_pre_hook(gate))
 
 
-def wrap(model, config: Optional[WideConfig] = None):
-    """Add token routers to a Llama/Mistral/Qwen2/Qwen3 causal LM, in place; returns it."""
+def wrap(model, config: Optional[WideConfig] = None, *, seed: Optional[int] = None):
+    """Add token routers to a Llama/Mistral/Qwen2/Qwen3 causal LM, in place; returns it.
+
+    ``seed`` makes the routers' initial weights a function of it alone, leaving torch's
+    global RNG as it was; without it they draw from the global RNG.
+    """
     config = config or WideConfig()
     if hasattr(model, "wide_state"):
         raise ValueError("model is already wrapped by wide; call wide.unwrap(model) first")
@@ -276,7 +280,11 @@ def wrap(model, config: Optional[WideConfig] = None):
     for i, layer in enumerate(layers):
         arch.check_layer(layer, spec, i)
     device = next(model.parameters()).device
-    model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
+    # Routers are built on the CPU, so forking the CPU generator is enough.
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
     model.wide_state = WideState(config=config, geometry=geo)
     model.wide_config = config
     install_hooks(model)

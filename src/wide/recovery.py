@@ -17,13 +17,14 @@ write per checkpoint.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import arch
+from .cliargs import check_fields
 from .modeling import get_state, install_hooks
 from .serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
@@ -33,15 +34,21 @@ ADAPTER_CONFIG = "adapter_config.json"
 FINAL_DIR = "recovered"
 # PeftModel.save_pretrained writes keys relative to the PeftModel, one level above the HF model.
 _PEFT_PREFIX = "base_model.model."
+# The paper's stage-2 learning rate; stage 1 trains fresh routers at TrainArgs' default.
+RECOVERY_LR = 2e-4
 
 
 @dataclass
 class LoraArgs:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.1
+    # The metadata is each field's command-line option (wide.cliargs).
+    r: int = field(default=16, metadata={"flag": "--lora-r", "help": "LoRA rank", "min": 1})
+    alpha: int = field(default=32, metadata={"flag": "--lora-alpha", "help": "LoRA scale numerator (scale = alpha / r)", "gt": 0})
+    dropout: float = field(default=0.1, metadata={"flag": "--lora-dropout", "help": "dropout on the LoRA branch", "min": 0, "lt": 1})
     # PEFT target module names; None = every linear projection the model's ArchSpec names.
     targets: Optional[Sequence[str]] = None
+
+    def __post_init__(self):
+        check_fields(self)
 
     def resolved(self, model) -> "LoraArgs":
         """These arguments with ``targets`` filled in from the model's architecture."""
@@ -185,26 +192,35 @@ def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
 def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: Optional[LoraArgs] = None,
             freeze_routers: bool = False, eval_ids: Optional[torch.Tensor] = None, resume: bool = True,
             progress: bool = True, stop_at: Optional[int] = None, extra: Optional[dict] = None,
-            write_more=None) -> dict:
+            write_more=None, dist=None, shard: bool = True, activation_checkpointing: bool = False) -> dict:
     """Stage 2 on a model wrapped with stage-1 routers: add LoRA, train adapters (+ routers)
     with ``wide.train.train``, save ``out_dir/recovered`` (routers + adapters, unmerged).
 
-    ``args.lr`` should be the stage-2 rate (2e-4 in the paper). The model keeps its adapters
-    unmerged on return; call ``merge(model)`` for inference.
+    ``args.lr`` should be the stage-2 rate (``RECOVERY_LR``, the paper's). The model keeps its
+    adapters unmerged on return; call ``merge(model)`` for inference.
+
+    ``dist`` (a ``wide.distributed.DistContext``) runs it as one rank of a data-parallel run:
+    the backbone is sharded after the adapters are added (unless ``shard=False``), so they stay
+    replicated in float32, and only the main rank writes ``out_dir/recovered``.
     """
     lora = (lora or LoraArgs()).resolved(model)
     params = add_lora(model, lora, freeze_routers=freeze_routers)
+    if dist is not None and shard:
+        dist.shard(model, activation_checkpointing=activation_checkpointing)
     result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
                    progress=progress, save_extra=lambda d: write_adapters(model, d),
-                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at)
+                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at, dist=dist)
     if result.get("stopped_at") is not None:
         return result
     meta = {"stage": 2, "lora": {**asdict(lora), "targets": list(lora.targets)},
             "freeze_routers": freeze_routers, **(extra or {})}
-    save_recovered(model, Path(out_dir) / FINAL_DIR, extra=meta, write_more=write_more)
+    if dist is None or dist.is_main:
+        save_recovered(model, Path(out_dir) / FINAL_DIR, extra=meta, write_more=write_more)
+    if dist is not None:
+        dist.barrier()
     result["recovered_dir"] = str(Path(out_dir) / FINAL_DIR)
     return result
 
 
-__all__ = ["LoraArgs", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
+__all__ = ["LoraArgs", "RECOVERY_LR", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
            "save_recovered", "load_recovered", "recover"]

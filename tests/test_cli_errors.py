@@ -1,0 +1,144 @@
+"""Every bad input ends the same way: exit code 2, one line on stderr naming the problem (the
+flag, where there is one), no traceback, and no model loaded or data packed before it."""
+
+import json
+import shutil
+
+import pytest
+from conftest import write_tiny_run
+
+from wide import data, runs
+from wide.cli import CALIBRATE_SETTINGS, build_parser, demo_args, main
+
+TRAIN = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "1", "--ffn-group-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    """Paths the cases point at: a tiny model and data, a finished run, broken inputs."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "CACHE_DIR", root / "cache")
+        common = write_tiny_run(root)
+        assert main(["calibrate", *common, *TRAIN, "--out", str(root / "done")]) == 0
+        shutil.copytree(root / "done", root / "no_checkpoint")
+        shutil.rmtree(root / "no_checkpoint" / "checkpoint")
+        (root / "afile").write_text("not a directory\n")
+        (root / "empty_dir").mkdir()
+        (root / "other.jsonl").write_text(json.dumps({"body": "the cat sat"}) + "\n")
+        # What `wide demo` (40 steps) leaves, without running it on the default model.
+        demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
+        (root / "demo").mkdir()
+        (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
+        for name, text in (("empty_meta", "{}"), ("bad_json", "{not json")):
+            shutil.copytree(root / "done" / "routers", root / name)
+            (root / name / "wide_config.json").write_text(text)
+        w = type("W", (), {})()
+        w.root, w.common = root, common
+        w.calibrate = ["calibrate", *common, *TRAIN]
+        w.model = common[:2]
+        yield w
+
+
+def _long_prompt() -> str:
+    return " ".join(["the cat sat on a mat"] * 30)  # 180 tokens; the tiny model has 128 positions
+
+
+# (id, argv from the fixture, what the line must say)
+CASES = [
+    ("batch-size-0", lambda w: [*w.calibrate, "--batch-size", "0", "--out", f"{w.root}/x"],
+     "argument --batch-size: must be >= 1, got 0"),
+    ("eval-batch-size-0", lambda w: ["eval", *w.model, "--batch-size", "0"], "--batch-size: must be >= 1"),
+    ("steps-0", lambda w: [*w.calibrate, "--steps", "0", "--out", f"{w.root}/x"], "--steps: must be >= 1"),
+    ("target-above-1", lambda w: [*w.calibrate, "--target", "1.5", "--out", f"{w.root}/x"],
+     "--target: must lie in [0.0, 1.0], got 1.5"),
+    ("target-negative", lambda w: [*w.calibrate, "--ffn-target", "-0.1", "--out", f"{w.root}/x"],
+     "--ffn-target: must lie in [0.0, 1.0]"),
+    ("attn-target-alone", lambda w: [*w.calibrate, "--attn-target", "0.3", "--out", f"{w.root}/x"],
+     "set both --attn-target and --ffn-target"),
+    ("lora-r-0", lambda w: ["recover", *w.model, "--routers", f"{w.root}/done/routers", "--lora-r", "0",
+                            "--out", f"{w.root}/x"], "--lora-r: must be >= 1, got 0"),
+    ("lora-dropout-1", lambda w: ["recover", *w.model, "--routers", f"{w.root}/done/routers", "--lora-dropout",
+                                  "1", "--out", f"{w.root}/x"], "--lora-dropout: must lie in [0, 1)"),
+    ("compare-target-1", lambda w: ["compare", *w.model, "--targets", "0.5", "1"], "--targets: must lie in (0, 1)"),
+    ("dry-run-mfu-0", lambda w: ["calibrate", "--dry-run", "--model", "llama-3.1-8b", "--mfu", "0", "--out", "x"],
+     "--mfu: must lie in (0, 1]"),
+    ("seq-len-1", lambda w: [*w.calibrate, "--seq-len", "1", "--out", f"{w.root}/x"], "--seq-len: must be >= 2"),
+    ("heldout-fraction-1", lambda w: [*w.calibrate, "--heldout-fraction", "1", "--out", f"{w.root}/x"],
+     "--heldout-fraction: must lie in [0.0, 1.0)"),
+    ("threads-0", lambda w: ["eval", *w.model, "--threads", "0"], "--threads: must be >= 1"),
+    ("unknown-task", lambda w: ["eval", *w.model, "--tasks", "arc_medium"], "--tasks: invalid choice: 'arc_medium'"),
+    ("seed-negative", lambda w: [*w.calibrate, "--seed", "-1", "--out", f"{w.root}/x"], "--seed: must lie in"),
+    ("out-is-a-file", lambda w: [*w.calibrate, "--out", f"{w.root}/afile"], "is a file: give a directory"),
+    ("out-under-a-file", lambda w: [*w.calibrate, "--out", f"{w.root}/afile/run"], "afile is a file"),
+    ("eval-out-under-a-file", lambda w: ["eval", *w.common, "--tasks", "--out", f"{w.root}/afile/res"],
+     "afile is a file"),
+    ("finished-run-without-resume", lambda w: [*w.calibrate, "--out", f"{w.root}/done"],
+     "already holds a run: continue it with --resume, or start over with --overwrite"),
+    ("resume-and-overwrite", lambda w: [*w.calibrate, "--out", f"{w.root}/done", "--resume", "--overwrite"],
+     "give one of them"),
+    ("resume-changed-seq-len", lambda w: [*w.calibrate, "--seq-len", "8", "--out", f"{w.root}/done", "--resume"],
+     "--seq-len was 16, now 8. Resume with the saved values, or start over with --overwrite"),
+    ("resume-changed-target", lambda w: [*w.calibrate, "--target", "0.3", "--out", f"{w.root}/done", "--resume"],
+     "--target was 0.5, now 0.3"),
+    ("resume-changed-seed", lambda w: [*w.calibrate, "--seed", "1", "--out", f"{w.root}/done", "--resume"],
+     "--seed was 0, now 1"),
+    ("resume-changed-data", lambda w: [*w.calibrate, "--data", f"{w.root}/other.jsonl", "--text-field", "body",
+                                       "--out", f"{w.root}/done", "--resume"], "--data was"),
+    ("resume-without-checkpoint", lambda w: [*w.calibrate, "--out", f"{w.root}/no_checkpoint", "--resume"],
+     "no checkpoint to resume from: start over with --overwrite"),
+    ("demo-other-steps", lambda w: ["demo", "--out", f"{w.root}/demo", "--steps", "5"],
+     "--steps was 40, now 5. Resume with the saved values, or start over with --overwrite"),
+    ("model-is-a-file", lambda w: ["eval", "--model", f"{w.root}/afile"], "is a file, not a model directory"),
+    ("model-missing", lambda w: ["eval", "--model", f"{w.root}/nowhere"], "--model"),
+    ("model-without-config", lambda w: ["eval", "--model", f"{w.root}/empty_dir"], "has no config.json"),
+    ("data-missing", lambda w: [*w.calibrate, "--data", f"{w.root}/nowhere.txt", "--out", f"{w.root}/x"],
+     "--data"),
+    ("jsonl-without-the-field", lambda w: [*w.calibrate, "--data", f"{w.root}/other.jsonl", "--out", f"{w.root}/x"],
+     "has no field 'text' (it has ['body']): name the text field with --text-field"),
+    ("routers-config-empty", lambda w: ["eval", *w.common, "--routers", f"{w.root}/empty_meta"],
+     "--routers: "),
+    ("routers-config-not-json", lambda w: ["recover", *w.common, "--routers", f"{w.root}/bad_json",
+                                           "--out", f"{w.root}/s2"], "is not valid JSON"),
+    ("routers-missing", lambda w: ["generate", *w.model, "--routers", f"{w.root}/nowhere", "--prompt", "a"],
+     "does not exist"),
+    ("temperature-negative", lambda w: ["generate", *w.model, "--prompt", "a", "--temperature", "-1"],
+     "--temperature: must be >= 0.0, got -1"),
+    ("top-p-zero", lambda w: ["generate", *w.model, "--prompt", "a", "--top-p", "0"], "--top-p: must lie in (0.0, 1.0]"),
+    ("top-p-above-1", lambda w: ["generate", *w.model, "--prompt", "a", "--top-p", "1.5"], "--top-p: must lie in"),
+    ("top-k-negative", lambda w: ["generate", *w.model, "--prompt", "a", "--top-k", "-1"], "--top-k: must be >= 0"),
+    ("max-new-tokens-0", lambda w: ["generate", *w.model, "--prompt", "a", "--max-new-tokens", "0"],
+     "--max-new-tokens: must be >= 1"),
+    ("prompt-too-long", lambda w: ["generate", *w.model, "--prompt", _long_prompt(), "--max-new-tokens", "8"],
+     "prompt 1 has 180 tokens but the model's 128 positions leave 120 beside --max-new-tokens 8"),
+    ("no-room-for-a-prompt", lambda w: ["generate", *w.model, "--prompt", "a", "--max-new-tokens", "128"],
+     "--max-new-tokens 128 leaves no room for a prompt"),
+]
+# Beyond the flag, what the one line must also say.
+ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing": "does not exist",
+        "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt"}
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(w, argv, expected, capsys, request):
+    try:
+        rc = main(argv(w))
+    except SystemExit as e:  # argparse's own checks (ranges, choices) exit from the parser
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err and expected in err, err
+    assert ALSO.get(request.node.callspec.id, "") in err
+    assert "loaded " not in out and "calibration:" not in out, out  # nothing loaded first
+
+
+def test_an_unexpected_error_keeps_its_traceback(w, monkeypatch):
+    from wide import runs
+
+    def bug(*a, **k):
+        raise KeyError("a bug, not a user error")
+
+    monkeypatch.setattr(runs, "check_model", bug)
+    with pytest.raises(KeyError):
+        main(["eval", *w.model])

@@ -1,0 +1,116 @@
+"""Fault injection: a tiny calibration (random Llama, CPU) killed with SIGKILL at random moments,
+most of them inside checkpoint writes (WIDE_TEST_SLOW_WRITE sleeps at every step of a
+directory write). After each kill ``--resume`` must continue from the newest complete
+checkpoint, losing at most one save interval, and the run, once finished, must leave no
+temporary folder and the very routers an uninterrupted run with the same seed gives.
+
+Children are forked from this process, which has imported everything, so each one costs a
+model load and a few steps, not an interpreter start."""
+
+import multiprocessing
+import os
+import random
+import re
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from conftest import write_tiny_run
+from safetensors.torch import load_file
+
+from wide import data, serialization
+from wide import train as train_module
+from wide.cli import main
+
+STEPS = 30
+KILLS = 32
+PAUSE_S = 0.02  # per step of a directory write: six of them per checkpoint
+MAX_DELAY_S = 0.45  # a child lives up to this long: startup and a few steps
+SAVED = re.compile(r"^saved (\d+)$", re.M)
+START = re.compile(r"^(?:resumed from \S+ at step (\d+)/\d+|no checkpoint in \S+: starting a new run)$", re.M)
+
+
+def _child(argv: list, log: str, slow: bool) -> None:
+    """One ``wide calibrate`` in this forked process; logs each checkpoint once its save has
+    returned, so the log is a lower bound of what is on disk."""
+    if slow:
+        os.environ[serialization.SLOW_WRITE_ENV] = str(PAUSE_S)
+    else:
+        os.environ.pop(serialization.SLOW_WRITE_ENV, None)
+    out = open(log, "a", buffering=1)
+    sys.stdout = out
+    sys.stderr = open(log + ".err", "a")  # the progress bar, apart from the lines parsed here
+    save = train_module.save_routers
+
+    def logged(model, path, **kw):
+        result = save(model, path, **kw)
+        if Path(path).name == train_module.CHECKPOINT_DIR:
+            out.write(f"saved {kw['extra']['step']}\n")
+        return result
+
+    train_module.save_routers = logged
+    code = 1
+    try:
+        code = main(argv)
+    finally:
+        out.flush()
+        os._exit(code)
+
+
+def _run(ctx, argv, log, slow=True, kill_after=None) -> bool:
+    """Run one child, killing it after ``kill_after`` seconds if given; True when it was
+    killed, False when it finished (successfully)."""
+    p = ctx.Process(target=_child, args=(argv, str(log), slow))
+    p.start()
+    p.join(kill_after if kill_after is not None else 300)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        assert kill_after is not None, "a child did not finish in 300 s"
+        return True
+    assert p.exitcode == 0, log.read_text() + Path(f"{log}.err").read_text()[-2000:]
+    return False
+
+
+def _routers(run: Path) -> dict:
+    return load_file(str(run / "routers" / serialization.ROUTERS_FILE))
+
+
+def test_sigkill_at_random_moments_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    argv = ["calibrate", *write_tiny_run(tmp_path), "--steps", str(STEPS), "--batch-size", "2", "--eval-every", "0",
+            "--save-every", "1", "--offset-batches", "1", "--ffn-group-size", "32", "--threads", "1", "--seed", "7"]
+    ctx = multiprocessing.get_context("fork")
+    # The uninterrupted reference first: it also fills the token cache the others read.
+    _run(ctx, [*argv, "--out", str(tmp_path / "whole")], tmp_path / "whole.log", slow=False)
+
+    out = tmp_path / "killed"
+    argv = [*argv, "--out", str(out), "--resume"]
+    rng = random.Random(0)
+    newest, kills, mid_write, resumed = 0, 0, 0, 0
+    while kills < KILLS:
+        log = tmp_path / f"child{kills}.log"
+        kills += _run(ctx, argv, log, kill_after=rng.uniform(0.0, MAX_DELAY_S))
+        text = log.read_text()
+        start = START.search(text)
+        if start is not None:
+            step = int(start.group(1) or 0)
+            # Never behind the newest checkpoint a save returned from; at most the one
+            # checkpoint a kill between its commit and its log line hides from the log.
+            assert newest <= step <= newest + 1, (kills, newest, step, text)
+            resumed += step > 0
+            newest = step  # what the disk held, logged or not
+        newest = max([newest, *map(int, SAVED.findall(text))])
+        mid_write += bool(serialization.leftovers(out / train_module.CHECKPOINT_DIR))
+    # The kills hit the windows the test is about, and the run made progress through them.
+    assert mid_write >= 8, mid_write
+    assert resumed >= 10 and newest >= 10, (resumed, newest)
+
+    _run(ctx, argv, tmp_path / "last.log")
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert (out / train_module.CHECKPOINT_DIR / serialization.MANIFEST_FILE).is_file()
+    whole, killed = _routers(tmp_path / "whole"), _routers(out)
+    assert whole.keys() == killed.keys()
+    for k in whole:
+        assert torch.equal(whole[k], killed[k]), k
