@@ -21,8 +21,8 @@ side() {  # name, source root, benchmark, round, args...
     local dir="$OUT/$which-$name-$r" t0=$SECONDS
     mkdir -p "$dir"
     case $which in
-        kernels) PYTHONPATH="$root/src" timeout 300 python3 -m wide.benchmarks.kernels --out-dir "$dir" "$@" ;;
-        e2e) PYTHONPATH="$root/src" timeout 400 python3 -m wide.benchmarks.e2e --out-dir "$dir" "$@" ;;
+        kernels) PYTHONPATH="$root/src" timeout "${KERNELS_TIMEOUT:-300}" python3 -m wide.benchmarks.kernels --out-dir "$dir" "$@" ;;
+        e2e) PYTHONPATH="$root/src" timeout "${E2E_TIMEOUT:-400}" python3 -m wide.benchmarks.e2e --out-dir "$dir" "$@" ;;
     esac > "$dir/log" 2>&1
     echo "$which $name round $r: exit $? in $((SECONDS - t0)) s"
 }
