@@ -204,7 +204,7 @@ def main() -> int:
     raised = sum(int(b.abs().sum()) for b in routing._TICKETS_KEEP)
     print(f"split-K tickets left raised: {raised}")
     ok &= raised == 0
-    from wide.inference import K_CHOICES
+    from wide.ops import K_CHOICES
     print("routed-or-cuBLAS choices:", {(k[0], k[1], k[3]): v for k, v in K_CHOICES.items()})
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -108,12 +108,17 @@ def get_path(root: nn.Module, path: str):
     return obj
 
 
+def require_path(root: nn.Module, path: str, spec: ArchSpec, where: str = "model"):
+    """``get_path``, refusing the model when the spec's path leads nowhere."""
+    obj = get_path(root, path)
+    if obj is None:
+        raise UnsupportedArchitecture(f"{where} has no {path}: unsupported {spec.model_type} variant")
+    return obj
+
+
 def decoder_layers(model) -> nn.ModuleList:
     spec = spec_for(model)
-    layers = get_path(model, spec.layers)
-    if layers is None:
-        raise UnsupportedArchitecture(f"could not find model.{spec.layers}: not a {spec.model_type} causal LM")
-    return layers
+    return require_path(model, spec.layers, spec)
 
 
 def projection(layer: nn.Module, spec: ArchSpec, role: str) -> nn.Module:
@@ -136,9 +141,7 @@ def check_layer(layer: nn.Module, spec: ArchSpec, idx: int) -> None:
     paths = [spec.attn_norm, spec.ffn_norm] + [f"{p}.{n}" for p, n in spec.projections.values()]
     paths += [f"{spec.attn}.{n}" for n in (spec.q_norm, spec.k_norm) if n]
     for path in paths:
-        if get_path(layer, path) is None:
-            raise UnsupportedArchitecture(f"decoder layer {idx} has no {path}: unsupported "
-                                          f"{spec.model_type} variant")
+        require_path(layer, path, spec, f"decoder layer {idx}")
 
 
 # ---------------------------------------------------------------- named shapes
@@ -188,5 +191,5 @@ def hf_config(model: str, **overrides):
 
 
 __all__ = ["KINDS", "ArchSpec", "ARCHS", "SUPPORTED_MODEL_TYPES", "UnsupportedArchitecture", "spec_for",
-           "get_path", "decoder_layers", "projection", "reduction_projection", "module_norm", "check_layer",
+           "get_path", "require_path", "decoder_layers", "projection", "reduction_projection", "module_norm", "check_layer",
            "PRESETS", "hf_config"]

@@ -28,7 +28,8 @@ import torch
 
 from . import arch
 from .config import WideConfig
-from .modeling import (KINDS, Geometry, ModelDims, _summarise, get_state, resolve_geometry, wrap)
+from .arch import KINDS
+from .modeling import Geometry, ModelDims, _summarise, get_state, resolve_geometry, wrap
 
 METHODS = ("wide", "dynamic_depth", "module_skip", "static_width")
 STATIC_FILE = "static_masks.json"

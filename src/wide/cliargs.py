@@ -84,14 +84,23 @@ def bounded(kind, **limits):
 
 
 def check_fields(obj) -> None:
-    """Raise ValueError when a field of dataclass ``obj`` lies outside its declared range."""
+    """Raise ValueError when a field of dataclass ``obj`` lies outside its declared range or
+    choices (the same declarations the parser enforces)."""
     for f in dataclasses.fields(obj):
-        limits = {k: f.metadata[k] for k in RANGE_KEYS if k in f.metadata}
         value = getattr(obj, f.name)
-        if limits and value is not None:
+        if value is None:
+            continue
+        limits = {k: f.metadata[k] for k in RANGE_KEYS if k in f.metadata}
+        if limits:
             why = range_error(value, **limits)
             if why:
                 raise ValueError(f"{f.name} {why}, got {value}")
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            values = value if "nargs" in f.metadata else [value]
+            bad = [v for v in values if v not in choices]
+            if bad:
+                raise ValueError(f"{f.name} must be one of {tuple(choices)}, got {bad[0]!r}")
 
 
 def _value_type(hint):

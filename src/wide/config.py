@@ -58,13 +58,7 @@ class WideConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.sparse_target not in SPARSE_TARGETS:
-            raise ValueError(f"sparse_target must be one of {SPARSE_TARGETS}, got {self.sparse_target!r}")
-        if self.loss_mode not in LOSS_MODES:
-            raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {self.loss_mode!r}")
-        if self.router_input not in ROUTER_INPUTS:
-            raise ValueError(f"router_input must be one of {ROUTER_INPUTS}, got {self.router_input!r}")
-        check_fields(self)  # the ranges declared in the fields' metadata
+        check_fields(self)  # the ranges and choices declared in the fields' metadata
         if (self.attn_target is None) != (self.ffn_target is None):
             raise ValueError("set both attn_target and ffn_target, or neither")
         if self.attn_target is not None and self.sparse_target != "all":

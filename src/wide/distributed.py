@@ -35,8 +35,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as tdist
 
-from .arch import decoder_layers
-from .modeling import KINDS, _summarise, get_state
+from .arch import KINDS, decoder_layers
+from .modeling import _summarise, get_state
 
 DCP_DIR = "dcp"
 

@@ -44,11 +44,11 @@ import torch.nn as nn
 from . import arch
 from .graphs import GraphCapture
 from .modeling import Geometry, get_state
-from .ops import K_CHOICES, choose_fastest, make_ops, pick_backend  # noqa: F401  (public names)
+from .ops import make_ops, pick_backend
 from .sampling import GenerationResult, cut_at_eos, eos_tensor, sample_logits
 
 __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
-           "K_CHOICES", "PREFILL_GRAPH_MAX_TOKENS", "prefill_graphs_enabled"]
+           "PREFILL_GRAPH_MAX_TOKENS", "prefill_graphs_enabled"]
 
 # Prompts up to this many tokens (batch x length, rounded up to 128 per sequence) prefill by
 # CUDA-graph replay; longer ones are GPU-bound and run eagerly (see AcceleratedModel.prefill).
@@ -162,14 +162,10 @@ class AcceleratedModel:
             self.attn_groups = self.num_kv
             self.ffn_gs, self.ffn_groups, self.cfg = self.inter, 1, None
         self.backend = pick_backend(backend, self.device, self.dtype, self.head_dim,
-                                    self.state.geometry.ffn_group_size if self.state is not None else None)
+                                    self.ffn_gs if mode == "routed" else None, self.inter)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        if self.backend == "triton":
-            self._check_kernel_shapes()
-        self.embed = arch.get_path(model, spec.embed)
-        self.final_norm = arch.get_path(model, spec.final_norm)
-        self.lm_head = arch.get_path(model, spec.lm_head)
-        self.rotary = arch.get_path(model, spec.rotary)
+        self.embed, self.final_norm, self.lm_head, self.rotary = (
+            arch.require_path(model, path, spec) for path in (spec.embed, spec.final_norm, spec.lm_head, spec.rotary))
         self.layers = [self._layer(layer, spec, i) for i, layer in enumerate(arch.decoder_layers(model))]
         self.ops = make_ops(self)
         self._cache_key = None
@@ -218,16 +214,6 @@ class AcceleratedModel:
             return False
         gcols = self.attn_gs * self.head_dim
         return (2 * self.num_kv * self.head_dim) % gcols == 0
-
-    def _check_kernel_shapes(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"the attention kernels need head_dim 64 or 128, this model has "
-                             f"{self.head_dim}; use backend='torch'")
-        if self.mode == "routed" and self.ffn_gs % 16:
-            raise ValueError(f"the routed GEMM kernels need ffn_group_size to be a multiple of 16, "
-                             f"got {self.ffn_gs}; re-wrap with e.g. "
-                             f"{[d for d in range(16, self.inter + 1, 16) if self.inter % d == 0][:6]}"
-                             " or use backend='torch'")
 
     def _ensure_rope(self, n: int) -> None:
         if n <= self._rope_len:
@@ -343,10 +329,11 @@ class AcceleratedModel:
             x, h = ops.norm(L.ffn_norm, x, o.view(B, T, -1))
             mf = ops.mask(i, "ffn", x, h, valid, attn=ma)
             delta = ops.ffn(L, h.reshape(B * T, -1), mf).view(B, T, -1)
+        if not all_logits:  # only the last prompt token's row goes on
+            rows = (torch.arange(B, device=self.device), lens - 1)
+            x, delta = x[rows], None if delta is None else delta[rows]
         if delta is not None:
             x = x + delta
-        if not all_logits:
-            x = x[torch.arange(B, device=self.device), lens - 1]
         return self.lm_head(self.final_norm.forward(x)).float()
 
     # -------------------------------------------------------------- decode

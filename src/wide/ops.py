@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .kernels.env import autotune_enabled, interpret_mode
 from .kernels.reference import apply_rope
+from .timing import time_graph
 
 try:
     import triton
@@ -67,8 +68,6 @@ def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
     autotuning on (K_CHOICES), else (or ``routed_only``) the routed kernel. Timed as CUDA-graph
     replays: eager timing of a ~20 us decode kernel measures mostly its Python launch cost,
     which made cuBLAS (one launch) win every T bucket."""
-    from .timing import time_graph
-
     if routed_only:
         return routed()
     key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
@@ -79,16 +78,31 @@ def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
     return routed() if pick == "routed" else dense()
 
 
+def kernel_shape_error(head_dim: int, ffn_group_size: Optional[int], intermediate: int) -> Optional[str]:
+    """Why the kernels cannot run these shapes (None: they can). ``ffn_group_size`` None: the
+    FFN is not routed (dense mode)."""
+    if head_dim not in (64, 128):
+        return f"the attention kernels need head_dim 64 or 128, this model has {head_dim}"
+    if ffn_group_size is not None and ffn_group_size % 16:
+        good = [d for d in range(16, intermediate + 1, 16) if intermediate % d == 0][:6]
+        return (f"the routed GEMM kernels need ffn_group_size to be a multiple of 16, got {ffn_group_size}; "
+                f"re-wrap with e.g. {good}")
+    return None
+
+
 def pick_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                 ffn_group_size: Optional[int]) -> str:
-    """``backend`` checked against the device, or for "auto" the kernels where they run."""
+                 ffn_group_size: Optional[int], intermediate: int) -> str:
+    """``backend`` checked against the device and shapes, or for "auto" the kernels where they
+    run (the torch backend elsewhere)."""
     kernels_ok = HAS_TRITON and (
         (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
         or (device.type == "cpu" and interpret_mode()))
+    shape_error = kernel_shape_error(head_dim, ffn_group_size, intermediate)
     if backend == "auto":
-        shapes_ok = head_dim in (64, 128) and (ffn_group_size is None or ffn_group_size % 16 == 0)
-        return "triton" if kernels_ok and shapes_ok else "torch"
+        return "triton" if kernels_ok and shape_error is None else "torch"
     if backend == "triton":
+        if shape_error is not None:
+            raise ValueError(f"{shape_error}; use backend='torch'")
         if not HAS_TRITON:
             raise ValueError("backend='triton' needs Triton installed")
         if device.type == "cpu" and not interpret_mode():
@@ -305,13 +319,12 @@ class TritonOps(TorchOps):
         return norm_route(x, delta, fn.weight, fn.variance_epsilon)[1]
 
     def qkv(self, L, h, mask, route=None, router=None, fused=False):
-        if mask is None:
-            kv = F.linear(h, L.wkv)
-            return F.linear(h, L.wq), kv
-        if fused and L.wqkv is not None:
+        if mask is not None and fused and L.wqkv is not None:
             qkv = self._q_proj(L, h, mask, route, router, fused_kv=True)
             return qkv[:, :L.wq.shape[0]], qkv[:, L.wq.shape[0]:]
         kv = F.linear(h, L.wkv)
+        if mask is None:
+            return F.linear(h, L.wq), kv
         return self._q_proj(L, h, _flat(mask), route, router), kv
 
     def o_proj(self, L, att, mask, route):
@@ -323,7 +336,7 @@ class TritonOps(TorchOps):
         if mask is None:
             return super().ffn(L, h, None)
         mask = _flat(mask)
-        route = build_route(mask)
+        route = self.index(mask)
         return self._reduce_k(self._ffn_up(L, h, mask, route, router), L.wd, mask, self.e.ffn_gs, route)
 
     def act(self, g, u):

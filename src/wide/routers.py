@@ -45,15 +45,19 @@ class TokenRouter(nn.Module):
         h = self.up(self.down(x.float()))
         return h.view(*x.shape[:-1], self.num_groups, 2)
 
+    def gap(self, x: torch.Tensor) -> torch.Tensor:
+        """logit_exec - logit_skip, before the offset (what offset calibration thresholds: taking
+        the offset back out of a margin would not give these values exactly in fp32)."""
+        logits = self(x)
+        return logits[..., 0] - logits[..., 1]
+
     def margin(self, x: torch.Tensor) -> torch.Tensor:
         """logit_exec - logit_skip + offset; a group runs iff this is >= 0."""
-        logits = self(x)
-        return logits[..., 0] - logits[..., 1] + self.offset
+        return self.gap(x) + self.offset
 
     def runs(self, x: torch.Tensor) -> torch.Tensor:
         """Bool execute mask [..., groups]: the deterministic inference rule."""
-        logits = self(x)
-        return group_runs(logits[..., 0], logits[..., 1], self.offset)
+        return group_runs(self.margin(x))
 
     def decide(self, x: torch.Tensor, tau: float | None = None) -> torch.Tensor:
         """Float 0/1 execute mask [..., groups].
@@ -67,11 +71,12 @@ class TokenRouter(nn.Module):
         return gumbel_straight_through(self(x), tau)[..., 0]
 
 
-def group_runs(logit_exec: torch.Tensor, logit_skip: torch.Tensor, offset) -> torch.Tensor:
-    """The inference rule: a group runs iff logit_exec - logit_skip + offset >= 0. The Triton
-    kernels that decide (fused norm, prefill router, batch-1 GEMV) call the same expression,
-    in the same order, through ``wide.kernels.routing.group_runs``: keep the two identical."""
-    return (logit_exec - logit_skip + offset) >= 0
+def group_runs(margin: torch.Tensor) -> torch.Tensor:
+    """The inference rule: a group runs iff its margin (logit_exec - logit_skip + offset, summed
+    in that order) is >= 0. The Triton kernels that decide (fused norm, prefill router, batch-1
+    GEMV) compute the same expression through ``wide.kernels.routing.group_runs``: keep the two
+    identical."""
+    return margin >= 0
 
 
 def gumbel_straight_through(logits: torch.Tensor, tau: float) -> torch.Tensor:

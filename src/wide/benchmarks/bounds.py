@@ -31,8 +31,12 @@ import argparse
 import json
 from pathlib import Path
 
-# Llama-3.1-8B per layer: (N, K) of each GEMM
-HID, INTER, HQ, HKV, HD, LAYERS = 4096, 14336, 32, 8, 128, 32
+from wide.arch import PRESETS
+
+# The e2e benchmark's model (Llama-3.1-8B shapes), per layer: (N, K) of each GEMM
+HID, INTER, HQ, HKV, HD, LAYERS = (PRESETS["llama-3.1-8b"][k] for k in (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_hidden_layers"))
 QKV_FLOP = (HQ + 2 * HKV) * HD * HID
 Q_FLOP = HQ * HD * HID
 O_FLOP = HID * HQ * HD

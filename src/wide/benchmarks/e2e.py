@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta["wall_s"] = _now() - t_start
-    from wide.inference import K_CHOICES
+    from wide.ops import K_CHOICES
 
     # Which implementation the engine measured fastest per projection, shape and T bucket.
     meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],

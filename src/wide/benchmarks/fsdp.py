@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -43,9 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="run one configuration at this length (smoke tests)")
     ap.add_argument("--mfu", type=float, default=0.4)
     a = ap.parse_args(argv)
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    ctx = distributed.init()
+    ctx = distributed.init()  # one process (no rendezvous) unless torchrun started it
     cfg = arch.hf_config(a.model)
     if a.layers:
         cfg.num_hidden_layers = a.layers

@@ -1,7 +1,5 @@
 """Triton kernels, one op per file, each beside its PyTorch reference. Triton is optional: without
 it only the references (and the attention module's) import."""
-from .env import autotune_enabled, interpret_mode, num_sms  # noqa: F401
-from .reference import apply_rope, rms_norm_reference  # noqa: F401
 from .attention import (  # noqa: F401
     decode_attention,
     decode_attention_reference,

@@ -32,11 +32,10 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
-from .env import num_sms
+from .env import autotune_enabled, interpret_mode, num_sms
 from .gemm_mn import _gcfg, _gemv_store, _splitk_store, gemv_launch_state
-from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, autotune_enabled,
-                      check_group_size, check_mask, interpret_mode, largest_pow2_divisor, next_pow2,
-                      split_tickets)
+from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, check_group_size, check_mask,
+                      largest_pow2_divisor, next_pow2, split_tickets)
 
 __all__ = ["gemm_k", "gemm_k_reference", "gemm_k_block_m"]
 

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from . import routing as _routing
-from .routing import (DIRECT_MAX_T, RouteIndex, RouterPartials, autotune_enabled, check_group_size,
-                      check_mask, group_runs, interpret_mode, largest_pow2_divisor, next_pow2,
-                      split_tickets)
+from .env import autotune_enabled, interpret_mode
+from .routing import (DIRECT_MAX_T, RouteIndex, RouterPartials, check_group_size, check_mask, group_runs,
+                      largest_pow2_divisor, next_pow2, split_tickets)
 
 __all__ = ["gemm_mn", "ffn_up", "gemm_mn_reference", "ffn_up_reference"]
 

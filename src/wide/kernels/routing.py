@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .env import autotune_enabled, interpret_mode  # noqa: F401  (the kernels import them from here)
 
 __all__ = ["RouteIndex", "RouterPartials", "build_route", "route_reference",
            "used_groups_reference", "group_runs"]
@@ -117,7 +116,7 @@ def check_mask(mask, num_tokens: int, num_groups: int, device=None) -> torch.Ten
 def group_runs(logit_exec, logit_skip, offset):
     # The inference rule of every router, for the kernels that decide (norm_route, router_mask,
     # gemm_mn's batch-1 GEMV): a group runs iff logit_exec - logit_skip + offset >= 0. The same
-    # expression, in the same order, is wide.routers.group_runs, which TokenRouter uses; keep
+    # expression, in the same order, is TokenRouter.margin + wide.routers.group_runs; keep
     # the two identical, or kernel and module decisions drift apart at the threshold.
     return (logit_exec - logit_skip + offset) >= 0
 
