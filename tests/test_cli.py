@@ -18,6 +18,7 @@ from wide.compare import CompareArgs
 from wide.config import WideConfig
 from wide.estimate import DryRunArgs
 from wide.recovery import RECOVERY_LR, LoraArgs
+from wide.sampling_data import SampleArgs
 from wide.train import TrainArgs
 
 
@@ -44,6 +45,7 @@ PARTIAL = {
     "compare": (runs.ModelArgs, runs.DataArgs, runs.EvalArgs, CompareArgs, TrainArgs, runs.RunArgs, WideConfig,
                 LoraArgs),
     "demo": (TrainArgs, runs.DataArgs, runs.EvalArgs, runs.ModelArgs),
+    "sample-data": (runs.ModelArgs, SampleArgs, runs.DataArgs),
 }
 # Where a command's default differs from its dataclass's: the values users see, pinned here.
 OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("compare", "steps"): 240, ("compare", "save_every"): 20,
@@ -181,6 +183,9 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     doc = json.loads((tmp / "res.json").read_text())
     dense, routed = doc["records"]
     assert (dense["method"], dense["stage"], routed["method"], routed["stage"]) == ("dense", 0, "wide", 1)
+    assert (dense["loss"], dense["tokens"], dense["seed"]) == (None, 0, None)
+    assert (routed["loss"], routed["tokens"], routed["seed"]) == ("ce", 2 * 2 * 16, 0)
+    assert run["decontamination"]["mode"] == "heldout" and run["data"]["decontaminate"] == "heldout"
     assert dense["model"] == routed["model"] == "model" and routed["training"]["steps"] == 2
     assert dense["sparsity"] == 0.0 < routed["sparsity"] and routed["ppl"] > 0 and "avg" not in routed
     assert (tmp / "res.md").is_file()
@@ -191,12 +196,18 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     assert run2["train_args"]["lr"] == RECOVERY_LR
     assert run2["lora"] == dataclasses.asdict(LoraArgs(r=4))
     assert (tmp / "s2" / "recovered" / "adapter_model.safetensors").is_file()
+    assert main(["eval", *common, "--routers", str(tmp / "s2" / "recovered"), "--tasks", "--out", str(tmp / "r2")]) == 0
+    rec2 = json.loads((tmp / "r2.json").read_text())["records"][0]
+    assert (rec2["stage"], rec2["loss"], rec2["tokens"], rec2["seed"]) == (2, "ce", 2 * 64, 0)
+    assert rec2["stage1"] == {"loss": "ce", "tokens": 64, "seed": 0}
 
     assert main(["compare", *common, "--methods", "dense", "wide", "--targets", "0.5", "--steps", "2",
                  "--batch-size", "2", "--tasks", "--offset-batches", "1", "--ffn-group-size", "32", "--quiet",
                  "--runs", str(tmp / "cmp"), "--out", str(tmp / "cmp_out")]) == 0
     cmp = json.loads((tmp / "cmp_out.json").read_text())
     assert [r["name"] for r in cmp["records"]] == ["dense", "wide"]
+    assert [(r["loss"], r["tokens"], r["seed"]) for r in cmp["records"]] == [(None, 0, None), ("ce", 64, 0)]
+    assert cmp["decontamination"]["mode"] == "heldout"
     assert cmp["settings"]["lr"] == TrainArgs().lr and cmp["settings"]["recovery_lr"] == RECOVERY_LR
     meta = json.loads((tmp / "cmp" / "wide-50" / "stage1" / "final" / "wide_config.json").read_text())
     assert meta["compare_settings"]["train"] == dataclasses.asdict(

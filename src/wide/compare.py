@@ -31,7 +31,7 @@ from .baselines import NORMALIZE
 from .cliargs import add_fields, from_args
 from .config import WideConfig
 from .recovery import RECOVERY_LR, LoraArgs
-from .train import TrainArgs
+from .train import TrainArgs, with_defaults
 
 METHOD_ROWS = {
     # name: (family, stage, label)
@@ -95,7 +95,7 @@ class Comparison:
         self.model_path, self.device = runs.resolve(a)
         self.dtype = getattr(torch, a.dtype)
         self.tok = AutoTokenizer.from_pretrained(self.model_path)
-        self.train_ids, _, _ = runs.packed(a, self.tok, "train", a.max_train_tokens)
+        self.train_ids, self.decontamination = runs.calibration(a, self.tok, a.max_train_tokens)
         self.heldout, self.bpt = runs.heldout(a, self.tok)
         need = a.steps * a.batch_size * a.grad_accum
         print(f"compare: {self.train_ids.shape[0]} calibration sequences x {self.train_ids.shape[1]} tokens "
@@ -135,6 +135,8 @@ class Comparison:
         if not final.is_dir():
             return False
         saved = read_meta(final).get("compare_settings")
+        if isinstance(saved, dict) and isinstance(saved.get("train"), dict):
+            saved = {**saved, "train": with_defaults(saved["train"])}  # built before a TrainArgs field existed
         if saved != settings:
             raise ValueError(f"{final} was built with other settings ({saved}) than this run ({settings}): "
                              "use another --runs directory or delete it")
@@ -205,7 +207,10 @@ class Comparison:
                "recovery_lr": a.recovery_lr, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
                "wide": self.wide_overrides(), "offsets": a.offsets, "heldout_fraction": a.heldout_fraction,
                "static": [a.static_calib_sequences, a.static_normalize],
-               "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers]}
+               "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers],
+               "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp,
+               "eval_data": runs.eval_source(a), "decontaminate": a.decontaminate,
+               "text_field": a.text_field, "max_train_tokens": a.max_train_tokens}
         h = hashlib.sha1(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
         return f"{name}@{target}|{h}"
 
@@ -231,10 +236,14 @@ class Comparison:
                    eval_s=time.perf_counter() - t0 - t_build)
         if stage == 2:
             rec["merge_check"] = self.merge_check(final)
+        a = self.args
         if family is not None:
-            a = self.args
             steps = a.steps if family != "static_width" else 0
             rec["train_tokens"] = (steps + (a.recovery_steps if stage == 2 else 0)) * a.batch_size * a.grad_accum * a.seq_len
+        # loss, tokens, seed: what trained it (no gradient step: no loss; dense: nothing)
+        trained = family is not None and (family != "static_width" or stage == 2)
+        rec.update(loss=a.loss if trained else None, tokens=rec.get("train_tokens", 0),
+                   seed=a.seed if family is not None else None)
         self.cache[key] = rec
         tmp = self.cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.cache, indent=1))
@@ -282,7 +291,7 @@ class Comparison:
             print(f"[{i}/{len(jobs)}] {METHOD_ROWS[name][2]}{tgt} ({(time.perf_counter() - t0) / 60:.1f} min so far)",
                   flush=True)
             records.append(self.evaluate(name, target))
-            write_outputs(records, a.out, a, command=runs.command())
+            write_outputs(records, a.out, a, command=runs.command(), extra={"decontamination": self.decontamination})
         return records
 
 
@@ -361,7 +370,7 @@ def plot(records: list, path) -> None:
     plt.close(fig)
 
 
-def write_outputs(records: list, out_stem, args, command: str) -> None:
+def write_outputs(records: list, out_stem, args, command: str, extra: Optional[dict] = None) -> None:
     import platform
 
     import torch
@@ -377,8 +386,10 @@ def write_outputs(records: list, out_stem, args, command: str) -> None:
                         "grad_accum": args.grad_accum, "seq_len": args.seq_len, "seed": args.seed,
                         "lr": args.lr, "recovery_lr": args.recovery_lr, "limit": args.limit,
                         "max_eval_sequences": args.max_eval_sequences, "targets": list(args.targets),
-                        "dtype": args.dtype},
-           "records": records}
+                        "dtype": args.dtype, "loss": args.loss, "kd_temperature": args.kd_temperature,
+                        "mix_weight": args.mix_weight, "amp": args.amp, "data": args.data,
+                        "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
+           **(extra or {}), "records": records}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     tasks = list(args.tasks)
     lines = [f"# {out.stem}", "", f"Command: `{command}`", "",
@@ -413,7 +424,8 @@ def add_arguments(p) -> None:
     t = p.add_argument_group("shared training budget")
     # Every method trains at every target, so stage 1 is shorter than `wide calibrate`'s and
     # checkpoints more often.
-    add_fields(t, TrainArgs, only=("steps", "batch_size", "grad_accum", "lr", "save_every", "seed"),
+    add_fields(t, TrainArgs, only=("steps", "batch_size", "grad_accum", "lr", "save_every", "seed", "loss",
+                                   "kd_temperature", "mix_weight", "amp"),
                defaults={"steps": 240, "save_every": 20})
     add_fields(t, CompareArgs, only=("recovery_steps", "recovery_lr"))
     add_fields(t, runs.RunArgs, skip=("stop_at",))

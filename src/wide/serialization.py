@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import WideConfig
-from .data import _sha256_file
+from .fileio import atomic_write_text as _write_text
+from .fileio import sha256_file
 from .modeling import ModelDims, get_state, wrap
 
 ROUTERS_FILE = "routers.safetensors"
@@ -77,7 +78,7 @@ def _seal(tmp: Path, info: Optional[dict]) -> None:
     files, listed = {}, _files(tmp)
     for p in listed:
         _fsync(p)
-        files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+        files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
         _pause()
     for d in sorted({p.parent for p in listed} | {tmp}, key=lambda d: -len(d.parts)):
         _fsync(d)
@@ -99,7 +100,7 @@ def read_manifest(path: Union[str, Path], verify: bool = True) -> Optional[dict]
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         for rel, want in manifest["files"].items():
             f = path / rel
-            if f.stat().st_size != want["size"] or (verify and _sha256_file(f) != want["sha256"]):
+            if f.stat().st_size != want["size"] or (verify and sha256_file(f) != want["sha256"]):
                 return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -178,9 +179,9 @@ def atomic_directory(path: Union[str, Path], info: Optional[dict] = None):
     _remove_leftovers(path)
 
 
-def _version(p: Path, is_target: bool) -> Optional[tuple]:
+def _version(p: Path, is_target: bool, verify: bool = True) -> Optional[tuple]:
     """Sort key of a complete version of a directory (newest last), None if incomplete."""
-    manifest = read_manifest(p)
+    manifest = read_manifest(p, verify)
     if manifest is not None:
         return (int(manifest.get("written_ns", 0)), is_target)
     # Written before manifests existed: the rename-into-place alone made the target complete.
@@ -189,15 +190,16 @@ def _version(p: Path, is_target: bool) -> Optional[tuple]:
     return None
 
 
-def newest_version(path: Union[str, Path]) -> Optional[Path]:
+def newest_version(path: Union[str, Path], verify: bool = True) -> Optional[Path]:
     """The newest complete version of ``path`` (itself, or a temporary or old copy an
     interrupted write left beside it), or None; reads only. Raises CheckpointError when
-    ``path`` itself is unsealed or damaged and nothing else is complete."""
+    ``path`` itself is unsealed or damaged and nothing else is complete. ``verify=False``
+    checks the manifests' file sizes only, not their hashes (a cheap "is there one?")."""
     path = Path(path)
     found = []
     for p in [path, *leftovers(path)]:
         if p == path or not _owner_alive(p):
-            key = _version(p, p == path)
+            key = _version(p, p == path, verify)
             if key is not None:
                 found.append((key, p))
     if found:
@@ -230,14 +232,9 @@ def remove_directory(path: Union[str, Path]) -> None:
 
 
 def atomic_write_text(path: Union[str, Path], text: str) -> None:
-    """Replace a small file whole: a kill leaves the old text or the new one, never half."""
-    path = Path(path)
-    part = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    """Replace a small file of a run whole (wide.fileio.atomic_write_text), then remove what
+    writes of it killed earlier left behind."""
+    _write_text(path, text)
     _remove_leftovers(path)
 
 

@@ -1,6 +1,11 @@
 """One training loop for both stages: stage 1 trains the routers of a frozen backbone,
 stage 2 (LoRA recovery) trains routers and adapters. Only the parameter set differs.
 
+The task loss is the next-token cross-entropy (``loss="ce"``), the distillation loss
+against the dense model (``"kd"``: KL(teacher || student) per token, with the same frozen
+backbone run without routers, and in stage 2 without adapters, as the teacher), or a mix of
+the two; the sparsity penalty is added to each (docs/method.md, "Self-distillation").
+
 The data order is a pure function of (seed, step), so a resumed run sees exactly the
 batches the uninterrupted run would have seen; checkpoints hold the optimizer, scheduler,
 temperature and RNG states. They are written with ``wide.serialization``'s crash-safe
@@ -10,26 +15,34 @@ loses at most the steps since the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .cliargs import check_fields
-from .modeling import forward_sparsity, get_state, sparsity_penalty
+from .modeling import forward_sparsity, get_state, routing_disabled, sparsity_penalty
 from .serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
                             remove_directory, save_routers)
 
 CHECKPOINT_DIR = "checkpoint"
 FINAL_DIR = "routers"
 TRAINER_STATE = "trainer_state.pt"
+LOSSES = ("ce", "kd", "mix")
+AMP_MODES = ("none", "bf16")
+# Packed calibration ids up to this size move to the GPU once, so that no step waits on a
+# host-to-device copy (the biggest corpora stay on the host, and their batches are pinned).
+DEVICE_IDS_MAX_BYTES = 2 << 30
 
 
 @dataclass
@@ -49,9 +62,22 @@ class TrainArgs:
     # numpy's seed is an unsigned 32-bit integer.
     seed: int = field(default=0, metadata={
         "help": "seed for router initialisation, data order and Gumbel noise", "min": 0, "max": 2 ** 32 - 1})
+    # The default stays "ce" until the H200 comparison of docs/method.md decides.
+    loss: str = field(default="ce", metadata={
+        "choices": LOSSES,
+        "help": "task loss: next-token cross-entropy on the data (ce), KL divergence to the dense model's "
+                "next-token distribution (kd: the same backbone without routers, and without LoRA in stage 2), "
+                "or (1 - --mix-weight) x ce + --mix-weight x kd (mix); the sparsity penalty is added to each"})
+    kd_temperature: float = field(default=1.0, metadata={
+        "help": "softmax temperature T of both distributions in the KL; the KL is scaled by T^2", "gt": 0})
+    mix_weight: float = field(default=0.5, metadata={"help": "share of kd in --loss mix", "min": 0, "max": 1})
+    amp: str = field(default="none", metadata={
+        "choices": AMP_MODES,
+        "help": "bf16: run the backbone's forward passes (student and teacher) under bf16 autocast; routers, "
+                "losses and optimizer state stay float32"})
 
     def __post_init__(self):
-        check_fields(self)
+        check_fields(self)  # ranges and choices
 
     @property
     def sequences_per_step(self) -> int:
@@ -60,7 +86,14 @@ class TrainArgs:
 
 # Changing these mid-run would make a resumed run a different run (the others, evaluation
 # and checkpoint periods, change what is recorded, not the routers).
-RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "max_grad_norm", "seed")
+RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "max_grad_norm", "seed",
+               "loss", "kd_temperature", "mix_weight", "amp")
+
+
+def with_defaults(saved: dict) -> dict:
+    """Saved TrainArgs (a checkpoint's, a run's) with the fields an older version of wide did
+    not have filled in with their defaults, which are what that version did."""
+    return {**{f.name: f.default for f in fields(TrainArgs)}, **saved}
 
 
 def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
@@ -76,6 +109,12 @@ def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
     return f
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(num_sequences: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_sequences, generator=g)
+
+
 def batch_indices(num_sequences: int, args: TrainArgs, step: int, micro: int) -> torch.Tensor:
     """Sequence indices of one micro-batch: epochs are seeded permutations, so the order
     depends only on (seed, step, micro)."""
@@ -84,11 +123,87 @@ def batch_indices(num_sequences: int, args: TrainArgs, step: int, micro: int) ->
     epoch = idx // num_sequences
     out = torch.empty_like(idx)
     for e in epoch.unique().tolist():
-        g = torch.Generator().manual_seed(args.seed * 100_003 + e)
-        perm = torch.randperm(num_sequences, generator=g)
+        perm = _epoch_permutation(num_sequences, args.seed, e)
         sel = epoch == e
         out[sel] = perm[idx[sel] % num_sequences]
     return out
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions softened by ``temperature`` T,
+    summed over the vocabulary, averaged over positions, times T^2 (so the gradient's scale
+    does not depend on T). Logits [..., V] of the same positions; the KL is taken in float32."""
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    kl = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)  # sum_v p_t (log p_t - log p_s)
+    return kl.mean() * temperature ** 2
+
+
+def _tuner_layers(model) -> list:
+    """PEFT's adapter layers (LoRA ...) in ``model``: none in stage 1."""
+    if not any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """PEFT adapters switched off for the block, as ``PeftModel.disable_adapter()`` does it
+    (``enable_adapters(False)`` on every tuner layer), on a model whose adapters
+    ``inject_adapter_in_model`` added in place (wide.recovery). PEFT's switch also changes the
+    adapters' ``requires_grad``: that is put back as it was."""
+    layers = _tuner_layers(model)
+    grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    was_disabled = [m.disable_adapters for m in layers]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m, off in zip(layers, was_disabled):
+            m.enable_adapters(not off)
+        for p, g in grads:
+            p.requires_grad_(g)
+
+
+@contextlib.contextmanager
+def teacher_mode(model):
+    """The distillation teacher: the same backbone with routing (learned or static masks) and
+    adapters off, i.e. the dense model the routers were put on."""
+    with routing_disabled(model), adapters_disabled(model):
+        yield model
+
+
+def autocast(args: TrainArgs, device: torch.device):
+    """The backbone's forward context for ``args.amp``."""
+    if args.amp == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def micro_batch_loss(model, x: torch.Tensor, args: TrainArgs) -> dict:
+    """The task loss of one micro-batch ``x`` [B, L] (before the sparsity penalty): ``task``
+    (what is minimised), ``ce`` and, for kd / mix, ``kd``. Both losses score the same B x (L-1)
+    next-token positions. The teacher runs first, once, without gradients."""
+    device = x.device
+    teacher = None
+    if args.loss != "ce":
+        with torch.no_grad(), teacher_mode(model), autocast(args, device):
+            teacher = model(input_ids=x).logits[:, :-1]
+    with autocast(args, device):
+        out = model(input_ids=x, labels=x)
+    ce = out.loss.float()
+    if teacher is None:
+        return {"task": ce, "ce": ce, "kd": None}
+    kd = distillation_loss(out.logits[:, :-1], teacher, args.kd_temperature)
+    task = kd if args.loss == "kd" else (1.0 - args.mix_weight) * ce + args.mix_weight * kd
+    return {"task": task, "ce": ce, "kd": kd}
 
 
 def _rng_state() -> dict:
@@ -171,6 +286,7 @@ def train(
 
 
 def _check_resumable(ckpt: Path, saved_args: dict, args: TrainArgs, cfg) -> None:
+    saved_args = with_defaults(saved_args)
     changed = {k: (saved_args.get(k), getattr(args, k)) for k in RESUME_KEYS if saved_args.get(k) != getattr(args, k)}
     changed.update(config_differences(read_meta(ckpt)["wide_config"], cfg))
     if changed:
@@ -261,6 +377,10 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
 
     model.train()
     tokens_per_step = args.sequences_per_step * train_ids.shape[1]
+    ids_on_device = device.type == "cuda" and session is None and \
+        train_ids.numel() * train_ids.element_size() <= DEVICE_IDS_MAX_BYTES
+    if ids_on_device:
+        train_ids = train_ids.to(device)
     bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps,
                disable=not progress, desc="calibrate", dynamic_ncols=True)
     t_last = time.perf_counter()
@@ -269,39 +389,57 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         opt.zero_grad(set_to_none=True)
         if session is not None:
             session.seed_step(args.seed, step)
-        ce_sum, pen_sum, flop_sum, grp_sum = 0.0, 0.0, 0.0, 0.0
+        # Sums stay on the device until the step ends: one host sync per step, not per micro-batch.
+        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "flop": 0.0, "grp": 0.0}
         for micro in range(args.grad_accum):
             idx = batch_indices(train_ids.shape[0], args, step, micro)
             if session is not None:
                 idx = session.local_indices(idx, step, micro)
-            x = train_ids[idx].to(device)
-            out = model(input_ids=x, labels=x)
+            if ids_on_device:
+                x = train_ids[idx.pin_memory().to(device, non_blocking=True)]
+            elif device.type == "cuda":
+                x = train_ids[idx].pin_memory().to(device, non_blocking=True)
+            else:
+                x = train_ids[idx].to(device)
+            losses = micro_batch_loss(model, x, args)
             sp = forward_sparsity(model) if session is None else session.sparsity()
             pen = sparsity_penalty(sp, cfg)
             scale = 1.0 if session is None else session.penalty_scale
-            loss = (out.loss + cfg.sparsity_coef * scale * pen) / args.grad_accum
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss at step {step} (ce={float(out.loss)}): "
-                                         "lower the learning rate or check the data")
+            loss = (losses["task"] + cfg.sparsity_coef * scale * pen) / args.grad_accum
             loss.backward()
-            ce_sum += float(out.loss.detach()) if session is None else session.mean(out.loss)
-            pen_sum += float(pen.detach())
-            flop_sum += float(sp.flop_rate.detach())
-            grp_sum += float(sp.group_rate.detach())
+            seen = {}  # the task loss is the ce tensor itself with --loss ce: reduce it once
+            for k in ("ce", "kd", "task"):
+                t = losses[k]
+                if t is not None:
+                    if id(t) not in seen:  # a copy: the reduction is in place
+                        seen[id(t)] = t.detach() if session is None else session.mean(t.detach().clone())
+                    sums[k] += seen[id(t)]
+            sums["pen"] += pen.detach()
+            sums["flop"] += sp.flop_rate.detach()
+            sums["grp"] += sp.group_rate.detach()
         if session is not None:
             session.reduce_gradients(params)
+        mean = {k: float(v) / args.grad_accum for k, v in sums.items()}
+        if not math.isfinite(mean["task"] + mean["pen"]):
+            raise FloatingPointError(f"non-finite loss at step {step} (ce={mean['ce']}, {args.loss}="
+                                     f"{mean['task']}): lower the learning rate or check the data")
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
         sched.step()
+        rec = {"step": step + 1, "ce": mean["ce"]}
+        if args.loss != "ce":
+            rec["kd"] = mean["kd"]
+        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"],
+                    "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
+                    "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         now = time.perf_counter()
-        rec = {"step": step + 1, "ce": ce_sum / args.grad_accum,
-               "loss": (ce_sum + cfg.sparsity_coef * pen_sum) / args.grad_accum,
-               "flop_sparsity": flop_sum / args.grad_accum, "group_sparsity": grp_sum / args.grad_accum,
-               "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm),
-               "tokens_per_s": tokens_per_step / (now - t_last)}
+        rec["tokens_per_s"] = tokens_per_step / (now - t_last)
         t_last = now
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", ce=f"{rec['ce']:.3f}", sp=f"{rec['flop_sparsity']:.2f}",
-                        grp=f"{rec['group_sparsity']:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        shown = {"loss": f"{rec['loss']:.3f}", "ce": f"{rec['ce']:.3f}"}
+        if "kd" in rec:
+            shown["kd"] = f"{rec['kd']:.3f}"
+        bar.set_postfix(**shown, sp=f"{rec['flop_sparsity']:.2f}", grp=f"{rec['group_sparsity']:.2f}",
+                        tok_s=f"{rec['tokens_per_s']:.0f}")
         done = step + 1
         if eval_ids is not None and args.eval_every and (done % args.eval_every == 0 or done == args.steps):
             rec["eval"] = evaluate_heldout(model, eval_ids, args.batch_size, args.eval_batches)
@@ -332,4 +470,6 @@ def trainer_step(out_dir) -> int:
     return int(read_meta(ckpt).get("step", 0))
 
 
-__all__ = ["TrainArgs", "RESUME_KEYS", "train", "evaluate_heldout", "batch_indices", "lr_lambda", "trainer_step"]
+__all__ = ["TrainArgs", "RESUME_KEYS", "LOSSES", "AMP_MODES", "train", "evaluate_heldout", "batch_indices",
+           "lr_lambda", "trainer_step", "with_defaults", "distillation_loss", "micro_batch_loss", "teacher_mode",
+           "adapters_disabled", "autocast"]

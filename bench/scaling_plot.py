@@ -1,0 +1,157 @@
+"""Table and plot of a token-budget scaling run (bench/quality_scaling.sh): held-out perplexity
+and the seven-task zero-shot average of WIDE stage 1 against the calibration tokens it saw, one
+line per loss (ce, kd, mix), the dense model as a reference line.
+
+Reads every ``*.json`` results file of ``wide eval`` in the folders given (their ``records``
+with ``op == "quality"``; every routed record must carry ``loss``, ``tokens`` and ``seed``),
+writes DIR/quality_scaling.json (the records and a kd-vs-ce summary per budget),
+DIR/quality_scaling.md and DIR/quality_scaling.png into the first folder (or --out).
+
+    python3 bench/scaling_plot.py OUT [MORE_DIRS ...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
+STEM = "quality_scaling"
+
+
+def collect(folders) -> list:
+    """Quality records of every results file in ``folders`` (this script's own output skipped);
+    a routed record without loss, tokens or seed is refused, naming its file."""
+    out = []
+    for folder in folders:
+        for f in sorted(Path(folder).glob("*.json")):
+            if f.stem == STEM:
+                continue
+            try:
+                doc = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            for r in doc.get("records", []) if isinstance(doc, dict) else []:
+                if r.get("op") != "quality":
+                    continue
+                if r.get("method") != "dense":
+                    missing = [k for k in ("loss", "tokens", "seed") if r.get(k) is None]
+                    if missing:
+                        raise ValueError(f"{f}: a {r.get('method')} record lacks {', '.join(missing)} "
+                                         "(made by a wide older than --loss? evaluate the routers again)")
+                out.append({**r, "file": f.name})
+    return out
+
+
+def routed(records) -> list:
+    return sorted((r for r in records if r.get("method") != "dense"),
+                  key=lambda r: (r["loss"], r["tokens"], r["seed"], r.get("stage", 1)))
+
+
+def summary(records) -> list:
+    """Per budget (and seed) where both ran: kd against ce (perplexity ratio, average difference)."""
+    by = {(r["loss"], r["tokens"], r["seed"]): r for r in routed(records)}
+    rows = []
+    for (loss, tokens, seed), kd in sorted(by.items(), key=lambda kv: kv[0][1]):
+        ce = by.get(("ce", tokens, seed))
+        if loss == "ce" or ce is None:
+            continue
+        row = {"loss": loss, "tokens": tokens, "seed": seed, "ppl_ratio_vs_ce": kd["ppl"] / ce["ppl"]}
+        if kd.get("avg") is not None and ce.get("avg") is not None:
+            row["avg_minus_ce"] = kd["avg"] - ce["avg"]
+        rows.append(row)
+    return rows
+
+
+def _f(v, p=3):
+    return "-" if v is None else f"{v:.{p}f}"
+
+
+def table(records) -> str:
+    head = ["loss", "tokens", "seed", "FLOP sparsity", "ppl", "bpb", *TASKS, "avg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    dense = [r for r in records if r.get("method") == "dense"]
+    for r in dense[:1] + routed(records):
+        tokens = "-" if r.get("method") == "dense" else f"{r['tokens'] / 1e6:.3g}M"
+        seed = "-" if r.get("seed") is None else str(r["seed"])
+        cells = [r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2),
+                 _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = routed(records)
+    for loss in sorted({r["loss"] for r in rows}):
+        pts = sorted((r for r in rows if r["loss"] == loss), key=lambda r: r["tokens"])
+        xs = [r["tokens"] / 1e6 for r in pts]
+        ax1.plot(xs, [r["ppl"] for r in pts], marker="o", label=loss)
+        if all(r.get("avg") is not None for r in pts):
+            ax2.plot(xs, [r["avg"] for r in pts], marker="o", label=loss)
+    dense = next((r for r in records if r.get("method") == "dense"), None)
+    if dense is not None:
+        ax1.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="dense")
+        if dense.get("avg") is not None:
+            ax2.axhline(dense["avg"], color="k", lw=0.8, ls=":", label="dense")
+    ticks = sorted({r["tokens"] / 1e6 for r in rows})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("calibration tokens (millions)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_yscale("log")
+    ax1.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    ax1.yaxis.set_major_formatter(ScalarFormatter())
+    ax1.yaxis.set_minor_formatter(NullFormatter())
+    ax1.set_ylabel("held-out perplexity")
+    ax2.set_ylabel("seven-task average accuracy")
+    sp = [r.get("sparsity") for r in rows if r.get("sparsity") is not None]
+    target = f"{sum(sp) / len(sp):.0%} realised FLOP sparsity" if sp else ""
+    model = records[0].get("model", "") if records else ""
+    fig.suptitle(f"{model}: WIDE stage 1 against the calibration budget ({target})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", help="folders holding wide eval results (*.json)")
+    ap.add_argument("--out", default=None, help="where the outputs go (default: the first folder)")
+    a = ap.parse_args(argv)
+    records = collect(a.folders)
+    if not routed(records):
+        print(f"no routed quality records in {', '.join(a.folders)}", file=sys.stderr)
+        return 1
+    out = Path(a.out or a.folders[0])
+    out.mkdir(parents=True, exist_ok=True)
+    summ = summary(records)
+    (out / f"{STEM}.json").write_text(json.dumps({"records": records, "kd_vs_ce": summ}, indent=2))
+    lines = [f"# {STEM}", "", table(records), ""]
+    for s in summ:
+        d = f", average {s['avg_minus_ce']:+.3f}" if "avg_minus_ce" in s else ""
+        lines.append(f"- {s['tokens'] / 1e6:.3g}M tokens, seed {s['seed']}: {s['loss']} perplexity "
+                     f"{s['ppl_ratio_vs_ce']:.3f}x of ce{d}")
+    limits = sorted({r.get("limit") for r in records if r.get("limit")})
+    if limits:
+        lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task.")
+    (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
+    plot(records, out / f"{STEM}.png")
+    print(table(records))
+    print(f"wrote {out / STEM}.json, .md and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

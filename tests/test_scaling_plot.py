@@ -1,0 +1,61 @@
+"""bench/scaling_plot.py: the table, summary and plot of a token-budget scaling run, from
+synthetic `wide eval` results files."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
+
+
+def _mod():
+    spec = importlib.util.spec_from_file_location("scaling_plot", ROOT / "bench" / "scaling_plot.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _record(method, ppl, avg, **kw):
+    return {"op": "quality", "model": "SmolLM2-135M-Instruct", "method": method, "stage": 1 if method != "dense" else 0,
+            "sparsity": 0.5 if method != "dense" else 0.0, "ppl": ppl, "bpb": 1.2, **{t: avg for t in TASKS},
+            "avg": avg, "limit": 200, **kw}
+
+
+def _write(folder, name, records):
+    (folder / f"{name}.json").write_text(json.dumps({"command": "wide eval ...", "records": records}))
+
+
+def test_table_summary_and_plot(tmp_path):
+    sp = _mod()
+    _write(tmp_path, "dense", [_record("dense", 22.5, 0.434, loss=None, tokens=0, seed=None)])
+    for loss, ppls in (("ce", (95.0, 60.0, 45.0)), ("kd", (80.0, 50.0, 36.0))):
+        for tokens, ppl in zip((1_638_400, 6_553_600, 26_214_400), ppls):
+            _write(tmp_path, f"{loss}-{tokens}", [_record("wide", ppl, 0.40 if loss == "kd" else 0.38, loss=loss,
+                                                          tokens=tokens, seed=0)])
+    (tmp_path / "notes.json").write_text("[1, 2]")  # not a results file: ignored
+    assert sp.main([str(tmp_path)]) == 0
+    md = (tmp_path / "quality_scaling.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "loss" not in line]
+    assert [r.split(" | ")[0:2] for r in rows] == [["| dense", "-"], ["| ce", "1.64M"], ["| ce", "6.55M"],
+                                                    ["| ce", "26.2M"], ["| kd", "1.64M"], ["| kd", "6.55M"],
+                                                    ["| kd", "26.2M"]]
+    assert "26.2M tokens, seed 0: kd perplexity 0.800x of ce, average +0.020" in md
+    doc = json.loads((tmp_path / "quality_scaling.json").read_text())
+    assert [round(s["ppl_ratio_vs_ce"], 4) for s in doc["kd_vs_ce"]] == [round(80 / 95, 4), round(50 / 60, 4), 0.8]
+    assert len(doc["records"]) == 7
+    assert (tmp_path / "quality_scaling.png").stat().st_size > 1000
+    # A second run reads its own output back as nothing new.
+    assert sp.main([str(tmp_path)]) == 0
+    assert len(json.loads((tmp_path / "quality_scaling.json").read_text())["records"]) == 7
+
+
+def test_records_without_loss_tokens_or_seed_are_refused(tmp_path):
+    sp = _mod()
+    _write(tmp_path, "old", [_record("wide", 90.0, 0.37, tokens=100)])
+    with pytest.raises(ValueError, match="old.json: a wide record lacks loss, seed"):
+        sp.main([str(tmp_path)])
+    (tmp_path / "old.json").unlink()
+    _write(tmp_path, "dense", [_record("dense", 22.5, 0.43)])
+    assert sp.main([str(tmp_path)]) == 1  # nothing routed to plot
