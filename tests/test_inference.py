@@ -434,3 +434,14 @@ def test_what_the_spec_refuses(monkeypatch):
         accelerate(biased)
     with pytest.raises(ValueError, match="SiLU"):
         accelerate(routed(model_type="qwen2", shape=dict(TINY, hidden_act="gelu"), target=None))
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(temperature=-1.0), "temperature must be >= 0"),
+                                    (dict(top_k=-2), "top_k must be >= 0"),
+                                    (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
+                                    (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
+                                    (dict(max_new_tokens=250), "exceeds the model's 256 positions")])
+def test_generate_refuses_bad_settings(kw, msg):
+    eng = accelerate(routed(), backend="torch")
+    with pytest.raises(ValueError, match=msg):
+        eng.generate([[1, 2, 3, 4, 5, 6, 7]], **{"max_new_tokens": 4, **kw})

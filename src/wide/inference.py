@@ -45,7 +45,7 @@ from . import arch
 from .graphs import GraphCapture
 from .modeling import Geometry, get_state
 from .ops import make_ops, pick_backend
-from .sampling import GenerationResult, cut_at_eos, eos_tensor, sample_logits
+from .sampling import GenerationResult, check_sampling, cut_at_eos, eos_tensor, sample_logits
 
 __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
            "PREFILL_GRAPH_MAX_TOKENS", "prefill_graphs_enabled"]
@@ -130,8 +130,9 @@ class AcceleratedModel:
         cfg = model.config
         spec = arch.spec_for(model)
         if not spec.engine:
-            raise ValueError(f"wide.accelerate does not run {spec.model_type!r} models (ArchSpec.engine "
-                             "is False); use the masked PyTorch path: the wrapped model itself")
+            raise ValueError(f"wide.accelerate does not run {spec.model_type!r} models (ArchSpec.engine is "
+                             "False), so `wide generate` cannot serve them; in Python, call generate() on the "
+                             "wrapped model itself (wide.from_pretrained(...).generate(...))")
         act = getattr(cfg, "hidden_act", spec.activation)
         if spec.activation != "silu" or act != "silu":
             raise ValueError(f"wide.accelerate needs a SiLU-gated MLP, got hidden_act={act!r}")
@@ -394,9 +395,14 @@ class AcceleratedModel:
             raise ValueError("every prompt needs at least one token")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        check_sampling(temperature, top_k, top_p)
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         T = int(lens.max())
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and T + max_new_tokens > positions:
+            raise ValueError(f"a prompt of {T} tokens plus {max_new_tokens} new ones exceeds the model's "
+                             f"{positions} positions: shorten the prompt or max_new_tokens")
         max_len = max(pad_to or 0, T + max_new_tokens)
         max_len = -(-max_len // 128) * 128  # fewer distinct cache sizes, fewer graph captures
         if self.window is not None and max(pad_to or 0, T + max_new_tokens) <= self.window < max_len:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["GenerationResult", "sample_logits", "eos_tensor", "cut_at_eos"]
+__all__ = ["GenerationResult", "sample_logits", "check_sampling", "eos_tensor", "cut_at_eos"]
 
 
 @dataclass
@@ -20,6 +20,17 @@ class GenerationResult:
     texts: Optional[list] = None
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Refuse sampling settings that would otherwise fall back silently (a negative temperature
+    to greedy, a top-p outside (0, 1] to no filtering)."""
+    if temperature is not None and temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
