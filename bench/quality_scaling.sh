@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
 # Token-budget scaling of WIDE stage 1 at 50% FLOP-weighted sparsity on the default model
 # (SmolLM2-135M-Instruct): cross-entropy (--loss ce) against self-distillation (--loss kd) at
-# 1.64M, 6.55M and 26.2M calibration tokens (100, 400 and 1600 steps of 64 x 256 tokens), bf16
+# 1.64M, 6.55M and 26.2M calibration tokens (50, 200 and 800 steps of 128 x 256 tokens), bf16
 # autocast, seed 0; each run evaluated on held-out perplexity and the seven zero-shot tasks (first
 # LIMIT documents each), the dense model once. Every quality record carries loss, tokens and seed;
-# bench/scaling_plot.py then writes RESULTS/quality_scaling.{md,json,png}.
+# bench/scaling_plot.py then writes RESULTS/quality_scaling.{md,json,png}. Phase "extra" then
+# runs, at SHIP_TOKENS with the loss that won there, the 25% routers (right after that budget's
+# grid points) and more seeds at 50% and 25% (RESULTS/extra).
 #
-# Expected time on one H200 (from 100k tokens/s for ce and ~70k for kd in stage 1): training
-# 34.4M ce tokens ~6 min and 34.4M kd tokens ~8 min, plus ~15 s of start-up per run; seven
-# evaluations ~25 s each, ~3 min; the throughput benchmark ~2 min. About 20 min in all (the
-# machine's start and the asset transfer come on top). A device call runs at most 10 min, so it
-# runs in four calls on the same (warm) machine; everything is resumable (finished runs and
-# evaluations are skipped, a cut run resumes from its checkpoint).
+# Measured on one H200 (bench/results/quality_scaling/README.md): 128k tokens/s with ce and 93k
+# with kd; each calibration or evaluation also pays ~15-25 s of start-up (Python, model, data,
+# decontamination, the evaluation itself ~30 s), which dominates the small budgets. Calls 2-4
+# took 25 device minutes (the grid about 20, the extra runs 5), the speed benchmark 1.5. A device call runs at most 10 min, so it runs in several calls on the
+# same (warm) machine, each given BUDGET_S seconds: a command still running then is stopped and
+# resumes from its checkpoint in the next call; finished runs and evaluations are skipped.
 # The machine has no network: unpack the assets first (scripts/device_assets.py) and set
 # WIDE_CACHE_DIR; keep RUNS and RESULTS outside the repository so that they survive between
-# calls, and let PACK_TO=$OUT take RESULTS back as one tarball (a call returns at most 8 files):
+# calls, and let PACK_TO=$OUT take RESULTS back as 15 MB parts of one tarball (a call returns at
+# most 8 files of 16 MB; join with `cat quality_scaling.tgz.* | tar xz`). The calls that made
+# bench/results/quality_scaling, back to back:
 #   S="WIDE_CACHE_DIR=/root/wc RUNS=/root/scaling/runs RESULTS=/root/scaling/results PACK_TO=$OUT"
 #   call 1, carry .device_assets/part1 (random weights of the same shape: no assets needed yet):
-#   env $S PHASES=speed SPEED_MODEL=smollm2-135m bash bench/quality_scaling.sh            # ~2.5 min
-#   call 2, carry .device_assets/part2:
-#   python3 scripts/device_assets.py unpack --cache /root/wc &&
-#   env $S PHASES=train LOSSES=ce bash bench/quality_scaling.sh                           # ~7.5 min
-#   call 3: env $S PHASES=train LOSSES=kd bash bench/quality_scaling.sh                  # ~9 min
-#   call 4: env $S PHASES="eval plot" bash bench/quality_scaling.sh                      # ~3.5 min
-# A call cut by its limit is simply repeated: the run resumes from its last checkpoint.
+#   env $S PHASES=speed SPEED_MODEL=smollm2-135m BUDGET_S=420 bash bench/quality_scaling.sh
+#   call 2, carry .device_assets/part2; calls 3 and 4 the same command (unpacking skipped):
+#   ( [ -f /root/wc/.unpacked ] || { python3 scripts/device_assets.py unpack --cache /root/wc &&
+#     touch /root/wc/.unpacked; } ) && env $S PHASES="train eval plot extra" BUDGET_S=555 bash bench/quality_scaling.sh
 #
 # Settings (environment): RESULTS (records, default $OUT or bench/results/quality_scaling),
 # RUNS (run directories, default runs/scaling), TOKENS (budgets), LOSSES, BATCH, SEQ, SEED, AMP,
-# LIMIT, EVAL_ARGS (more `wide eval` options), DEVICE, DATA (calibration source, default wiki, the
+# LIMIT, EVAL_ARGS (more `wide eval` options), CAL_ARGS (more `wide calibrate` options, e.g.
+# "--router-init dense --sparsity-warmup 0.5 --lr 6e-3") with TAG (a suffix that keeps those runs
+# apart, e.g. -dense; give such runs their own RESULTS, the plot keys points by loss, tokens and
+# seed), DEVICE, DATA (calibration source, default wiki, the
 # corpus of every earlier quality number; DATA=samples trains on the model's own text: a first
 # call with PHASES=sample samples SAMPLE_TOKENS tokens with wide sample-data, perplexity is then
 # measured on wiki), EVAL_DATA. The steps of a budget are TOKENS / (BATCH x SEQ).
@@ -42,16 +46,24 @@ RESULTS=${RESULTS:-${OUT:-bench/results/quality_scaling}}
 RUNS=${RUNS:-runs/scaling}
 TOKENS=${TOKENS:-"1638400 6553600 26214400"}
 LOSSES=${LOSSES:-"ce kd"}
-BATCH=${BATCH:-64}
+BATCH=${BATCH:-128}
 SEQ=${SEQ:-256}
 SEED=${SEED:-0}
 AMP=${AMP:-bf16}
-LIMIT=${LIMIT:-200}
+LIMIT=${LIMIT:-500}
 DATA=${DATA:-wiki}
 EVAL_DATA=${EVAL_DATA:-}
 DEVICE=${DEVICE:-cuda}
-PHASES=${PHASES:-"speed train eval plot"}
+PHASES=${PHASES:-"speed train eval plot extra"}
 mkdir -p "$RESULTS" "$RUNS"
+# BUDGET_S: seconds this call may use. Each command gets what is left minus a reserve for the
+# packing at the end; a command cut short resumes from its checkpoint in the next call.
+END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
+bounded() {
+    local left=$(( END - $(date +%s) - ${RESERVE_S:-25} ))
+    if [ "$left" -lt 20 ]; then echo "skipped (time is up): $*"; return 1; fi
+    timeout "$left" "$@"
+}
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 if [ "$DATA" = samples ]; then  # the model's own text, sampled once (resumable), then trained on
@@ -68,40 +80,78 @@ DATA_ARGS=(--data "$DATA" ${EVAL_DATA:+--eval-data "$EVAL_DATA"} --seq-len "$SEQ
 
 if has speed; then  # stage-1 tokens/s: ce and kd, fp32 and bf16 autocast, three batch sizes
     # SPEED_MODEL=smollm2-135m: the same shape with random weights, before the assets are unpacked
-    timeout 300 $PY -m wide.benchmarks.train_speed --model "${SPEED_MODEL:-default}" --device "$DEVICE" \
+    bounded $PY -m wide.benchmarks.train_speed --model "${SPEED_MODEL:-default}" --device "$DEVICE" \
         --batch-size 16 64 128 --seq-len "$SEQ" --loss ce kd --amp none bf16 --out "$RESULTS/train_speed" \
         || echo "train_speed: exit $?"
 fi
 
-for loss in $LOSSES; do
-    for tokens in $TOKENS; do
-        steps=$(( tokens / (BATCH * SEQ) ))
-        name="wide50-$loss-$tokens-s$SEED"
-        run="$RUNS/$name"
-        if has train && [ ! -f "$run/run.json" ]; then
-            echo "== $name: $steps steps of $BATCH x $SEQ tokens"
-            $WIDE calibrate --device "$DEVICE" "${DATA_ARGS[@]}" --target 0.5 --loss "$loss" --amp "$AMP" \
-                --steps "$steps" --batch-size "$BATCH" --seed "$SEED" --eval-every 0 --save-every 100 \
-                --out "$run" --resume
-        fi
-        if has eval && [ -f "$run/run.json" ] && [ ! -f "$RESULTS/$name.json" ]; then
-            $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --routers "$run/routers" --limit "$LIMIT" \
-                --batch-size 64 ${EVAL_ARGS:-} --out "$RESULTS/$name"
-            mkdir -p "$RESULTS/runs"  # how it was trained: tokens/s, command, data, decontamination
-            cp "$run/run.json" "$run/history.json" "$RESULTS/runs/" 2>/dev/null || true
-            mv "$RESULTS/runs/run.json" "$RESULTS/runs/$name.run.json"
-            mv "$RESULTS/runs/history.json" "$RESULTS/runs/$name.history.json"
-        fi
-    done
-done
+# One calibration, then its evaluation at once, so that a call cut by its limit keeps every
+# finished pair. Budgets go from small to large with the losses interleaved: if the device time
+# runs out, what is missing is the largest budget, not a whole loss.
+calibrate_and_eval() {  # NAME TARGET LOSS TOKENS SEED RESULTS_DIR
+    local name=$1 target=$2 loss=$3 tokens=$4 seed=$5 dir=$6
+    local steps=$(( tokens / (BATCH * SEQ) )) run="$RUNS/$1"
+    if has train && [ ! -f "$run/run.json" ]; then
+        echo "== $name: $steps steps of $BATCH x $SEQ tokens"
+        bounded $WIDE calibrate --device "$DEVICE" "${DATA_ARGS[@]}" --target "$target" --loss "$loss" \
+            --amp "$AMP" --steps "$steps" --batch-size "$BATCH" --seed "$seed" --eval-every 0 --save-every 50 \
+            ${CAL_ARGS:-} --out "$run" --resume || return 0
+    fi
+    if has eval && [ -f "$run/run.json" ] && [ ! -f "$dir/$name.json" ]; then
+        bounded $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --routers "$run/routers" --limit "$LIMIT" \
+            --batch-size 64 ${EVAL_ARGS:-} --out "$dir/$name" || return 0
+        mkdir -p "$dir/runs" "$dir/routers/$name"  # how it was trained, and the routers themselves
+        cp "$run/run.json" "$dir/runs/$name.run.json"
+        cp "$run/history.json" "$dir/runs/$name.history.json" 2>/dev/null || true
+        cp -r "$run/routers/." "$dir/routers/$name/"
+    fi
+}
+
 if has eval && [ ! -f "$RESULTS/dense.json" ]; then
-    $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} \
-        --out "$RESULTS/dense"
+    bounded $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} \
+        --out "$RESULTS/dense" || true
 fi
+# Beside the grid, at SHIP_TOKENS with the loss whose 50% perplexity was lower there: the 25%
+# routers (shipped with the package beside the 50% ones), run as soon as that budget's grid
+# points exist, and at the end more seeds at 50% and 25% (the spread). Their records go to
+# RESULTS/extra so that the scaling table stays one seed per point.
+SHIP_TOKENS=${SHIP_TOKENS:-6553600}
+best_loss() {
+    $PY - "$RESULTS" "$SHIP_TOKENS" "$SEED" "${TAG:-}" $LOSSES <<'PYEOF'
+import json, sys
+from pathlib import Path
+results, tokens, seed, tag, losses = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+ppl = {}
+for loss in losses:
+    f = results / f"wide50-{loss}-{tokens}-s{seed}{tag}.json"
+    if f.is_file():
+        ppl[loss] = min(r["ppl"] for r in json.loads(f.read_text())["records"] if r.get("op") == "quality")
+print(min(ppl, key=ppl.get) if ppl else "")
+PYEOF
+}
+extra_runs() {  # "TARGETS" "SEEDS"
+    has extra || return 0
+    local best t s
+    best=$(best_loss)
+    if [ -z "$best" ]; then echo "extra: no 50% result at $SHIP_TOKENS tokens yet"; return 0; fi
+    for s in $2; do
+        for t in $1; do
+            calibrate_and_eval "wide$(awk "BEGIN { print $t * 100 }")-$best-$SHIP_TOKENS-s$s${TAG:-}" "$t" "$best" "$SHIP_TOKENS" "$s" "$RESULTS/extra"
+        done
+    done
+}
+
+for tokens in $TOKENS; do
+    for loss in $LOSSES; do
+        calibrate_and_eval "wide50-$loss-$tokens-s$SEED${TAG:-}" 0.5 "$loss" "$tokens" "$SEED" "$RESULTS"
+    done
+    if [ "$tokens" = "$SHIP_TOKENS" ]; then extra_runs 0.25 "$SEED"; fi
+done
 if has plot; then
-    $PY bench/scaling_plot.py "$RESULTS"
+    $PY bench/scaling_plot.py "$RESULTS" || echo "scaling_plot: exit $?"
 fi
-if [ -n "${PACK_TO:-}" ]; then  # everything so far, as one file (and the table and plot to look at)
-    tar czf "$PACK_TO/quality_scaling.tgz" -C "$RESULTS" .
-    cp "$RESULTS"/quality_scaling.md "$RESULTS"/quality_scaling.png "$RESULTS"/train_speed.md "$PACK_TO"/ 2>/dev/null || true
+extra_runs "0.5 0.25" "${EXTRA_SEEDS:-1 2}"
+if [ -n "${PACK_TO:-}" ]; then  # everything so far, as one tarball in parts (and the tables to look at)
+    tar czf - -C "$RESULTS" . | split -b 15m - "$PACK_TO/quality_scaling.tgz."
+    cp "$RESULTS"/quality_scaling.md "$RESULTS"/train_speed.md "$PACK_TO"/ 2>/dev/null || true
 fi

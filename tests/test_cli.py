@@ -44,12 +44,13 @@ FULL = {
 PARTIAL = {
     "compare": (runs.ModelArgs, runs.DataArgs, runs.EvalArgs, CompareArgs, TrainArgs, runs.RunArgs, WideConfig,
                 LoraArgs),
-    "demo": (TrainArgs, runs.DataArgs, runs.EvalArgs, runs.ModelArgs),
+    "demo": (TrainArgs, runs.DataArgs, runs.EvalArgs, runs.ModelArgs, WideConfig),
     "sample-data": (runs.ModelArgs, SampleArgs, runs.DataArgs),
 }
 # Where a command's default differs from its dataclass's: the values users see, pinned here.
 OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("compare", "steps"): 240, ("compare", "save_every"): 20,
-             ("demo", "steps"): 40, ("demo", "limit"): 20}
+             ("demo", "steps"): 30, ("demo", "limit"): 20, ("demo", "tasks"): [],
+             ("demo", "sparsity_warmup"): 0.5, ("demo", "router_init"): "dense"}
 
 
 def _subparsers() -> dict:

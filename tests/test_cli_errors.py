@@ -26,7 +26,7 @@ def w(tmp_path_factory):
         (root / "afile").write_text("not a directory\n")
         (root / "empty_dir").mkdir()
         (root / "other.jsonl").write_text(json.dumps({"body": "the cat sat"}) + "\n")
-        # What `wide demo` (40 steps) leaves, without running it on the default model.
+        # What `wide demo` (30 steps) leaves, without running it on the default model.
         demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
         (root / "demo").mkdir()
         (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
@@ -88,7 +88,7 @@ CASES = [
     ("resume-without-checkpoint", lambda w: [*w.calibrate, "--out", f"{w.root}/no_checkpoint", "--resume"],
      "no checkpoint to resume from: start over with --overwrite"),
     ("demo-other-steps", lambda w: ["demo", "--out", f"{w.root}/demo", "--steps", "5"],
-     "--steps was 40, now 5. Resume with the saved values, or start over with --overwrite"),
+     "--steps was 30, now 5. Resume with the saved values, or start over with --overwrite"),
     ("model-is-a-file", lambda w: ["eval", "--model", f"{w.root}/afile"], "is a file, not a model directory"),
     ("model-missing", lambda w: ["eval", "--model", f"{w.root}/nowhere"], "--model"),
     ("model-without-config", lambda w: ["eval", "--model", f"{w.root}/empty_dir"], "has no config.json"),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide.evaluate import Request, build_requests, loglikelihoods, perplexity, score
+from wide.evaluate import Request, above_chance, build_requests, loglikelihoods, perplexity, score
 
 
 class CharTokenizer:
@@ -51,6 +51,24 @@ def test_acc_and_acc_norm():
     res = score("arc_easy", reqs, [1], [-3.0, -2.0])
     assert res["acc"] == 1.0 and res["acc_norm"] == 0.0 and res["metric"] == 0.0
     assert "acc_norm" not in score("boolq", reqs, [1], [-3.0, -2.0])
+
+
+def test_chance_and_above_chance_by_hand():
+    # Two documents, with 4 and 2 choices: a uniform guess scores (1/4 + 1/2) / 2.
+    reqs = [Request(0, "c", f" {x}", 1) for x in "abcd"] + [Request(1, "c", f" {x}", 1) for x in "ab"]
+    assert score("piqa", reqs, [0, 1], [0.0] * 6)["chance"] == pytest.approx(0.375)
+    tasks = ("arc_easy", "winogrande")
+    chance = {"arc_easy": 0.25, "winogrande": 0.5}
+    dense = {"arc_easy": 0.45, "winogrande": 0.60}  # pooled margin: 0.525 - 0.375 = 0.15
+    half = {"arc_easy": 0.35, "winogrande": 0.55}  # 0.45 - 0.375 = 0.075
+    assert above_chance(half, dense, tasks, chance) == pytest.approx(0.5)
+    assert above_chance(dense, dense, tasks, chance) == pytest.approx(1.0)
+    assert above_chance({"arc_easy": 0.25, "winogrande": 0.5}, dense, tasks, chance) == pytest.approx(0.0)
+    # Chance read from the records themselves when they carry it.
+    with_detail = {**half, "tasks_detail": {t: {"chance": c} for t, c in chance.items()}}
+    assert above_chance(with_detail, dense, tasks) == pytest.approx(0.5)
+    assert above_chance({"arc_easy": 0.3}, dense, tasks, chance) is None  # a task missing
+    assert above_chance(half, {"arc_easy": 0.2, "winogrande": 0.4}, tasks, chance) is None  # dense not above chance
 
 
 def test_loglikelihoods_match_single_sequence_scoring():

@@ -17,10 +17,14 @@ def _mod():
     return mod
 
 
+CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "boolq": 0.5, "winogrande": 0.5, "piqa": 0.5, "openbookqa": 0.25,
+          "hellaswag": 0.25}
+
+
 def _record(method, ppl, avg, **kw):
     return {"op": "quality", "model": "SmolLM2-135M-Instruct", "method": method, "stage": 1 if method != "dense" else 0,
             "sparsity": 0.5 if method != "dense" else 0.0, "ppl": ppl, "bpb": 1.2, **{t: avg for t in TASKS},
-            "avg": avg, "limit": 200, **kw}
+            "avg": avg, "limit": 200, "tasks_detail": {t: {"metric": avg, "chance": CHANCE[t]} for t in TASKS}, **kw}
 
 
 def _write(folder, name, records):
@@ -42,6 +46,11 @@ def test_table_summary_and_plot(tmp_path):
                                                     ["| ce", "26.2M"], ["| kd", "1.64M"], ["| kd", "6.55M"],
                                                     ["| kd", "26.2M"]]
     assert "26.2M tokens, seed 0: kd perplexity 0.800x of ce, average +0.020" in md
+    # Above chance kept, six tasks pooled (BoolQ out): chance 1/3 on average; dense 0.434.
+    kept = [r.split(" | ")[-1].rstrip(" |") for r in rows]
+    c = (4 * 0.25 + 2 * 0.5) / 6
+    assert kept == ["100%"] + [f"{(0.38 - c) / (0.434 - c):.0%}"] * 3 + [f"{(0.40 - c) / (0.434 - c):.0%}"] * 3
+    assert [r.split(" | ")[5] for r in rows][:2] == ["1.00", f"{95 / 22.5:.2f}"]  # ppl / dense
     doc = json.loads((tmp_path / "quality_scaling.json").read_text())
     assert [round(s["ppl_ratio_vs_ce"], 4) for s in doc["kd_vs_ce"]] == [round(80 / 95, 4), round(50 / 60, 4), 0.8]
     assert len(doc["records"]) == 7

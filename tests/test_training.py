@@ -14,7 +14,7 @@ from wide import serialization
 from wide.config import WideConfig
 from wide.modeling import Geometry, ModelDims, _summarise, get_state, sparsity_penalty
 from wide.serialization import CheckpointError
-from wide.train import TrainArgs, batch_indices, lr_lambda, train
+from wide.train import TrainArgs, batch_indices, lr_lambda, target_config, train
 
 
 def dims(**kw):
@@ -63,6 +63,61 @@ def test_temperature_schedule():
     assert cfg.temperature(0, 11) == 5.0
     assert cfg.temperature(10, 11) == 0.5
     assert cfg.temperature(5, 11) == pytest.approx(2.75)
+
+
+def test_sparsity_warmup_ramps_every_target_then_leaves_the_config_alone():
+    cfg = WideConfig(target_sparsity=0.5)
+    args = TrainArgs(steps=10, sparsity_warmup=0.5)  # 5 warm-up steps
+    assert [round(target_config(cfg, args, s).target_sparsity, 6) for s in range(7)] == [0.1, 0.2, 0.3, 0.4, 0.5,
+                                                                                         0.5, 0.5]
+    assert target_config(cfg, args, 5) is cfg and target_config(cfg, TrainArgs(steps=10), 0) is cfg
+    split = WideConfig(attn_target=0.4, ffn_target=0.6)
+    t = target_config(split, args, 1)
+    assert (round(t.attn_target, 6), round(t.ffn_target, 6)) == (0.16, 0.24)
+    with pytest.raises(ValueError, match="sparsity_warmup"):
+        TrainArgs(sparsity_warmup=1.5)
+
+
+def test_dense_router_start_runs_every_group_and_still_learns(tmp_path):
+    model = tiny_model()
+    wide.wrap(model, WideConfig(target_sparsity=0.5, ffn_group_size=32, router_init="dense"), seed=0)
+    x = torch.randn(3, 5, model.config.hidden_size) * 10
+    for r in model.wide_routers.modules():
+        if isinstance(r, wide.routers.TokenRouter):
+            assert torch.equal(r.gap(x), torch.full((3, 5, r.num_groups), 4.0))
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    with wide.track_sparsity(model) as tracker:
+        model(input_ids=ids)
+    assert tracker.summary().flop_rate == 0.0  # the inference rule: gap 4 >= 0 everywhere
+    before = [p.detach().clone() for p in wide.router_parameters(model)]
+    wide.freeze_backbone(model)
+    train(model, ids, TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=0, sparsity_warmup=0.5),
+          tmp_path / "r", progress=False)
+    after = wide.router_parameters(model)
+    ups = [i for i, p in enumerate(after) if p.dim() == 2 and p.shape[1] == WideConfig().router_rank]
+    assert ups and all(after[i].abs().sum() > 0 for i in ups)  # up weights left zero: gradients reached them
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    with pytest.raises(ValueError, match="router_init"):
+        WideConfig(router_init="zeros")
+
+
+def test_sparsity_warmup_changes_the_penalty_of_early_steps(tmp_path):
+    # Same seed and data: only the penalty's target differs (2 warm-up steps: 0.25 at the first),
+    # so the first step's loss differs by coef x (|0.5 - rate| - |0.25 - rate|).
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(0))
+    hists = []
+    for warm in (0.0, 0.5):
+        model = tiny_model()
+        wide.wrap(model, WideConfig(target_sparsity=0.5, ffn_group_size=32), seed=0)
+        wide.freeze_backbone(model)
+        out = tmp_path / f"w{warm}"
+        hists.append(train(model, ids, TrainArgs(steps=4, batch_size=2, eval_every=0, save_every=0,
+                                                 sparsity_warmup=warm), out, progress=False)["history"])
+    a, b = hists[0][0], hists[1][0]
+    assert a["ce"] == b["ce"]  # the same forward pass
+    rate = a["flop_sparsity"]
+    coef = WideConfig().sparsity_coef
+    assert a["loss"] - b["loss"] == pytest.approx(coef * (abs(0.5 - rate) - abs(0.25 - rate)), rel=1e-4, abs=1e-5)
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():

@@ -5,6 +5,7 @@
     ...                                   # wide.train.train(...) or `wide calibrate`
     wide.save_routers(model, "routers/")
     model = wide.load(fresh_hf_model, "routers/")
+    model = wide.from_pretrained("smollm2-135m-50")   # routers shipped in the package
 """
 
 from .config import WideConfig
@@ -19,12 +20,14 @@ from .modeling import (
     wrap,
 )
 from .inference import AcceleratedModel, accelerate, generate
-from .serialization import CheckpointError, from_pretrained, load, save_routers
+from .serialization import CheckpointError, save_routers
+from . import pretrained
+from .pretrained import from_pretrained, load  # directories and shipped names alike
 
 __version__ = "0.1.0"
 
 __all__ = [
     "WideConfig", "wrap", "unwrap", "load", "save_routers", "from_pretrained", "CheckpointError",
     "calibrate_offsets", "forward_sparsity", "freeze_backbone", "router_parameters",
-    "sparsity_loss", "track_sparsity", "accelerate", "generate", "AcceleratedModel",
+    "sparsity_loss", "track_sparsity", "accelerate", "generate", "AcceleratedModel", "pretrained",
 ]

@@ -225,15 +225,28 @@ def cmd_sample_data(args) -> dict:
 
 
 def cmd_demo(args):
-    """The README's main command: fetch, calibrate briefly at 50%, compare dense vs routed."""
+    """The README's main command: fetch, calibrate briefly at 50%, then compare dense, the
+    shipped routers and the demo's own on quality and on a few greedy continuations."""
+    import torch
+
+    from . import demo
+    from .serialization import atomic_write_text
+
     args = demo_args(args)
     run = cmd_calibrate(args)
-    args.routers = [str(Path(args.out) / "routers")]
+    out = Path(args.out)
+    args.routers = demo.router_sets(str(out / "routers"), default_model=args.model == runs.DEFAULT)
     args.max_eval_sequences = args.eval_sequences
-    args.out = str(Path(args.out) / "comparison")
+    args.out = str(out / "comparison")
     records = cmd_eval(args)
-    print(f"\ncalibrated {run['steps']} steps ({run['tokens']} tokens) in {run['wall_s'] / 60:.1f} min; "
-          f"results in {args.out}.md")
+    tok, model_path = runs.load_tokenizer(args)
+    labels = [r["label"] for r in records if r.get("routers")]
+    text = demo.samples(model_path, tok, args.routers, labels, args.device or runs.default_device(),
+                        getattr(torch, args.dtype), max_new_tokens=args.sample_tokens)
+    text += "\n" + demo.explanation(records, run)
+    atomic_write_text(out / "demo.md", text + "\n")
+    print("\n" + text)
+    print(f"\nresults in {args.out}.md and {out / 'demo.md'}")
     return records
 
 
@@ -259,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(e, runs.ModelArgs)
     add_fields(e, runs.DataArgs)
     add_fields(e, runs.EvalArgs)
-    e.add_argument("--routers", nargs="*", default=None, help="router directories to evaluate (omit for dense only)")
+    e.add_argument("--routers", nargs="*", default=None, help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
     e.add_argument("--analyze", action="store_true",
@@ -269,18 +282,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out sequences the analysis reads (default: %(default)s)")
     e.set_defaults(func=cmd_eval, check=check_eval)
 
-    d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense",
+    d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense "
+                                    "and the shipped routers",
                        description="The quick start: fetches SmolLM2-135M and the data, calibrates routers at 50%% "
-                                   "FLOP-weighted sparsity for a short budget, evaluates dense vs routed on a quick "
-                                   "subset and prints the comparison table.")
+                                   "FLOP-weighted sparsity for a short budget, evaluates dense, the routers shipped "
+                                   "with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, prints the "
+                                   "table, a few greedy continuations from each and what a short calibration can "
+                                   "reach.")
     d.add_argument("--out", default="runs/demo", help="run directory, resumed when run again (default: %(default)s)")
     d.add_argument("--overwrite", action="store_true", help="delete the run already in OUT and start over")
     # A budget that finishes in minutes on a laptop CPU.
-    add_fields(d, TrainArgs, only=("steps", "batch_size"), defaults={"steps": 40})
+    # Dense start and a target that rises over the first half: in 30 CPU steps, held-out
+    # perplexity 261 against 4745 from random decisions (docs/method.md, "Router start").
+    add_fields(d, TrainArgs, only=("steps", "batch_size", "sparsity_warmup"),
+               defaults={"steps": 30, "sparsity_warmup": 0.5})
+    add_fields(d, WideConfig, only=("router_init",), defaults={"router_init": "dense"})
     add_fields(d, runs.DataArgs, only=("seq_len",))
     d.add_argument("--eval-sequences", type=bounded(int, min=1), default=32,
                    help="held-out sequences for perplexity (default: %(default)s)")
-    add_fields(d, runs.EvalArgs, only=("tasks", "limit"), defaults={"limit": 20})
+    # Perplexity only by default: 20 documents per task are too few to rank models (the shipped
+    # routers' task scores on 500 documents come from their provenance), and they take minutes.
+    add_fields(d, runs.EvalArgs, only=("tasks", "limit"), defaults={"limit": 20, "tasks": []})
+    d.add_argument("--sample-tokens", type=bounded(int, min=1), default=20,
+                   help="new tokens of each greedy continuation shown (default: %(default)s)")
     add_fields(d, runs.ModelArgs, only=("threads",))
     d.set_defaults(func=cmd_demo, check=check_demo)
 
@@ -298,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Load a model and saved routers, wide.accelerate it and generate: static KV "
                                     "cache, routed prefill, CUDA-graph decode on GPU (PyTorch masked path on CPU).")
     add_fields(gn, runs.ModelArgs)
-    gn.add_argument("--routers", default=None, help="routers directory (stage 1 or 2); omit for the dense engine")
+    gn.add_argument("--routers", default=None, help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
     gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
     gn.add_argument("--temperature", type=bounded(float, min=0.0), default=0.0, help="0 = greedy")
@@ -410,7 +434,7 @@ def cmd_bench(args):
 
 
 def _add_recover_args(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--routers", required=True, help="stage-1 directory (e.g. RUN/routers from wide calibrate)")
+    r.add_argument("--routers", required=True, help="stage-1 directory (e.g. RUN/routers from wide calibrate) or shipped name")
     _add_run_dir_args(r, "checkpoint/, recovered/, history.json, run.json, settings.json")
     r.add_argument("--merge-out", default=None,
                    help="also write the merged model (plain HF directory) with its routers in MERGE_OUT/routers")
@@ -480,6 +504,7 @@ def cmd_eval(args) -> list:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from . import pretrained
     from .analysis import analyze
     from .evaluate import markdown_table
     from .recovery import load_recovered
@@ -499,6 +524,9 @@ def cmd_eval(args) -> list:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                          meta.get("stage", 1)))
         records[-1].update(runs.training_fields(meta))
+        records[-1]["routers"] = pretrained.name_of(rdir) or str(rdir)
+        if len(args.routers) > 1:  # which row is which, in the table
+            records[-1]["label"] = f"{records[-1]['method']} ({pretrained.name_of(rdir) or Path(rdir).parent.name})"
         if meta.get("run"):  # how the routers were trained: steps, tokens, wall time, machine, command
             records[-1]["training"] = meta["run"]
         if args.analyze:
@@ -520,6 +548,11 @@ def main(argv=None) -> int:
     from .data import AssetError
 
     try:
+        if getattr(args, "routers", None):  # shipped names (wide.pretrained) as their directories
+            from . import pretrained
+
+            args.routers = ([str(pretrained.resolve(r)) for r in args.routers] if isinstance(args.routers, list)
+                            else str(pretrained.resolve(args.routers)))
         args.check(args)
         args.func(args)
     except (ValueError, FileNotFoundError, AssetError) as e:

@@ -115,7 +115,7 @@ class Comparison:
 
     def wide_overrides(self) -> dict:
         a = self.args
-        return dict(router_rank=a.router_rank, router_input=a.router_input, loss_mode="flops",
+        return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init, loss_mode="flops",
                     tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
                     ffn_group_size=a.ffn_group_size)
 
@@ -208,7 +208,7 @@ class Comparison:
                "wide": self.wide_overrides(), "offsets": a.offsets, "heldout_fraction": a.heldout_fraction,
                "static": [a.static_calib_sequences, a.static_normalize],
                "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers],
-               "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp,
+               "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp, "sparsity_warmup": a.sparsity_warmup,
                "eval_data": runs.eval_source(a), "decontaminate": a.decontaminate,
                "text_field": a.text_field, "max_train_tokens": a.max_train_tokens}
         h = hashlib.sha1(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
@@ -387,7 +387,9 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         "lr": args.lr, "recovery_lr": args.recovery_lr, "limit": args.limit,
                         "max_eval_sequences": args.max_eval_sequences, "targets": list(args.targets),
                         "dtype": args.dtype, "loss": args.loss, "kd_temperature": args.kd_temperature,
-                        "mix_weight": args.mix_weight, "amp": args.amp, "data": args.data,
+                        "mix_weight": args.mix_weight, "amp": args.amp, "sparsity_warmup": args.sparsity_warmup,
+                        "router_init": args.router_init,
+                        "data": args.data,
                         "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
            **(extra or {}), "records": records}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
@@ -425,12 +427,13 @@ def add_arguments(p) -> None:
     # Every method trains at every target, so stage 1 is shorter than `wide calibrate`'s and
     # checkpoints more often.
     add_fields(t, TrainArgs, only=("steps", "batch_size", "grad_accum", "lr", "save_every", "seed", "loss",
-                                   "kd_temperature", "mix_weight", "amp"),
+                                   "kd_temperature", "mix_weight", "amp", "sparsity_warmup"),
                defaults={"steps": 240, "save_every": 20})
     add_fields(t, CompareArgs, only=("recovery_steps", "recovery_lr"))
     add_fields(t, runs.RunArgs, skip=("stop_at",))
     add_fields(p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)"), WideConfig,
-               only=("router_rank", "router_input", "ffn_group_size", "sparsity_coef", "tau_start", "tau_end"))
+               only=("router_rank", "router_input", "router_init", "ffn_group_size", "sparsity_coef", "tau_start",
+                     "tau_end"))
     s = p.add_argument_group("static width pruning and LoRA")
     add_fields(s, CompareArgs, only=("static_calib_sequences", "static_normalize"))
     add_fields(s, LoraArgs)

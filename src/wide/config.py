@@ -18,6 +18,7 @@ from .cliargs import check_fields
 SPARSE_TARGETS = ("attention", "ffn", "all")
 LOSS_MODES = ("flops", "groups")
 ROUTER_INPUTS = ("residual", "normed")
+ROUTER_INITS = ("random", "dense")
 
 
 @dataclass
@@ -46,12 +47,22 @@ class WideConfig:
     router_input: str = field(default="residual", metadata={
         "choices": ROUTER_INPUTS,
         "help": "what routers read: the residual stream entering the module, or its normed input"})
+    router_init: str = field(default="random", metadata={
+        "choices": ROUTER_INITS,
+        "help": "routers' start: random decisions (about half of the groups per token), or dense (every group "
+                "runs with probability sigmoid(4) = 0.98; pair it with --sparsity-warmup)"})
     loss_mode: str = field(default="flops", metadata={
         "choices": LOSS_MODES,
         "help": "sparsity the penalty measures: FLOP-weighted, or the paper's unweighted group rate"})
     sparsity_coef: float = field(default=20.0, metadata={"help": "weight of |target - rate| in the loss", "min": 0.0})
     tau_start: float = field(default=5.0, metadata={"help": "Gumbel temperature at step 0", "gt": 0.0})
     tau_end: float = field(default=0.5, metadata={"help": "Gumbel temperature at the last step", "gt": 0.0})
+    # Structured routing for the kernels (docs/routing_structure.md): a tile's tokens share one
+    # mask, so prefill kernels can skip whole (tile, group) blocks and decode can reuse one
+    # compacted weight set for a tile's steps. Causal: the tile's first token decides.
+    route_tile: int = field(default=1, metadata={
+        "help": "tokens per routing tile: the tokens at positions [k*N, (k+1)*N) all run the groups the "
+                "router picks for position k*N (1 = every token decides for itself)", "min": 1})
     # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline):
     # set by wide.baselines, not a command-line option.
     tie_modules: bool = False
@@ -90,7 +101,7 @@ class WideConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown WideConfig fields {sorted(unknown)}: written by a newer version of wide?")
-        return cls(**d)
+        return cls(**d)  # fields an older file lacks (route_tile) take their defaults
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))

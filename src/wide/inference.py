@@ -153,6 +153,11 @@ class AcceleratedModel:
         self.inter = cfg.intermediate_size
         self.window = _sliding_window(cfg)
         if self.state is not None and mode == "routed":
+            if self.state.config.route_tile != 1:
+                # Silently routing per token would serve other masks than the ones trained.
+                raise ValueError(f"wide.accelerate routes every token for itself; these routers share one mask per "
+                                 f"tile of {self.state.config.route_tile} tokens (route_tile), which only the masked "
+                                 "PyTorch path runs so far (model.generate on the wrapped model)")
             geo: Geometry = self.state.geometry
             self.attn_gs = geo.attn_group_size
             self.ffn_gs = geo.ffn_group_size

@@ -15,6 +15,11 @@ computed for every token and head as usual. Likewise zeroing down_proj's input c
 exactly "these gate/up columns were not computed". Training therefore computes skipped
 groups densely and masks them, which is what lets gradients reach the routers; speed comes
 from the kernels in ``wide.kernels`` (see ``wide.inference``).
+
+Two structured rules give the kernels whole blocks to skip (docs/routing_structure.md):
+``WideConfig.route_tile`` makes the tokens of a position tile share the mask of the tile's first
+token (training and inference), and :func:`batch_shared_decode` makes a decode batch share one
+group set per module (inference only).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn as nn
 from . import arch
 from .arch import KINDS, SUPPORTED_MODEL_TYPES
 from .config import WideConfig
-from .routers import TokenRouter
+from .routers import TokenRouter, batch_shared_runs, group_runs
 
 
 @dataclass(frozen=True)
@@ -158,11 +163,24 @@ class WideState:
     mask_observers: list = field(default_factory=list)  # fn(layer, kind, mask, valid)
     handles: list = field(default_factory=list)
     routing: bool = True  # False inside routing_disabled(): the hooks let the dense backbone run
+    # Where this forward's tokens sit (route_tile > 1 and batch-shared decode only).
+    position_ids: Optional[torch.Tensor] = None
+    past_length: int = 0  # tokens already in the KV cache: > 0 in a decode step
+    tiles: Optional["_Tiles"] = None  # this forward's token -> tile map, built on first use
+    # (layer, kind, "margin" | "mask") -> (tile [B], values [B, G]): each sequence's latest
+    # tile and its decision, which the decode steps inside that tile reuse. Reset by a prefill.
+    tile_store: dict = field(default_factory=dict)
+    batch_shared: bool = False  # inside batch_shared_decode()
 
-    def new_forward(self, attention_mask) -> None:
+    def new_forward(self, attention_mask, position_ids=None, past_length: int = 0) -> None:
         self.masks.clear()
         self.records.clear()
         self.attention_mask = attention_mask
+        self.position_ids = position_ids
+        self.past_length = past_length
+        self.tiles = None
+        if past_length == 0:  # a new prefill: the tiles of the previous sequences are gone
+            self.tile_store.clear()
 
 
 def _valid_tokens(state: WideState, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +190,171 @@ def _valid_tokens(state: WideState, x: torch.Tensor) -> torch.Tensor:
     if am is not None and am.dim() == 2 and am.shape[0] == b and am.shape[1] >= t:
         return am[:, -t:].to(device=x.device, dtype=torch.float32)
     return torch.ones(b, t, device=x.device, dtype=torch.float32)
+
+
+def _past_length(state: WideState, kwargs: dict) -> int:
+    """Tokens already in the KV cache as this forward starts (0 for a prefill). Read only where
+    structured routing needs it: a cache's length may cost a device sync."""
+    if state.config.route_tile == 1 and not state.batch_shared:
+        return 0
+    cache = kwargs.get("cache")  # transformers 5 calls it cache, 4 past_key_values
+    if cache is None:
+        cache = kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    am = kwargs.get("attention_mask")
+    if ids is not None and am is not None and am.dim() == 2:
+        return max(am.shape[1] - ids.shape[1], 0)
+    return 0
+
+
+def _positions(state: WideState, b: int, t: int, device) -> torch.Tensor:
+    """[B, T] absolute positions: the position ids the model was given (what its RoPE uses, so
+    packed documents that restart at 0 restart their tiles), else the count of valid tokens
+    before each token over the whole attention mask (left padding takes no position, as in HF
+    generate), else the cache length plus the index."""
+    pid = state.position_ids
+    if pid is not None and pid.dim() == 2 and pid.shape[0] in (1, b) and pid.shape[1] >= t:
+        return pid[:, -t:].to(device=device, dtype=torch.long).expand(b, t)
+    am = state.attention_mask
+    if am is not None and am.dim() == 2 and am.shape[0] == b and am.shape[1] >= t:
+        return (am.to(device).long().cumsum(-1) - 1)[:, -t:]
+    return (torch.arange(t, device=device) + state.past_length).expand(b, t)
+
+
+@dataclass
+class _Tiles:
+    """How one forward's tokens map onto routing tiles (``route_tile`` > 1)."""
+
+    tile: torch.Tensor  # [B, T] position // route_tile
+    lead: torch.Tensor  # [B, T] index of the token whose decision each token uses
+    resumed: torch.Tensor  # [B, T] the token's tile began in an earlier forward (decode)
+    last: torch.Tensor  # [B] each row's last valid token, -1 for none
+    weight: torch.Tensor  # [B, T] valid tokens each token decides for (0: it does not decide)
+
+
+NO_TILE = torch.iinfo(torch.long).min
+
+
+def _last_index(flags: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the largest j <= t with flags[b, j], or -1."""
+    idx = torch.arange(flags.shape[1], device=flags.device).expand_as(flags)
+    return torch.where(flags, idx, -1).cummax(dim=1).values
+
+
+def plan_tiles(pos: torch.Tensor, valid: torch.Tensor, tile_size: int, continuing: bool) -> _Tiles:
+    """The tile map of one forward from its positions [B, T] and valid tokens [B, T] (bool).
+
+    A run of valid tokens starts at a tile boundary, at a row's first valid token, or where the
+    positions leave the previous valid token's tile or go back (a new packed document); every
+    token uses the decision of its run's first token. Padding decides for itself (its output is
+    read by nothing). A row's first run that starts inside a tile is, in a ``continuing``
+    forward (a decode step), the rest of a tile an earlier forward began: ``resumed``. Without a
+    cache it is the start of a text cut mid-tile, and its first token leads.
+    """
+    idx = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)
+    tile = torch.div(pos, tile_size, rounding_mode="floor")
+    upto = _last_index(valid)
+    prev = torch.cat([upto.new_full((pos.shape[0], 1), -1), upto[:, :-1]], dim=1)
+    first = prev < 0
+    p = prev.clamp_min(0)
+    start = valid & (first | (pos % tile_size == 0) | (tile != tile.gather(1, p)) | (pos <= pos.gather(1, p)))
+    lead = torch.where(valid, _last_index(start), idx)
+    resumed = valid & first.gather(1, lead) & (pos.gather(1, lead) % tile_size != 0) & continuing
+    weight = torch.zeros(pos.shape, device=pos.device).scatter_add_(1, lead, (valid & ~resumed).float())
+    return _Tiles(tile, lead, resumed, upto[:, -1], weight)
+
+
+def _tiles(state: WideState, x: torch.Tensor) -> _Tiles:
+    b, t = x.shape[0], x.shape[1]
+    if state.tiles is None or state.tiles.tile.shape != (b, t):
+        valid = _valid_tokens(state, x).bool()
+        pos = _positions(state, b, t, x.device)
+        state.tiles = plan_tiles(pos, valid, state.config.route_tile, state.past_length > 0)
+    return state.tiles
+
+
+def _decision_weights(state: WideState, x: torch.Tensor) -> torch.Tensor:
+    """[B, T]: how many valid tokens each token's own router decision covers (1 or 0 per token
+    with route_tile 1; a tile's tokens on its first token and 0 on the others)."""
+    if state.config.route_tile == 1:
+        return _valid_tokens(state, x)
+    return _tiles(state, x).weight
+
+
+def _tiled(state: WideState, layer: int, kind: str, what: str, values: torch.Tensor) -> torch.Tensor:
+    """Per-token ``values`` [B, T, G] (margins or 0/1 masks) as the tile rule hands them out:
+    each token gets its tile's first token's, from this forward or, in a decode step inside a
+    tile, from the store. Gathering keeps the straight-through gradient: it reaches the first
+    token's sample from every token of the tile."""
+    if state.config.route_tile == 1:
+        return values
+    tiles = _tiles(state, values)
+    out = values.gather(1, tiles.lead.unsqueeze(-1).expand_as(values))
+    key = (layer, kind, what)
+    out = _resume(state.tile_store.get(key), tiles, out)
+    state.tile_store[key] = _latest_tile(state.tile_store.get(key), tiles, out)
+    return out
+
+
+def _fits(entry, out: torch.Tensor) -> bool:
+    return entry is not None and entry[1].shape == (out.shape[0], out.shape[2]) and entry[1].device == out.device
+
+
+def _resume(entry, tiles: _Tiles, out: torch.Tensor) -> torch.Tensor:
+    if not _fits(entry, out):  # no earlier forward of these sequences (or another batch)
+        return out
+    tile, values = entry
+    hit = tiles.resumed & (tile.unsqueeze(1) == tiles.tile)
+    return torch.where(hit.unsqueeze(-1), values.unsqueeze(1).to(out.dtype), out)
+
+
+def _latest_tile(entry, tiles: _Tiles, out: torch.Tensor) -> tuple:
+    """Each row's last valid token's (tile, values); a row without a valid token keeps its own."""
+    last = tiles.last.clamp_min(0).unsqueeze(1)
+    tile = tiles.tile.gather(1, last).squeeze(1)
+    values = out.detach().gather(1, last.unsqueeze(-1).expand(-1, 1, out.shape[2])).squeeze(1)
+    none = tiles.last < 0
+    if _fits(entry, out):
+        return torch.where(none, entry[0], tile), torch.where(none.unsqueeze(1), entry[1], values)
+    return tile.masked_fill(none, NO_TILE), values
+
+
+def _decode_step(state: WideState, x: torch.Tensor) -> bool:
+    return state.past_length > 0 and x.shape[1] == 1
+
+
+def _shared(state: WideState, margin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The batch's one group set [B, 1, G] for this decode step (float 0/1)."""
+    valid = _valid_tokens(state, x)[:, 0].bool()
+    runs = batch_shared_runs(margin[:, 0], valid)
+    return runs.float().view(1, 1, -1).expand(margin.shape[0], 1, -1)
+
+
+def _decide(state: WideState, router: Optional[TokenRouter], layer: int, kind: str,
+            x: torch.Tensor) -> Optional[torch.Tensor]:
+    """This module's float 0/1 execute mask [B, T, G] under the tile rule, or None when the
+    module is not routed. At inference the margins are tiled, so that a batch-shared decode
+    step ranks groups by the margins that decided each sequence's tile."""
+    if router is None:
+        return None
+    if state.mask_fn is not None:
+        mask = state.mask_fn(layer, kind, x)
+        if mask is None:
+            return None
+        mask = mask.float()
+        if state.config.tie_modules:
+            mask = mask[..., :1]
+        return _tiled(state, layer, kind, "mask", mask)
+    if router.training and state.tau is not None:
+        return _tiled(state, layer, kind, "mask", router.decide(x, state.tau))
+    margin = _tiled(state, layer, kind, "margin", router.margin(x))
+    if state.batch_shared and _decode_step(state, x):
+        return _shared(state, margin, x)
+    return group_runs(margin).float()  # router.decide(x) when nothing is tiled
 
 
 def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
@@ -186,26 +369,16 @@ def _route_fp32(state: WideState, routers: LayerRouters, layer: int, kind: str, 
     cfg = state.config
     for fn in state.input_observers:
         fn(layer, kind, x)
-    tied = cfg.tie_modules and kind == "ffn"
-    if tied:
+    if cfg.tie_modules and kind == "ffn":
         # Dynamic depth: the FFN follows the decision taken at the layer's entry.
         base = state.masks.get((layer, "attn_decision"))
         if base is None:
             return
         mask = base.expand(*base.shape[:-1], state.geometry.ffn_groups)
     else:
-        router = routers.router(kind)
-        if router is None:  # module not routed by this config
+        mask = _decide(state, routers.router(kind), layer, kind, x)
+        if mask is None:  # module not routed by this config (or by the mask_fn)
             return
-        if state.mask_fn is not None:
-            mask = state.mask_fn(layer, kind, x)
-            if mask is None:
-                return
-            mask = mask.float()
-            if cfg.tie_modules:
-                mask = mask[..., :1]
-        else:
-            mask = router.decide(x, state.tau if router.training else None)
         if cfg.tie_modules:
             state.masks[(layer, "attn_decision")] = mask
             mask = mask.expand(*mask.shape[:-1], state.geometry.attn_groups)
@@ -248,7 +421,7 @@ def install_hooks(model) -> None:
     layers = arch.decoder_layers(model)
 
     def on_model(module, args, kwargs):
-        state.new_forward(kwargs.get("attention_mask"))
+        state.new_forward(kwargs.get("attention_mask"), kwargs.get("position_ids"), _past_length(state, kwargs))
 
     # The hook sits on the module that owns the layers, which receives the attention mask.
     owner = arch.get_path(model, spec.layers.rpartition(".")[0]) if "." in spec.layers else model
@@ -294,6 +467,10 @@ def wrap(model, config: Optional[WideConfig] = None, *, seed: Optional[int] = No
         if seed is not None:
             torch.manual_seed(seed)
         model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
+    if config.router_init == "dense":
+        for r in model.wide_routers.modules():
+            if isinstance(r, TokenRouter):
+                r.start_dense()
     model.wide_state = WideState(config=config, geometry=geo)
     model.wide_config = config
     install_hooks(model)
@@ -420,7 +597,8 @@ def routing_disabled(model):
     its sparsity records) is put back on exit, so a dense pass may run between a routed forward
     and its loss. The distillation teacher of ``wide.train`` runs under it."""
     state = get_state(model)
-    saved = (state.routing, dict(state.masks), list(state.records), state.attention_mask)
+    saved = (state.routing, dict(state.masks), list(state.records), dict(state.tile_store))
+    forward = {k: getattr(state, k) for k in ("attention_mask", "position_ids", "past_length", "tiles")}
     state.routing = False
     try:
         yield model
@@ -429,7 +607,10 @@ def routing_disabled(model):
         state.masks.clear()
         state.masks.update(saved[1])
         state.records[:] = saved[2]
-        state.attention_mask = saved[3]
+        state.tile_store.clear()
+        state.tile_store.update(saved[3])
+        for k, v in forward.items():
+            setattr(state, k, v)
 
 
 @contextlib.contextmanager
@@ -449,6 +630,47 @@ def track_sparsity(model):
     finally:
         tracker.sums = dict(state.accumulators)
         state.accumulators = previous
+
+
+@contextlib.contextmanager
+def recording_masks(model):
+    """Collect the execute masks of every routed forward inside the block.
+
+    Yields a dict (layer, kind) -> list of bool masks [B, T, G], one per forward in order: a
+    decode loop gives one [B, 1, G] per step (``torch.cat(..., dim=1)`` gives the whole text).
+    """
+    state = get_state(model)
+    seen: dict = {}
+
+    def observe(layer, kind, mask, valid):
+        seen.setdefault((layer, kind), []).append(mask.bool())
+
+    state.mask_observers.append(observe)
+    try:
+        yield seen
+    finally:
+        state.mask_observers.remove(observe)
+
+
+@contextlib.contextmanager
+def batch_shared_decode(model):
+    """Inside the block, every decode step (one new token per sequence on a KV cache) runs one
+    group set per layer and module for the whole batch: ``wide.routers.batch_shared_runs`` of
+    the sequences' (tile-rule) margins, as many groups as the batch's mean width asks for.
+    Prefills and training forwards are unchanged.
+
+    A sequence's output then depends on the sequences it is batched with. That is why this is
+    a switch around the serving call and not a WideConfig field: it is a way of serving trained
+    routers, not part of what was trained, saved or resumed, and the dependence on the batch
+    should be asked for where the batch is formed.
+    """
+    state = get_state(model)
+    previous = state.batch_shared
+    state.batch_shared = True
+    try:
+        yield model
+    finally:
+        state.batch_shared = previous
 
 
 class _Tracker:
@@ -512,9 +734,11 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
         def observe(layer, kind, x):
             r = model.wide_routers[layer].router(kind)
             if r is not None:
-                valid = _valid_tokens(state, x).flatten().bool()
+                # Only deciding tokens count, each once per valid token it decides for: with
+                # route_tile > 1 a tile's first token, as many times as the tile has tokens.
+                weight = _decision_weights(state, x).flatten().long()
                 m = r.gap(x).flatten(0, -2)
-                margins.setdefault((layer, kind), []).append(m[valid].cpu())
+                margins.setdefault((layer, kind), []).append(m.repeat_interleave(weight, dim=0).cpu())
 
         observed_pass(model, batches, state.input_observers, observe)
         return {k: torch.cat(v) for k, v in margins.items()}  # [tokens, G], offset excluded
@@ -602,5 +826,6 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelDims", "Geometry", "resolve_geometry", "wrap", "unwrap",
     "install_hooks", "get_state", "router_parameters", "freeze_backbone", "Sparsity",
     "forward_sparsity", "sparsity_penalty", "sparsity_loss", "track_sparsity", "routing_disabled",
-    "calibrate_offsets", "geometry_dict", "dense_macs_per_token",
+    "calibrate_offsets", "geometry_dict", "dense_macs_per_token", "recording_masks", "batch_shared_decode",
+    "plan_tiles",
 ]

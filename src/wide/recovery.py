@@ -173,11 +173,15 @@ def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
     """Base model (a model or a local HF directory) + everything a method directory holds, in
     one call: routers, LoRA adapters if any (merged by default), a static pruning mask if any.
 
-    Works on stage-1 router directories too, so it is the one loader for every method.
+    Works on stage-1 router directories too, so it is the one loader for every method, and on
+    the names of shipped routers (wide.pretrained).
     """
+    from . import pretrained
+
     from .baselines import apply_static_file
 
-    path = Path(path)
+    base = pretrained.base_model_for(path, base)
+    path = Path(pretrained.resolve(path))
     base = resolve_base_model(path, base, **hf_kwargs)
     load(base, path)
     if (path / ADAPTER_FILE).is_file():

@@ -287,6 +287,8 @@ def read_meta(path) -> dict:
 def config_differences(saved: dict, config: WideConfig) -> dict:
     """``{field: (saved value, value in config)}`` for each WideConfig field that differs."""
     now = config.to_dict()
+    # A field a file predates (route_tile, router_init) was that field's default then.
+    saved = {**WideConfig().to_dict(), **saved}
     return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
 
 

@@ -21,7 +21,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -71,6 +71,9 @@ class TrainArgs:
     kd_temperature: float = field(default=1.0, metadata={
         "help": "softmax temperature T of both distributions in the KL; the KL is scaled by T^2", "gt": 0})
     mix_weight: float = field(default=0.5, metadata={"help": "share of kd in --loss mix", "min": 0, "max": 1})
+    sparsity_warmup: float = field(default=0.0, metadata={
+        "help": "share of the steps over which the sparsity target rises linearly from 0 to its value "
+                "(0: the full target from the first step)", "min": 0, "max": 1})
     amp: str = field(default="none", metadata={
         "choices": AMP_MODES,
         "help": "bf16: run the backbone's forward passes (student and teacher) under bf16 autocast; routers, "
@@ -87,13 +90,27 @@ class TrainArgs:
 # Changing these mid-run would make a resumed run a different run (the others, evaluation
 # and checkpoint periods, change what is recorded, not the routers).
 RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "max_grad_norm", "seed",
-               "loss", "kd_temperature", "mix_weight", "amp")
+               "loss", "kd_temperature", "mix_weight", "amp", "sparsity_warmup")
 
 
 def with_defaults(saved: dict) -> dict:
     """Saved TrainArgs (a checkpoint's, a run's) with the fields an older version of wide did
     not have filled in with their defaults, which are what that version did."""
     return {**{f.name: f.default for f in fields(TrainArgs)}, **saved}
+
+
+def target_config(cfg, args: TrainArgs, step: int):
+    """The WideConfig whose targets the penalty of ``step`` aims at: during the first
+    ``sparsity_warmup`` share of the steps, every target scaled by (step + 1) / warm-up steps, so
+    that routers which start dense (WideConfig.router_init) are not pushed to the full target
+    before they have learned which groups matter."""
+    warm = int(round(args.sparsity_warmup * args.steps))
+    if step >= warm:
+        return cfg
+    f = (step + 1) / warm
+    return replace(cfg, target_sparsity=cfg.target_sparsity * f,
+                               attn_target=None if cfg.attn_target is None else cfg.attn_target * f,
+                               ffn_target=None if cfg.ffn_target is None else cfg.ffn_target * f)
 
 
 def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
@@ -403,7 +420,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
                 x = train_ids[idx].to(device)
             losses = micro_batch_loss(model, x, args)
             sp = forward_sparsity(model) if session is None else session.sparsity()
-            pen = sparsity_penalty(sp, cfg)
+            pen = sparsity_penalty(sp, target_config(cfg, args, step))
             scale = 1.0 if session is None else session.penalty_scale
             loss = (losses["task"] + cfg.sparsity_coef * scale * pen) / args.grad_accum
             loss.backward()

@@ -1,0 +1,140 @@
+"""Routers shipped inside the package (wide.pretrained): listed, traceable to a results file and a
+command, loadable by name from Python and the CLI, refused when damaged or made for another shape."""
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_model, write_tiny_run
+from safetensors.torch import load_file
+
+import wide
+from wide import arch, pretrained
+from wide.cli import main
+from wide.serialization import CheckpointError, read_manifest
+
+NAMES = ("smollm2-135m-25", "smollm2-135m-50")
+
+
+def test_names_and_provenance():
+    assert set(NAMES) <= set(pretrained.names())
+    for name in NAMES:
+        prov = pretrained.provenance(name)
+        meta = json.loads((pretrained.path(name) / "wide_config.json").read_text())
+        run = meta["run"]
+        # provenance agrees with what wide calibrate recorded in the routers themselves
+        assert prov["command"] == run["command"] and prov["command"].startswith("wide calibrate")
+        assert prov["tokens"] == run["tokens"] == run["steps"] * run["train_args"]["batch_size"] * 256
+        assert (prov["seed"], prov["loss"]) == (run["train_args"]["seed"], run["train_args"]["loss"])
+        assert prov["target_sparsity"] == meta["wide_config"]["target_sparsity"] == int(name[-2:]) / 100
+        assert prov["code_commit"] and prov["data"]["data"] == "wiki" and prov["decontamination"]["dropped"] > 0
+        ev = prov["evaluation"]
+        assert ev["routers"]["limit"] == ev["dense"]["limit"] == 500
+        assert ev["dense"]["ppl"] < ev["routers"]["ppl"]
+        assert abs(ev["routers"]["sparsity"] - prov["target_sparsity"]) < 0.02
+        assert ev["results_file"].startswith("bench/results/quality_scaling/")
+        assert read_manifest(pretrained.path(name)) is not None  # files as wide calibrate sealed them
+
+
+def test_results_file_named_in_provenance_holds_the_same_numbers():
+    root = pretrained.SHIPPED.parents[2]
+    for name in NAMES:
+        ev = pretrained.provenance(name)["evaluation"]
+        f = root / ev["results_file"]
+        if not f.is_file():
+            pytest.skip("not a source checkout")
+        rec = json.loads(f.read_text())["records"][0]
+        assert rec["ppl"] == ev["routers"]["ppl"] and rec["avg"] == ev["routers"]["avg"]
+
+
+def _smollm2_shape():
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(arch.hf_config("smollm2-135m"), dtype=torch.float32)
+
+
+def test_from_pretrained_by_name_loads_the_shipped_tensors():
+    # Random weights of the default model's shape: the shipped routers load onto them exactly.
+    model = wide.from_pretrained("smollm2-135m-50", base_model=_smollm2_shape())
+    saved = load_file(str(pretrained.path("smollm2-135m-50") / "routers.safetensors"))
+    state = model.wide_routers.state_dict()
+    assert set(saved) == set(state)
+    assert all(torch.equal(saved[k], state[k]) for k in saved)
+    assert model.wide_state.config.target_sparsity == 0.5
+    ids = torch.randint(0, 1000, (1, 16))
+    with wide.track_sparsity(model) as tracker:
+        model(input_ids=ids)
+    assert 0.0 < tracker.summary().flop_rate < 1.0
+
+
+def test_shipped_routers_refuse_another_model_shape():
+    with pytest.raises(CheckpointError, match="trained for a different model"):
+        wide.load(tiny_model(), "smollm2-135m-25")
+
+
+def test_unknown_name_and_damaged_copy(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        wide.load(tiny_model(), "smollm2-135m-75")
+    with pytest.raises(CheckpointError, match="no shipped routers named 'x'; shipped: smollm2-135m-25"):
+        pretrained.path("x")
+    fake = tmp_path / "shipped"
+    shutil.copytree(pretrained.SHIPPED, fake)
+    monkeypatch.setattr(pretrained, "SHIPPED", fake)
+    f = fake / "smollm2-135m-50" / "routers.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fail their sha256 manifest: reinstall wide"):
+        pretrained.resolve("smollm2-135m-50")
+    assert pretrained.resolve("smollm2-135m-25") == fake / "smollm2-135m-25"  # the other one is intact
+
+
+def test_a_local_directory_of_the_same_name_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert pretrained.resolve("smollm2-135m-50") == pretrained.SHIPPED / "smollm2-135m-50"
+    (tmp_path / "smollm2-135m-50").mkdir()
+    assert pretrained.resolve("smollm2-135m-50") == "smollm2-135m-50"
+    assert pretrained.name_of(pretrained.SHIPPED / "smollm2-135m-25") == "smollm2-135m-25"
+    assert pretrained.name_of(tmp_path / "smollm2-135m-50") is None
+
+
+def test_cli_takes_names_where_it_takes_router_directories(tmp_path, capsys):
+    opts = write_tiny_run(tmp_path)
+    model_dir = opts[opts.index("--model") + 1]
+    # The name resolves (no "does not exist"); the tiny model's shape is then refused in one line.
+    rc = main(["generate", "--model", model_dir, "--routers", "smollm2-135m-50", "--prompt", "the cat",
+               "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "trained for a different model" in err and "Traceback" not in err
+    rc = main(["eval", "--model", model_dir, "--routers", "no-such-routers"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--routers" in err and "no-such-routers" in err
+
+
+def test_package_data_declares_the_shipped_files():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    cfg = tomllib.loads((pretrained.SHIPPED.parents[2] / "pyproject.toml").read_text())
+    assert "shipped/*/*" in cfg["tool"]["setuptools"]["package-data"]["wide"]
+    for name in NAMES:
+        files = {p.name for p in pretrained.path(name).iterdir()}
+        assert files == {"routers.safetensors", "wide_config.json", "wide_manifest.json", "provenance.json"}
+
+
+def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
+    from wide import demo
+
+    own = str(tmp_path / "demo" / "routers")
+    sets = demo.router_sets(own)
+    assert sets[-1] == own and [pretrained.name_of(s) for s in sets[:-1]] == list(demo.SHIPPED)
+    assert demo.router_sets(own, default_model=False) == [own]  # shipped routers fit the default model only
+    records = [{"method": "dense", "ppl": 27.5},
+               {"method": "wide", "routers": "smollm2-135m-50", "ppl": 70.5, "sparsity": 0.502},
+               {"method": "wide", "routers": own, "ppl": 262.0, "sparsity": 0.505}]
+    text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0})
+    prov = pretrained.provenance("smollm2-135m-50")
+    assert "shipped `smollm2-135m-50`: perplexity 70.5 here (2.6x dense)" in text
+    assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
+    assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
+    assert demo.explanation(records[:2], {}) == ""  # no routers of its own: nothing to explain
