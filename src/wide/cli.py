@@ -240,7 +240,7 @@ def cmd_demo(args):
     args.out = str(out / "comparison")
     records = cmd_eval(args)
     tok, model_path = runs.load_tokenizer(args)
-    labels = [r["label"] for r in records if r.get("routers")]
+    labels = [r.get("label") or r["method"] for r in records if r.get("routers")]
     text = demo.samples(model_path, tok, args.routers, labels, args.device or runs.default_device(),
                         getattr(torch, args.dtype), max_new_tokens=args.sample_tokens)
     text += "\n" + demo.explanation(records, run)
@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(e, runs.ModelArgs)
     add_fields(e, runs.DataArgs)
     add_fields(e, runs.EvalArgs)
-    e.add_argument("--routers", nargs="*", default=None, help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
+    e.add_argument("--routers", nargs="*", default=None,
+                   help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
     e.add_argument("--analyze", action="store_true",
@@ -322,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Load a model and saved routers, wide.accelerate it and generate: static KV "
                                     "cache, routed prefill, CUDA-graph decode on GPU (PyTorch masked path on CPU).")
     add_fields(gn, runs.ModelArgs)
-    gn.add_argument("--routers", default=None, help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
+    gn.add_argument("--routers", default=None,
+                    help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
     gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
     gn.add_argument("--temperature", type=bounded(float, min=0.0), default=0.0, help="0 = greedy")
@@ -434,7 +436,8 @@ def cmd_bench(args):
 
 
 def _add_recover_args(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--routers", required=True, help="stage-1 directory (e.g. RUN/routers from wide calibrate) or shipped name")
+    r.add_argument("--routers", required=True,
+                   help="stage-1 directory (e.g. RUN/routers from wide calibrate) or shipped name")
     _add_run_dir_args(r, "checkpoint/, recovered/, history.json, run.json, settings.json")
     r.add_argument("--merge-out", default=None,
                    help="also write the merged model (plain HF directory) with its routers in MERGE_OUT/routers")
@@ -524,9 +527,10 @@ def cmd_eval(args) -> list:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                          meta.get("stage", 1)))
         records[-1].update(runs.training_fields(meta))
-        records[-1]["routers"] = pretrained.name_of(rdir) or str(rdir)
+        shipped = pretrained.name_of(rdir)
+        records[-1]["routers"] = shipped or str(rdir)
         if len(args.routers) > 1:  # which row is which, in the table
-            records[-1]["label"] = f"{records[-1]['method']} ({pretrained.name_of(rdir) or Path(rdir).parent.name})"
+            records[-1]["label"] = f"{records[-1]['method']} ({shipped or Path(rdir).parent.name})"
         if meta.get("run"):  # how the routers were trained: steps, tokens, wall time, machine, command
             records[-1]["training"] = meta["run"]
         if args.analyze:
