@@ -186,6 +186,7 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     assert (dense["method"], dense["stage"], routed["method"], routed["stage"]) == ("dense", 0, "wide", 1)
     assert (dense["loss"], dense["tokens"], dense["seed"]) == (None, 0, None)
     assert (routed["loss"], routed["tokens"], routed["seed"]) == ("ce", 2 * 2 * 16, 0)
+    assert (dense["routing"], routed["routing"]) == (None, "token")  # issue 20's field, beside e2e's
     assert run["decontamination"]["mode"] == "heldout" and run["data"]["decontaminate"] == "heldout"
     assert dense["model"] == routed["model"] == "model" and routed["training"]["steps"] == 2
     assert dense["sparsity"] == 0.0 < routed["sparsity"] and routed["ppl"] > 0 and "avg" not in routed

@@ -23,6 +23,8 @@ def test_e2e_two_models_tiny(tmp_path):
         mine = {(r["op"], r["engine"]): r for r in recs if r["model"] == model}
         assert set(mine) == {(op, eng) for op in ("e2e_ttft", "e2e_tpot") for eng in ("dense", "routed")}
         assert all(r["ms"] > 0 for r in mine.values())
+        assert {k: r["routing"] for k, r in mine.items()} == {
+            (op, eng): None if eng == "dense" else "token" for op, eng in mine}
         assert mine[("e2e_tpot", "routed")]["speedup"] > 0  # against this model's own dense engine
         # the routed decode's masks, recorded through decode(record=...): about half the groups
         assert 0.2 < mine[("e2e_tpot", "routed")]["active_frac_per_token"] < 0.8

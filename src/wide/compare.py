@@ -243,7 +243,8 @@ class Comparison:
         # loss, tokens, seed: what trained it (no gradient step: no loss; dense: nothing)
         trained = family is not None and (family != "static_width" or stage == 2)
         rec.update(loss=a.loss if trained else None, tokens=rec.get("train_tokens", 0),
-                   seed=a.seed if family is not None else None)
+                   seed=a.seed if family is not None else None,
+                   routing=None if family in (None, "static_width") else "token")
         self.cache[key] = rec
         tmp = self.cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.cache, indent=1))

@@ -347,6 +347,13 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
     return rec
 
 
+def routing_name(meta: dict) -> str:
+    """The routing rule of saved routers, as records name it: "token", or "tile<N>" for
+    route_tile N > 1 (docs/routing_structure.md)."""
+    tile = (meta.get("wide_config") or {}).get("route_tile", 1)
+    return "token" if tile == 1 else f"tile{tile}"
+
+
 def training_fields(meta: Optional[dict]) -> dict:
     """What a quality record says about how the routers it measures were trained: ``loss``
     (ce | kd | mix), ``tokens`` (calibration tokens seen, both stages together for stage 2) and
@@ -355,12 +362,12 @@ def training_fields(meta: Optional[dict]) -> dict:
     its start. None where the directory does not say (routers saved from Python); the dense
     model's record has loss None, tokens 0, seed None."""
     if meta is None:
-        return {"loss": None, "tokens": 0, "seed": None}
+        return {"loss": None, "tokens": 0, "seed": None, "routing": None}
     run = meta.get("run") or {}
     # wide compare's method directories keep their TrainArgs in compare_settings (no run record)
     targs = run.get("train_args") or (meta.get("compare_settings") or {}).get("train") or {}
     loss = targs.get("loss", "ce" if targs else None)  # runs from before --loss trained with ce
-    out = {"loss": loss, "tokens": run.get("tokens"), "seed": targs.get("seed")}
+    out = {"loss": loss, "tokens": run.get("tokens"), "seed": targs.get("seed"), "routing": routing_name(meta)}
     if run.get("stage1"):
         out["stage1"] = run["stage1"]
     return out

@@ -347,6 +347,9 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     def add(rec, base_key=None):
         rec["model"] = model_name
+        # The engine routes every token for itself (it refuses route_tile > 1): the routing rule
+        # the record measures, so that structured routing's records sit beside these.
+        rec["routing"] = None if rec["engine"] == "dense" else "token"
         # speedup = dense engine time over this engine's, same run, model and shape
         if rec["engine"] != "dense":
             for r in records:
