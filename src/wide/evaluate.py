@@ -205,22 +205,13 @@ def above_chance(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance: Op
     """Share of the dense model's above-chance accuracy that ``record`` keeps, over ``tasks``
     together: (mean metric - mean chance) / (dense's mean metric - mean chance). Pooled rather
     than a mean of per-task ratios, which a task where dense is barely above chance (WinoGrande)
-    would dominate. ``chance`` maps task -> level where the records lack ``tasks_detail[task]
-    ["chance"]``. None if a task is missing."""
-    def mean(rec, key):
-        vals = []
-        for t in tasks:
-            if rec.get(t) is None:
-                return None
-            vals.append(rec[t] if key == "metric" else
-                        ((rec.get("tasks_detail") or {}).get(t, {}).get("chance") or (chance or {}).get(t)))
-        return None if any(v is None for v in vals) else sum(vals) / len(vals)
-
-    c = mean(dense, "chance") or mean(record, "chance")
-    m, d = mean(record, "metric"), mean(dense, "metric")
-    if None in (c, m, d) or d <= c:
+    would dominate. ``chance`` maps task -> level (default: :func:`chance_levels` of the two
+    records). None if a task is missing or dense is not above chance."""
+    if any(r.get(t) is None for r in (record, dense) for t in tasks):
         return None
-    return (m - c) / (d - c)
+    levels = chance or chance_levels([dense, record], tasks)
+    c, m, d = (sum(v[t] for t in tasks) / len(tasks) for v in (levels, record, dense))
+    return None if d <= c else (m - c) / (d - c)
 
 
 @torch.no_grad()

@@ -177,7 +177,6 @@ def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
     the names of shipped routers (wide.pretrained).
     """
     from . import pretrained
-
     from .baselines import apply_static_file
 
     base = pretrained.base_model_for(path, base)

@@ -109,8 +109,8 @@ def target_config(cfg, args: TrainArgs, step: int):
         return cfg
     f = (step + 1) / warm
     return replace(cfg, target_sparsity=cfg.target_sparsity * f,
-                               attn_target=None if cfg.attn_target is None else cfg.attn_target * f,
-                               ffn_target=None if cfg.ffn_target is None else cfg.ffn_target * f)
+                   attn_target=None if cfg.attn_target is None else cfg.attn_target * f,
+                   ffn_target=None if cfg.ffn_target is None else cfg.ffn_target * f)
 
 
 def lr_lambda(args: TrainArgs) -> Callable[[int], float]:
