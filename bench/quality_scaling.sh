@@ -22,7 +22,9 @@
 #   S="WIDE_CACHE_DIR=/root/wc RUNS=/root/scaling/runs RESULTS=/root/scaling/results PACK_TO=$OUT"
 #   call 1, carry .device_assets/part1 (random weights of the same shape: no assets needed yet):
 #   env $S PHASES=speed SPEED_MODEL=smollm2-135m BUDGET_S=420 bash bench/quality_scaling.sh
-#   call 2, carry .device_assets/part2; calls 3 and 4 the same command (unpacking skipped):
+#   call 2, carry .device_assets/part2 (the last part; `pack` now makes as many parts as fit beside
+#   the working tree, three since it passed ~6 MiB: carry each in turn, unpack in the last call);
+#   calls 3 and 4 the same command (unpacking skipped):
 #   ( [ -f /root/wc/.unpacked ] || { python3 scripts/device_assets.py unpack --cache /root/wc &&
 #     touch /root/wc/.unpacked; } ) && env $S PHASES="train eval plot extra" BUDGET_S=555 bash bench/quality_scaling.sh
 #

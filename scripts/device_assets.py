@@ -1,13 +1,15 @@
 """Carry the default model and data to an offline GPU machine in parts.
 
 The lent GPU machine has no network and a call carries at most 64 MiB, while the SmolLM2 GGUF
-alone is 93 MB. This packs the cached assets into two folders under ``.device_assets/`` (git
-ignores it), each small enough for one call; the device machine, kept warm between two
-back-to-back calls, unpacks them into a cache directory that ``wide.data`` then uses offline.
+alone is 93 MB. This packs the cached assets into folders ``part1``, ``part2``, ... under
+``.device_assets/`` (git ignores it), as few as fit beside the working tree in one call each
+(two while the tree is under ~6 MiB, three above); the device machine, kept warm between
+back-to-back calls (ignored files stay there), unpacks them into a cache directory that
+``wide.data`` then uses offline.
 
     python scripts/device_assets.py pack                      # here, once the cache is filled
-    # call 1: carry .device_assets/part1 ; call 2: carry .device_assets/part2 and run
-    python3 scripts/device_assets.py unpack --cache /root/wide_cache   # on the device, in call 2
+    # call k: carry .device_assets/part<k>; the last call carries the last part and runs
+    python3 scripts/device_assets.py unpack --cache /root/wide_cache   # on the device, last call
     WIDE_CACHE_DIR=/root/wide_cache PYTHONPATH=src python3 -m wide.cli compare ...
 
 Every file is checked against a sha256 written at pack time.
@@ -37,14 +39,27 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
+# What one device call carries in all: the working tree plus the part.
+CALL_LIMIT = 64 * 2**20
+
+
+def tree_bytes() -> int:
+    """Bytes of the files a device call sends besides what it carries (tracked and untracked,
+    not ignored)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         check=True, capture_output=True).stdout
+    return sum((ROOT / f).stat().st_size for f in out.decode().split("\0") if f and (ROOT / f).is_file())
+
+
 def pack(cache: Path) -> None:
     gguf = cache / GGUF_REL
     if not gguf.is_file():
         sys.exit(f"{gguf} missing: run `wide demo` (or wide.data.fetch_default_model()) first")
     shutil.rmtree(OUT, ignore_errors=True)
-    p1, p2 = OUT / "part1", OUT / "part2"
+    # Each part leaves room for the working tree (which grows with the repository) and 1 MiB.
+    room = CALL_LIMIT - tree_bytes() - 2**20
+    p1 = OUT / "part1"
     p1.mkdir(parents=True)
-    p2.mkdir(parents=True)
     # The device image has no `gguf` package; transformers needs it to read the file.
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "gguf==0.19.0", "-d", str(p1)],
                    check=True)
@@ -55,29 +70,47 @@ def pack(cache: Path) -> None:
             if (cache / sub).is_dir():
                 tar.add(cache / sub, arcname=sub)
     data = gguf.read_bytes()
-    # Both parts about the same size, the data in the first.
-    cut = max(0, (len(data) + (p1 / "data.tar.gz").stat().st_size) // 2 - (p1 / "data.tar.gz").stat().st_size)
-    (p1 / "gguf.0").write_bytes(data[:cut])
-    (p2 / "gguf.1").write_bytes(data[cut:])
-    manifest = {"gguf_sha256": _sha(gguf), "files": {}}
-    for part in (p1, p2):
-        for f in part.iterdir():
+    used1 = sum(f.stat().st_size for f in p1.iterdir())
+    # As few parts as fit, the same size each (the data rides in the first).
+    total = len(data) + used1
+    n = -(-total // room)
+    size = -(-total // n)
+    cuts, start = [], 0
+    for i in range(n):
+        take = size - (used1 if i == 0 else 0)
+        cuts.append((start, min(len(data), start + take)))
+        start = cuts[-1][1]
+    parts = [OUT / f"part{i + 1}" for i in range(n)]
+    for i, (part, (a, b)) in enumerate(zip(parts, cuts)):
+        part.mkdir(exist_ok=True)
+        (part / f"gguf.{i}").write_bytes(data[a:b])
+    manifest = {"gguf_sha256": _sha(gguf), "parts": n, "files": {}}
+    for part in parts:
+        for f in sorted(part.iterdir()):
             manifest["files"][f"{part.name}/{f.name}"] = _sha(f)
-    (p2 / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    for part in (p1, p2):
-        size = sum(f.stat().st_size for f in part.iterdir()) / 2**20
-        print(f"{part}: {size:.1f} MiB")
+    (parts[-1] / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for part in parts:
+        mib = sum(f.stat().st_size for f in part.iterdir()) / 2**20
+        print(f"{part}: {mib:.1f} MiB")
+    print(f"{n} parts (working tree {tree_bytes() / 2**20:.1f} MiB): carry them in {n} back-to-back calls, "
+          f"unpack in the last")
 
 
 def unpack(cache: Path, src: Path) -> None:
-    manifest = json.loads((src / "part2" / "manifest.json").read_text())
+    last = max(src.glob("part*/manifest.json"), key=lambda f: int(f.parent.name[4:]), default=None)
+    if last is None:
+        sys.exit(f"no part*/manifest.json under {src}: carry every part, the last one with this call")
+    manifest = json.loads(last.read_text())
     for rel, sha in manifest["files"].items():
+        if not (src / rel).is_file():
+            sys.exit(f"{rel} is missing: the machine was not kept warm between the calls, carry it again")
         if _sha(src / rel) != sha:
             sys.exit(f"{rel} is corrupt (sha256 mismatch): carry it again")
     target = cache / GGUF_REL
     target.parent.mkdir(parents=True, exist_ok=True)
+    pieces = sorted((rel for rel in manifest["files"] if "/gguf." in rel), key=lambda r: int(r.rsplit(".", 1)[1]))
     with open(target, "wb") as out:
-        for rel in ("part1/gguf.0", "part2/gguf.1"):
+        for rel in pieces:
             out.write((src / rel).read_bytes())
     if _sha(target) != manifest["gguf_sha256"]:
         sys.exit("reassembled GGUF fails its sha256 check")

@@ -283,3 +283,14 @@ def test_generate_truncates_a_long_prompt_on_request_and_shows_its_start_only(ti
         "warning: prompt 1 truncated to its last 120 of 180 tokens (--truncate-prompt)"]
     shown = next(line for line in out.splitlines() if line.startswith("--- "))
     assert shown.endswith("...'") and len(shown) <= 90 and prompt not in out
+
+
+def test_generate_batch_shared_needs_routers_and_runs_with_them(tiny_run, capsys):
+    tmp, common = tiny_run
+    assert main(["generate", *common[:2], "--prompt", "the cat", "--batch-shared"]) == 2
+    assert "--batch-shared routes the decode batch: give --routers" in capsys.readouterr().err
+    assert main(["calibrate", *common, *TRAIN, "--out", str(tmp / "r")]) == 0
+    assert main(["generate", *common[:2], "--routers", str(tmp / "r" / "routers"), "--prompt", "the cat sat",
+                 "--prompt", "a mat", "--max-new-tokens", "4", "--backend", "torch", "--batch-shared"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- ") == 2 and "[routed, batch_shared, backend torch]" in out

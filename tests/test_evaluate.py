@@ -129,3 +129,24 @@ def test_real_default_model_routes_and_scores():
         model(ids)
     assert float(t.summary().flop_rate) == pytest.approx(0.5, abs=0.05)
     assert Path(path).is_dir()
+
+
+def test_decode_perplexity_matches_full_forward_and_batch_of_one():
+    """Decode mode on the KV cache scores what one full forward scores on the same positions;
+    batch-shared routing over batches of one is the routers' own routing."""
+    from wide.evaluate import decode_perplexity
+
+    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(0))
+    model = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, attn_group_size=1), seed=0)
+    res = decode_perplexity(model, ids, batch_sizes=(1, 3), progress=False)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    nll = F.cross_entropy(logits[:, 6:11].flatten(0, 1), ids[:, 7:12].flatten())
+    assert res["tokens"] == 6 * 5 and res["prompt_len"] == 6
+    assert res["own"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    assert res["batch_shared"]["1"] == pytest.approx(res["own"], rel=1e-4)
+    assert res["batch_shared"]["3"] != pytest.approx(res["own"], rel=1e-4)  # the batch changes the masks
+    dense = decode_perplexity(tiny_model("llama"), ids, batch_sizes=(2,), progress=False)
+    assert set(dense) == {"prompt_len", "windows", "tokens", "own"}
+    with pytest.raises(ValueError, match="prompt_len"):
+        decode_perplexity(model, ids, prompt_len=11, progress=False)

@@ -262,6 +262,36 @@ def test_gemm_k_many_groups_unsorted():
     assert rel_err(gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)) < (1e-3 if INTERPRET else 5e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", ["runs", "random", "all", "none", "one_token"])
+@pytest.mark.parametrize("T,runs", [(17, 16), (40, 16), (70, 32), (24, 24), (33, 64)])
+def test_gemm_k_row_runs(T, runs, kind, dtype):
+    # row_runs (tile-coherent routing, batch-shared decode): rows in aligned runs of `runs` share
+    # a mask, and a row tile loops over the groups its rows use, 70 groups (more than the
+    # pattern sort takes, as FFN down). Exact for any mask, the promise only buys speed: "random"
+    # breaks it. Inactive X entries and the weights of groups no row uses are NaN-poisoned.
+    gen = torch.Generator().manual_seed(6000 + 7 * T + runs)
+    G, ng, N = 16, 70, 37
+    x, (w,) = _inputs(T, G * ng, N, dtype, gen)
+    if kind == "runs":
+        lead = torch.rand(-(-T // runs), ng, generator=gen) < 0.5
+        mask = lead.repeat_interleave(runs, 0)[:T]
+        mask[-1] = False  # a padding row inside the last run
+    else:
+        mask = make_mask(T, ng, kind, gen)
+    mask = mask.to(DEVICE)
+    ref = gemm_k_reference(x, w, mask, G)
+    cols = mask.repeat_interleave(G, 1)
+    xp = x.masked_fill(~cols, float("nan"))
+    wp = w.masked_fill(~cols.any(0)[None, :], float("nan"))
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_k(xp, wp, mask, G, out=out, row_runs=runs)
+    assert not torch.isnan(y).any()
+    assert torch.all(y[~mask.any(1)] == 0)
+    if kind != "none":
+        assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 and INTERPRET else tol(dtype))
+
+
 def test_shared_route_between_ops():
     gen = torch.Generator().manual_seed(11)
     T, G, ng, D = 33, 16, 4, 32
@@ -512,3 +542,26 @@ def test_every_tl_dot_tile_matches_reference(op, cfg, monkeypatch):
     assert used, "the tile was not launched"
     assert rel_err(y, ref) < 1e-5
 
+
+
+def test_autotune_configs_fit_shared_memory_in_fp32():
+    # fp32 on an H200 raised OutOfResources (288 KB asked of 227 KB) from bf16-sized tiles:
+    # the prune keeps only configs whose pipelined tiles fit, and still keeps some.
+    import importlib
+
+    # (the package exports functions of the same names as these modules)
+    gk = importlib.import_module("wide.kernels.gemm_k")
+    gm = importlib.import_module("wide.kernels.gemm_mn")
+
+    x32 = torch.zeros(1, dtype=torch.float32)
+    for bm in (16, 64, 128):
+        keep = gk._prune(gk._DECODE_CFGS + gk._PREFILL_CFGS, {"GS": 512, "T": 4096, "x_ptr": x32}, BM=bm)
+        assert keep and all(c.num_stages * c.kwargs["BK"] * (bm + c.kwargs["BN"]) * 4 <= gk._SMEM_BYTES
+                            for c in keep)
+    cfgs = gm._DECODE_CFGS + gm._FUSED_PREFILL_CFGS
+    keep = gm._prune(cfgs, {"T_BUCKET": 4096, "GS": 512, "x_ptr": x32})
+    assert keep and all(c.num_stages * c.kwargs["BK"] * (c.kwargs["BM"] + 2 * c.kwargs["BN"]) * 4 <= 220 * 1024
+                        for c in keep)
+    # bf16 keeps what it kept before
+    x16 = torch.zeros(1, dtype=torch.bfloat16)
+    assert gm._prune(cfgs, {"T_BUCKET": 4096, "GS": 512, "x_ptr": x16}) == gm._prune(cfgs, {"T_BUCKET": 4096, "GS": 512})

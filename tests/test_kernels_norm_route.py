@@ -165,3 +165,21 @@ def test_on_gpu_deferred_router_llama_width(op):
     wrong, on = _check_deferred(op, 4096, G, gs, 2048 if op == "qkv" else 0, torch.bfloat16, rows=16,
                                 band=1e-2)
     assert on > 0 and wrong <= 2
+
+
+@pytest.mark.parametrize("normed_input", [False, True])
+@pytest.mark.parametrize("B,H", [(1, 64), (3, 320)])
+def test_margins_for_batch_shared_decode(B, H, normed_input):
+    # margins=True: the fp32 margins the mask is decided from (>= 0 runs), for a batch-wide choice
+    x, d, w = _rows(B, H, torch.float32, seed=7 * B + H)
+    router = _router(H, 6, seed=H + 1)
+    _, _, mask, _ = norm_route(x, d, w, 1e-5, router, normed_input=normed_input, chunk=256)
+    resid, normed, margin, rp = norm_route(x, d, w, 1e-5, router, normed_input=normed_input, chunk=256,
+                                           margins=True)
+    r_ref, n_ref, _ = norm_route_reference(x, d, w, 1e-5, router, normed_input=normed_input)
+    want = _margin(router, n_ref if normed_input else r_ref)
+    assert rp is None and margin.dtype == torch.float32 and margin.shape == (B, 6)
+    assert torch.allclose(margin, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(margin >= 0, mask)  # the same decision as the mask the kernel writes
+    with pytest.raises(ValueError, match="deferred"):
+        norm_route(x[:1], d[:1], w, 1e-5, router, defer=True, margins=True)

@@ -354,8 +354,3 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
     del meta["wide_config"]["route_tile"], meta["wide_config"]["router_init"]
     cfg.write_text(json.dumps(meta))
     wide.load(routed(), tmp_path / "r")
-
-
-def test_the_fast_engine_refuses_tiled_routers():
-    with pytest.raises(ValueError, match="routes every token for itself.*route_tile"):
-        wide.accelerate(routed(4), backend="torch")

@@ -9,6 +9,7 @@ hellaswag). Realised sparsity is tracked over every scored token (padding exclud
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .modeling import track_sparsity
+from .modeling import batch_shared_decode, track_sparsity
 
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 # Tasks lm-eval reports acc_norm for; the headline metric for the others is acc.
@@ -244,6 +245,67 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 8, bytes_per_token
         res["group_sparsity"] = float(sp.group_rate)
         res["sparsity"] = sp.as_dict()
     return res
+
+
+@torch.no_grad()
+def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_len: Optional[int] = None,
+                      progress: bool = True) -> dict:
+    """Perplexity of the second half of each window of ``ids`` [N, L] predicted in decode mode:
+    the first ``prompt_len`` tokens (default L // 2) are one prefill, then one token per step on
+    the KV cache, teacher-forced, as a server decodes. Only the decoded steps' predictions are
+    scored (L - prompt_len - 1 per window).
+
+    A wrapped model is scored with its own routing (per sequence: ``"own"``, batch size
+    irrelevant, run at the largest batch) and, for each batch size B, with
+    :func:`~wide.modeling.batch_shared_decode` over batches of B windows (``"batch_shared"``),
+    whose routing depends on the batch: this is its quality cost. Windows are dealt to batches
+    with a stride (window i goes to batch i mod n_batches), so one batch holds windows from far
+    apart in the held-out text, i.e. unrelated documents, not neighbouring chunks of one article.
+    Returns ``{"prompt_len", "windows", "tokens", "own": ppl, "batch_shared": {B: ppl}}`` (a
+    dense model: ``own`` only)."""
+    if ids.dim() != 2 or ids.shape[1] < 3:
+        raise ValueError(f"decode perplexity needs windows [N, L >= 3], got {list(ids.shape)}")
+    N, L = ids.shape
+    P = L // 2 if prompt_len is None else int(prompt_len)
+    if not 1 <= P <= L - 2:
+        raise ValueError(f"prompt_len must be in [1, {L - 2}] for windows of {L} tokens, got {P}")
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    # transformers 5.x renamed past_key_values to cache (in 5.2x); accept both.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def run(B: int, desc: str) -> float:
+        n_batches = -(-N // B)
+        nll, count = 0.0, 0
+        for j in tqdm(range(n_batches), disable=not progress, desc=desc, leave=False):
+            x = ids[j::n_batches].to(device)
+            out = model(input_ids=x[:, :P], use_cache=True)
+            for t in range(P, L - 1):
+                out = model(input_ids=x[:, t:t + 1], use_cache=True, **{cache_arg: _cache_of(out)})
+                nll += float(F.cross_entropy(out.logits[:, -1].float(), x[:, t + 1], reduction="sum"))
+                count += x.shape[0]
+        return nll / count, count
+
+    try:
+        nll, count = run(sizes[-1], "decode perplexity")
+        res = {"prompt_len": P, "windows": N, "tokens": count, "own": math.exp(nll)}
+        if hasattr(model, "wide_state"):
+            res["batch_shared"] = {}
+            with batch_shared_decode(model):
+                for B in sizes:
+                    res["batch_shared"][str(B)] = math.exp(run(B, f"decode perplexity, batch-shared B={B}")[0])
+    finally:
+        model.train(was_training)
+    return res
+
+
+def _cache_of(out):
+    cache = out.get("cache")
+    return cache if cache is not None else out.get("past_key_values")
 
 
 class _null:

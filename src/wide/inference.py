@@ -45,6 +45,7 @@ from . import arch
 from .graphs import GraphCapture
 from .modeling import Geometry, get_state
 from .ops import make_ops, pick_backend
+from .routing_rules import make_rule
 from .sampling import GenerationResult, check_sampling, cut_at_eos, eos_tensor, sample_logits
 
 __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
@@ -122,7 +123,7 @@ class AcceleratedModel:
     Qwen3). Shares the HF model's weights; see the module docstring."""
 
     def __init__(self, model, backend: str = "auto", mode: str = "routed",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, batch_shared: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mode not in MODES:
@@ -152,12 +153,9 @@ class AcceleratedModel:
         self.hidden = cfg.hidden_size
         self.inter = cfg.intermediate_size
         self.window = _sliding_window(cfg)
+        if batch_shared and mode != "routed":
+            raise ValueError("batch_shared is a routed-engine option")
         if self.state is not None and mode == "routed":
-            if self.state.config.route_tile != 1:
-                # Silently routing per token would serve other masks than the ones trained.
-                raise ValueError(f"wide.accelerate routes every token for itself; these routers share one mask per "
-                                 f"tile of {self.state.config.route_tile} tokens (route_tile), which only the masked "
-                                 "PyTorch path runs so far (model.generate on the wrapped model)")
             geo: Geometry = self.state.geometry
             self.attn_gs = geo.attn_group_size
             self.ffn_gs = geo.ffn_group_size
@@ -174,6 +172,9 @@ class AcceleratedModel:
             arch.require_path(model, path, spec) for path in (spec.embed, spec.final_norm, spec.lm_head, spec.rotary))
         self.layers = [self._layer(layer, spec, i) for i, layer in enumerate(arch.decoder_layers(model))]
         self.ops = make_ops(self)
+        # The routing rule (per token, tiles, batch-shared decode): chosen once, called always.
+        self.rule = make_rule(self, batch_shared)
+        self.routing = None if self.rule is None else self.rule.name
         self._cache_key = None
         self._graphs = {}
         self._prefill_pool = None  # one memory pool for every prefill graph
@@ -251,6 +252,8 @@ class AcceleratedModel:
         self._ensure_rope(max_len)
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=self.device)
+        if self.rule is not None:
+            self.rule.setup(self, batch)
 
     def free_cache(self) -> None:
         self._graphs.clear()
@@ -322,11 +325,15 @@ class AcceleratedModel:
         lens = lens.to(self.device)
         lens32 = lens.to(torch.int32)
         valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
+        rule = self.rule
+        ops.row_runs = rule.prefill_runs() if rule is not None else None
         x = self.embed(ids)
         delta = None  # the previous layer's FFN output, added to x inside the next norm
         for i, L in enumerate(self.layers):
             x, h = ops.norm(L.attn_norm, x, delta)
             ma = ops.mask(i, "attn", x, h, valid)  # [B, T, groups] or None: runs dense
+            if rule is not None:
+                ma = rule.prefill(i, "attn", ma, valid, lens)
             h = h.reshape(B * T, -1)
             route = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, route)
@@ -334,6 +341,8 @@ class AcceleratedModel:
             o = ops.o_proj(L, ops.attend_prefill(q, k, v, ma, lens32), ma, route)
             x, h = ops.norm(L.ffn_norm, x, o.view(B, T, -1))
             mf = ops.mask(i, "ffn", x, h, valid, attn=ma)
+            if rule is not None:
+                mf = rule.prefill(i, "ffn", mf, valid, lens)
             delta = ops.ffn(L, h.reshape(B * T, -1), mf).view(B, T, -1)
         if not all_logits:  # only the last prompt token's row goes on
             rows = (torch.arange(B, device=self.device), lens - 1)
@@ -350,15 +359,25 @@ class AcceleratedModel:
         x = self.embed(tok)
         delta = None
         seq_lens = (pos + 1).to(torch.int32)
-        # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks.
-        defer = ops.defer_router()
+        rule = self.rule
+        # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
+        # (not where the rule changes the mask after the router).
+        defer = ops.defer_router() and (rule is None or rule.defers)
+        margins = rule is not None and rule.margins
+        ops.row_runs = rule.decode_runs(x.shape[0]) if rule is not None else None
+        if rule is not None:
+            rule.begin_decode(pos)
         for i, L in enumerate(self.layers):
-            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer)
+            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=margins)
+            if rule is not None:
+                ma = rule.decode(i, "attn", ma, pos)
             route = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, route, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
             o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, route)
-            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer)
+            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=margins)
+            if rule is not None:
+                mf = rule.decode(i, "ffn", mf, pos)
             delta = ops.ffn(L, h, mf, router)
             if record is not None:
                 record += [(i, "attn", ma), (i, "ffn", mf)]
@@ -459,14 +478,20 @@ class AcceleratedModel:
 
 
 def accelerate(model, backend: str = "auto", mode: str = "routed",
-               cuda_graphs: bool = True) -> AcceleratedModel:
+               cuda_graphs: bool = True, batch_shared: bool = False) -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
+
+    ``batch_shared``: every decode step runs one group set per layer and module for the whole
+    batch (:mod:`wide.routing_rules`), so it reads only those groups' weights; a sequence's
+    output then depends on the sequences batched with it. Routers trained with ``route_tile``
+    share masks over tiles of positions, in prefill and decode alike.
 
     The HF model is not modified: ``model(...)`` and ``model.generate(...)`` keep running the
     masked PyTorch path. The engine is also kept as ``model.wide_engine`` for
     :func:`generate`.
     """
-    engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs)
+    engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs,
+                              batch_shared=batch_shared)
     if mode == "routed":
         model.wide_engine = engine
     return engine

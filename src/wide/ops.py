@@ -26,13 +26,14 @@ import torch.nn.functional as F
 
 from .kernels.env import autotune_enabled, interpret_mode
 from .kernels.reference import apply_rope
+from .routers import batch_shared_runs
 from .timing import time_graph
 
 try:
     import triton
 
-    from .kernels import (build_route, decode_attention, ffn_up, gemm_k, gemm_mn, norm_route,
-                          prefill_attention, rope_decode, rope_prefill, router_mask, silu_mul)
+    from .kernels import (batch_shared_mask, build_route, decode_attention, ffn_up, gemm_k, gemm_mn,
+                          norm_route, prefill_attention, rope_decode, rope_prefill, router_mask, silu_mul)
     from .kernels.routing import next_pow2
 
     HAS_TRITON = True
@@ -62,7 +63,7 @@ def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, defaul
 
 
 def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
-             routed_only: bool = False):
+             routed_only: bool = False, routing=None):
     """``routed()`` or ``dense()`` (cuBLAS; the same values wherever they are used), whichever
     was measured faster for this op, weight shape, group size and T bucket: once, on CUDA with
     autotuning on (K_CHOICES), else (or ``routed_only``) the routed kernel. Timed as CUDA-graph
@@ -70,7 +71,9 @@ def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
     which made cuBLAS (one launch) win every T bucket."""
     if routed_only:
         return routed()
-    key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype)
+    # The routing rule is part of the key: tile-coherent or batch-shared masks let the routed
+    # kernel skip what per-token masks of the same shape cannot.
+    key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype, routing)
     if key not in K_CHOICES and (x.device.type != "cuda" or not autotune_enabled()):
         return routed()
     pick = choose_fastest(key, {"routed": routed, "cublas": dense}, K_CHOICES, time_graph,
@@ -132,6 +135,9 @@ class TorchOps:
 
     def __init__(self, engine):
         self.e = engine
+        # Set by the engine per phase from its routing rule: rows come in aligned runs of this
+        # many sharing one mask (a kernel hint that changes no value), or None.
+        self.row_runs = None
 
     # ---------------------------------------------------------------- routing
 
@@ -169,6 +175,21 @@ class TorchOps:
     def router_mask(self, router, x):
         return router.runs(x)
 
+    def margins(self, i: int, kind: str, resid, normed):
+        """The router's fp32 margins [B, groups] of module ``kind`` (a group runs iff >= 0)."""
+        e = self.e
+        if not self.routed(kind):
+            return None
+        if e.state.mask_fn is not None:
+            raise ValueError("batch-shared decode chooses groups from router margins; a mask_fn gives none")
+        x = normed if e.cfg.router_input == "normed" else resid
+        return e.layers[i].routers[kind].margin(x.float())
+
+    def shared_mask(self, margin):
+        """One group set for the batch from margins [B, groups], as a [B, groups] mask."""
+        return batch_shared_runs(margin, torch.ones(margin.shape[0], dtype=torch.bool, device=margin.device)
+                                 ).unsqueeze(0).expand(margin.shape[0], -1)
+
     def defer_router(self) -> bool:
         """Whether batch-1 decode leaves the router to the q and gate/up GEMVs."""
         return False
@@ -186,9 +207,12 @@ class TorchOps:
         # the routers a second time and record masks for the HF path.
         return x, norm.forward(x)
 
-    def norm_route(self, i: int, kind: str, x, delta, attn=None, defer: bool = False):
-        """Decode: (x + delta, its RMSNorm, the module's mask or None, RouterPartials or None)."""
+    def norm_route(self, i: int, kind: str, x, delta, attn=None, defer: bool = False, margins: bool = False):
+        """Decode: (x + delta, its RMSNorm, the module's mask or None, RouterPartials or None);
+        ``margins``: the router's fp32 margins in place of the mask."""
         resid, normed = self.norm(self.e.layers[i].norm(kind), x, delta)
+        if margins:
+            return resid, normed, self.margins(i, kind, resid, normed), None
         return resid, normed, self.mask(i, kind, resid, normed, attn=attn), None
 
     def final_norm(self, x, delta):
@@ -300,7 +324,7 @@ class TritonOps(TorchOps):
             norm.variance_epsilon, chunk=triton.next_power_of_2(H))
         return resid.view(B, T, H), normed.view(B, T, H)
 
-    def norm_route(self, i, kind, x, delta, attn=None, defer=False):
+    def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False):
         e = self.e
         norm = e.layers[i].norm(kind)
         # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
@@ -309,10 +333,14 @@ class TritonOps(TorchOps):
         resid, normed, mask, rp = norm_route(
             x, delta, norm.weight, norm.variance_epsilon, router,
             normed_input=e.cfg is not None and e.cfg.router_input == "normed",
-            defer=defer and x.shape[0] == 1, scratch=self._scratch)
+            defer=defer and x.shape[0] == 1, scratch=self._scratch, margins=margins and router is not None)
         if router is None and self.routed(kind):
-            mask = self.mask(i, kind, resid, normed, attn=attn)
+            mask = (self.margins(i, kind, resid, normed) if margins
+                    else self.mask(i, kind, resid, normed, attn=attn))
         return resid, normed, mask, rp
+
+    def shared_mask(self, margin):
+        return batch_shared_mask(margin)
 
     def final_norm(self, x, delta):
         fn = self.e.final_norm
@@ -382,8 +410,8 @@ class TritonOps(TorchOps):
         prefill tile almost never has an empty group (bench/results/kernels.md: gemm_k 0.6-0.8x
         of cuBLAS at T >= 64), while decode reads only the used groups' weights."""
         return measured("gemm_k", x, w, group_size,
-                        lambda: gemm_k(x, w, mask, group_size, route=route),
-                        lambda: F.linear(x, w))
+                        lambda: gemm_k(x, w, mask, group_size, route=route, row_runs=self.row_runs),
+                        lambda: F.linear(x, w), routing=self.e.routing)
 
     def _ffn_up(self, L, h, mask, route, router=None):
         """silu(h wg^T) * (h wu^T) on the active groups, zeros elsewhere. A batch-1 deferred
@@ -392,7 +420,7 @@ class TritonOps(TorchOps):
         return measured("ffn_up", h, L.wg, gs,
                         lambda: ffn_up(h, L.wg, L.wu, mask, gs, route=route, router=router),
                         lambda: silu_mul(F.linear(h, L.wg), F.linear(h, L.wu), mask, gs),
-                        routed_only=router is not None)
+                        routed_only=router is not None, routing=self.e.routing)
 
     def _q_proj(self, L, h, mask, route, router=None, fused_kv: bool = False):
         """Routed q (or q and the dense k/v tail, ``fused_kv``) vs cuBLAS. cuBLAS's q of inactive
@@ -402,7 +430,7 @@ class TritonOps(TorchOps):
         gs = self.e.attn_gs * self.e.head_dim
         return measured("qkv" if fused_kv else "q", h, w, gs,
                         lambda: gemm_mn(h, w, mask, gs, route=route, dense_tail=tail, router=router),
-                        lambda: F.linear(h, w), routed_only=router is not None)
+                        lambda: F.linear(h, w), routed_only=router is not None, routing=self.e.routing)
 
 
 class _DenseOps:

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.reference import batch_shared_runs  # noqa: F401  (the rule lives beside its kernel's tests)
+
 
 class TokenRouter(nn.Module):
     """Linear(hidden -> rank, bias) -> Linear(rank -> 2*groups, bias), no activation.
@@ -87,27 +89,6 @@ def group_runs(margin: torch.Tensor) -> torch.Tensor:
     GEMV) compute the same expression through ``wide.kernels.routing.group_runs``: keep the two
     identical."""
     return margin >= 0
-
-
-def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """One execute set [groups] for a whole decode batch (``margin`` [B, groups], ``valid`` [B]
-    bool; rows that are not valid take no part).
-
-    It keeps ceil(mean over the valid rows of their own execute counts) groups, the groups with
-    the largest summed margins: the set is the union a kernel reads, and the cap keeps it at the
-    batch's mean width instead of the union of per-token sets (which approaches every group
-    as the batch grows). Ceil rather than round: the batch never runs narrower than its mean
-    width, and a batch of one keeps exactly its own groups (its own top-n by margin). The margins
-    are sorted over the batch before summing so that the sum, and so the set, does not depend
-    on the order of the rows; ties go to the lower group index.
-    """
-    rows = torch.where(valid.unsqueeze(-1), margin, torch.zeros_like(margin))
-    count = (group_runs(margin) & valid.unsqueeze(-1)).sum()
-    n = valid.sum().clamp_min(1)
-    keep = (count + n - 1) // n  # ceil, in integers: stays on the device
-    score = rows.sort(dim=0).values.sum(dim=0)
-    order = torch.sort(score, descending=True, stable=True).indices
-    return order.argsort() < keep  # a group's rank in the order
 
 
 def gumbel_straight_through(logits: torch.Tensor, tau: float) -> torch.Tensor:

@@ -71,6 +71,13 @@ class EvalArgs:
         "help": "cap on held-out sequences for perplexity", "min": 1})
     exact_bpb: bool = field(default=False, metadata={
         "help": "tokenise the held-out text once more to count its tokens exactly for bits/byte"})
+    decode_batches: list[int] = field(default_factory=list, metadata={
+        "nargs": "*",
+        "help": "also score the second half of held-out windows in decode mode (one token per step on the KV "
+                "cache), with the routers' own masks and batch-shared over batches of each given size of "
+                "unrelated windows (its quality cost; docs/routing_structure.md); e.g. 8 32"})
+    decode_windows: int = field(default=64, metadata={
+        "help": "held-out windows the decode-mode perplexity reads (with --decode-batches)", "min": 1})
 
 
 @dataclass
@@ -328,7 +335,7 @@ def heldout(args, tok) -> tuple:
 def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, stage) -> dict:
     """One quality record: held-out perplexity, bits per byte, realised sparsity and, with
     ``args.tasks``, zero-shot accuracy."""
-    from .evaluate import perplexity, zero_shot
+    from .evaluate import decode_perplexity, perplexity, zero_shot
 
     rec = {"op": "quality", "model": Path(args.model).name if args.model != DEFAULT else MODEL_NAME,
            "method": method, "stage": stage}
@@ -337,6 +344,8 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
                sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0))
     if "sparsity" in ppl:
         rec["sparsity_detail"] = ppl["sparsity"]
+    if getattr(args, "decode_batches", None):
+        rec["decode"] = decode_perplexity(model, heldout_ids[:args.decode_windows], batch_sizes=args.decode_batches)
     if args.tasks:
         zs = zero_shot(model, tok, args.tasks, limit=args.limit, batch_size=args.batch_size)
         for t in args.tasks:

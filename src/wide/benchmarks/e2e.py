@@ -87,13 +87,14 @@ def weight_bytes(model) -> dict:
             "lm_head": cfg.vocab_size * h * e, "layers": cfg.num_hidden_layers}
 
 
-def bytes_fraction(model, records, B: int) -> dict:
+def bytes_fraction(model, records, B: int, shared: bool = False) -> dict:
     """Weight bytes a decode step reads, over dense, from the recorded masks of eager steps.
 
     ``union``: each routed matrix is read for the groups some sequence of the batch uses (what
     gemm_mn/ffn_up and the decode path of gemm_k read). ``kernel``: the same, except that
     gemm_k on more than 16 rows with many narrow groups (FFN down, flat loop) reads all of its
-    weight: see wide/kernels/gemm_k.py.
+    weight: see wide/kernels/gemm_k.py; in a batch-shared step (``shared``) it loops over the
+    shared groups instead (``row_runs``).
     """
     wb = weight_bytes(model)
     L = wb["layers"]
@@ -116,7 +117,7 @@ def bytes_fraction(model, records, B: int) -> dict:
                 k += frac * (wb["q"] + wb["o"])
             else:
                 u += frac * (wb["gate_up"] + wb["down"])
-                k += frac * wb["gate_up"] + (wb["down"] if B > 16 else frac * wb["down"])
+                k += frac * wb["gate_up"] + (wb["down"] if B > 16 and not shared else frac * wb["down"])
         for kind, full in (("attn", wb["q"] + wb["o"]), ("ffn", wb["gate_up"] + wb["down"])):
             dense_layers = L - len([1 for la, kd, m in items if kd == kind and m is not None])
             u += dense_layers * full
@@ -145,6 +146,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sparsities", default="0.5,0.25,0.75")
     ap.add_argument("--prompt-lens", default="4096,1024,16384")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--routings", default="token",
+                    help="routing rules of the routed engine, comma-separated: token, tile<N> (routers with "
+                         "route_tile N: TTFT at every prompt length, TPOT at the first batch), batch_shared "
+                         "(one group set per decode batch: TPOT at every batch); default: %(default)s")
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
@@ -179,6 +184,11 @@ def main(argv=None) -> int:
         return 2
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     sparsities = [float(s) for s in args.sparsities.split(",") if s]
+    routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    bad = [r for r in routings if not (r in ("token", "batch_shared") or (r.startswith("tile") and r[4:].isdigit()
+                                                                            and int(r[4:]) > 1))]
+    if bad or not routings:
+        ap.error(f"--routings takes token, tile<N> (N > 1) and batch_shared, got {args.routings!r}")
     prompt_lens = [int(s) for s in args.prompt_lens.split(",") if s]
     batches = [int(s) for s in args.batches.split(",") if s]
     if args.tiny:
@@ -223,7 +233,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(models):
         guarded(f"model {name}", lambda: _bench_model(name, i == 0, args, device, dtype, sparsities,
                                                       prompt_lens, batches, meta, save, over_budget,
-                                                      guarded, t_start))
+                                                      guarded, t_start, routings))
         gc.collect()  # the engines reference the model (model.wide_engine): free both now
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -232,7 +242,7 @@ def main(argv=None) -> int:
 
     # Which implementation the engine measured fastest per projection, shape and T bucket.
     meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],
-                          "impl": v} for k, v in K_CHOICES.items()]
+                          "routing": k[5] if len(k) > 5 else None, "impl": v} for k, v in K_CHOICES.items()]
     save()
     guarded("plot", lambda: plot(meta, out_dir / f"{args.name}.png"))
     print(markdown(meta), flush=True)
@@ -246,7 +256,7 @@ def _describe(models: list, tiny: bool) -> str:
 
 
 def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, prompt_lens, batches,
-                 meta, save, over_budget, guarded, t_start) -> None:
+                 meta, save, over_budget, guarded, t_start, routings=("token",)) -> None:
     """Calibration and measurements of one preset, appended to ``meta`` (the ``first`` model's
     profiles and realised rates keep the keys of a single-model run)."""
     import wide
@@ -279,6 +289,22 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     routed = accelerate(model)
     dense = AcceleratedModel(model, mode="dense")
+    engines = {"token": routed}
+    for r in routings:
+        if r == "batch_shared":
+            engines[r] = AcceleratedModel(model, batch_shared=True)
+        elif r != "token":
+            # The same routers under the tile rule (as if trained with route_tile N): the speed
+            # depends on the masks' structure, not on what the routers learned.
+            import dataclasses
+
+            state = model.wide_state
+            kept = state.config
+            state.config = dataclasses.replace(kept, route_tile=int(r[4:]))
+            try:
+                engines[r] = AcceleratedModel(model)
+            finally:
+                state.config = kept
     print(f"[e2e] backend {routed.backend}, graphs {routed.cuda_graphs}", flush=True)
     from functools import partial
 
@@ -289,15 +315,17 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     # ---------------------------------------------------------------- TTFT
     def ttft(engine, T, engine_name, s):
+        engine_name, routing = engine_name.split("/") if "/" in engine_name else (engine_name, None)
         ids = rand_ids(1, T)
         engine.setup_cache(1, -(-T // 128) * 128 + 128)
         reps = args.reps if T <= 4096 else max(2, args.reps // 2)
         sec = timer(lambda: engine.prefill(ids), reps=reps, warmup=2)
         engine.free_cache()
         return {"op": "e2e_ttft", "B": 1, "prompt_len": T, "engine": engine_name, "sparsity": s,
-                "ms": sec * 1e3}
+                "ms": sec * 1e3, "routing": routing}
 
     def tpot(engine, B, engine_name, s, record_masks: bool):
+        engine_name, routing = engine_name.split("/") if "/" in engine_name else (engine_name, None)
         ctx, n = args.decode_ctx, args.decode_steps
         ids = rand_ids(B, ctx)
         engine.setup_cache(B, -(-(ctx + n + 8) // 128) * 128)
@@ -314,7 +342,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
         sec = timer(loop, reps=max(2, args.reps // 2), warmup=1) / n
         rec = {"op": "e2e_tpot", "B": B, "prompt_len": ctx, "engine": engine_name, "sparsity": s,
-               "ms": sec * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n}
+               "ms": sec * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n, "routing": routing}
         if record_masks:
             masks = []
             engine.pos.copy_(start)
@@ -325,7 +353,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
                     tok = engine.decode(tok, record=rec_list).argmax(-1)  # eager, masks recorded
                     engine.pos += 1
                     masks += [(step, layer, kind, m) for layer, kind, m in rec_list]
-            rec.update(bytes_fraction(model, masks, B))
+            rec.update(bytes_fraction(model, masks, B, shared=routing == "batch_shared"))
         engine.free_cache()
         return rec
 
@@ -347,9 +375,8 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     def add(rec, base_key=None):
         rec["model"] = model_name
-        # The engine routes every token for itself (it refuses route_tile > 1): the routing rule
-        # the record measures, so that structured routing's records sit beside these.
-        rec["routing"] = None if rec["engine"] == "dense" else "token"
+        # The routing rule the record measures (docs/routing_structure.md); None: no routing.
+        rec["routing"] = None if rec["engine"] != "routed" else rec.get("routing") or "token"
         # speedup = dense engine time over this engine's, same run, model and shape
         if rec["engine"] != "dense":
             for r in records:
@@ -360,6 +387,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         records.append(rec)
         print(f"[e2e] {model_name} {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
               f"s={rec.get('sparsity')}: {rec['ms']:.3f} ms"
+              + (f" {rec['routing']}" if rec.get("routing") else "")
               + (f"  speedup {rec['speedup']:.2f}x" if 'speedup' in rec else "")
               + (f"  bytes {rec['weight_bytes_frac_kernel']:.3f}" if 'weight_bytes_frac_kernel' in rec else ""),
               flush=True)
@@ -386,13 +414,23 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     if not args.no_hf:
         plan += [("hf_ttft", T, "hf", None) for T in prompt_lens[1:2]]
         plan += [("hf", B, "hf", None) for B in batches[1:]]
+    # Structured routing at the first sparsity: tiles in prefill (and batch-1 decode), batch-shared
+    # decode at every batch.
+    for r in routings:
+        if r == "token":
+            continue
+        if r == "batch_shared":
+            plan += [("tpot", B, "routed/" + r, s0) for B in batches]
+        else:
+            plan += [("ttft", T, "routed/" + r, s0) for T in prompt_lens] + [("tpot", batches[0], "routed/" + r, s0)]
     for kind, x, eng_name, s in plan:
         if over_budget():
             meta["errors"].append({"what": f"{kind} {x} {eng_name} {s}", "error": "skipped: time budget"})
             continue
         if s is not None:
             set_offsets(model, offsets[s])
-        eng = routed if eng_name == "routed" else dense
+        eng = (dense if eng_name == "dense" else engines[eng_name.split("/")[1]] if "/" in eng_name
+               else routed)
         if kind == "ttft":
             rec = guarded(f"ttft {x} {eng_name} {s}", lambda: ttft(eng, x, eng_name, s))
         elif kind == "tpot":
@@ -420,6 +458,11 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             profiles[pre + name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
             profiles[f"{pre}{name} prefill {T_p}"] = guarded(
                 f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
+        if "batch_shared" in engines:  # where a batched step's time goes, per routing
+            Bp = batches[-1]
+            for name, eng in (("dense", dense), ("routed", routed), ("routed batch_shared", engines["batch_shared"])):
+                profiles[f"{pre}{name} decode B={Bp}"] = guarded(
+                    f"profile {name} B={Bp}", lambda: profile_decode(eng, rand_ids(Bp, args.decode_ctx)))
         save()
 
 
@@ -504,8 +547,10 @@ def markdown(meta: dict) -> str:
                   ("|---" if multi else "") + "|---|---|---|---|---|---|---|"
                   + ("---|---|" if op == "e2e_tpot" else "")]
         for r in sorted(rows, key=lambda r: (order.get(r.get("model"), 0), r[key], r["engine"],
-                                             r.get("sparsity") or 0)):
+                                             r.get("sparsity") or 0, r.get("routing") or "")):
             sp = "-" if r.get("sparsity") is None else f"{r['sparsity']:.2f}"
+            if r.get("routing") not in (None, "token"):
+                r = dict(r, engine=f"{r['engine']} ({r['routing']})")
             line = (f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | "
                     f"{r.get('dense_ms', r['ms'] if r['engine'] == 'dense' else float('nan')):.3f} | "
                     f"{r['speedup']:.2f}x |" if "speedup" in r else
@@ -524,8 +569,14 @@ def markdown(meta: dict) -> str:
         if not pr:
             continue
         model, _, name = key.rpartition(": ")  # a later model's profiles carry its name
-        what = (f"B=1 prefill of {name.split()[-1]} tokens, {name.split()[0]} engine" if "prefill" in name
-                else f"Eager B=1 decode step, {name} engine") + (f", {model}" if model else "")
+        if "prefill" in name:
+            what = f"B=1 prefill of {name.split()[-1]} tokens, {name.split()[0]} engine"
+        elif " decode B=" in name:
+            eng_name, _, b = name.partition(" decode B=")
+            what = f"Eager B={b} decode step, {eng_name} engine"
+        else:
+            what = f"Eager B=1 decode step, {name} engine"
+        what += f", {model}" if model else ""
         lines += [f"{what}: {pr['total_us_per_step']:.0f} us of GPU time in "
                   f"{pr['launches_per_step']:.0f} kernel launches; largest:", "",
                   "| kernel | us / step | launches / step |", "|---|---|---|"]
@@ -552,14 +603,18 @@ def plot(meta: dict, path) -> None:
     for ax, op, key, title in ((axes[0], "e2e_ttft", "prompt_len", "TTFT speedup over dense engine"),
                                (axes[1], "e2e_tpot", "B", "TPOT speedup over dense engine")):
         models = list(dict.fromkeys(r.get("model") for r in recs))
-        sps = sorted({r["sparsity"] for r in recs if r["op"] == op and r["engine"] == "routed"})
+        lines = sorted({(r["sparsity"], r.get("routing") or "token") for r in recs
+                        if r["op"] == op and r["engine"] == "routed"})
         for m in models:
-            for s in sps:
+            for s, routing in lines:
                 rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "routed" and r.get("model") == m
-                               and r["sparsity"] == s and "speedup" in r), key=lambda r: r[key])
+                               and r["sparsity"] == s and (r.get("routing") or "token") == routing
+                               and "speedup" in r), key=lambda r: r[key])
                 if rows:
-                    ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows], "o-",
-                            label=(f"{m} " if len(models) > 1 else "") + f"routed {s:.0%}")
+                    ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows],
+                            "o-" if routing == "token" else "^--",
+                            label=(f"{m} " if len(models) > 1 else "") + f"routed {s:.0%}"
+                            + ("" if routing == "token" else f" {routing}"))
         rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "hf_generate"
                        and r.get("model") == models[0]), key=lambda r: r[key])
         dense = {r[key]: r["ms"] for r in recs if r["op"] == op and r["engine"] == "dense"

@@ -19,3 +19,4 @@ else:
     from .router_mask import router_mask, router_mask_reference  # noqa: F401
     from .rope import rope_decode, rope_prefill, rope_reference  # noqa: F401
     from .silu_mul import silu_mul, silu_mul_reference  # noqa: F401
+    from .batch_shared import batch_shared_mask, batch_shared_mask_reference  # noqa: F401

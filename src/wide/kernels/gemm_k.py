@@ -49,7 +49,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
                    NESTED: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
-                   NG_PAD: tl.constexpr):
+                   NG_PAD: tl.constexpr, LISTED: tl.constexpr = False, RB: tl.constexpr = 16):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BM)
     num_n = tl.cdiv(N, BN)
@@ -118,6 +118,36 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             e = tl.sum(tl.where(pos == gi, ent, 0), axis=0)
             gid = e >> 16
             act = (((e >> r) & 1) != 0) & row_in
+            k0 = gid * GS + (j - gi * spg) * BK
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
+                        mask=act[:, None], other=0.0)
+            b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+    elif LISTED:
+        # Rows that come in runs sharing one mask (tile-coherent routing, a batch-shared decode
+        # step): the decode path's flat loop over the used groups' steps, for any tile height.
+        # The used list is the union over the tile's rows, built in registers RB rows at a
+        # time; a row's own mask bit is loaded per step, so rows that do not share the union
+        # stay exact (only the skipping depends on the runs). Split-K as in decode.
+        gp = tl.arange(0, NG_PAD)
+        used = tl.zeros([NG_PAD], dtype=tl.int32)
+        for r0 in range(0, BM, RB):
+            rr = m_tile * BM + r0 + tl.arange(0, RB)
+            mt = tl.load(mask_ptr + rr[:, None] * stride_mt + gp[None, :],
+                         mask=(rr < T)[:, None] & (gp < NG)[None, :], other=0).to(tl.int32)
+            used = tl.maximum(used, tl.max(mt, axis=0))
+        pos = tl.cumsum(used, axis=0) - 1
+        ent = tl.where(used != 0, gp, -1)
+        spg = GS // BK
+        n_steps = tl.sum(used, axis=0) * spg
+        s = tl.program_id(1)
+        n_s = tl.num_programs(1)
+        j_lo = (s * n_steps) // n_s
+        j_hi = ((s + 1) * n_steps) // n_s
+        for j in range(j_lo, j_hi):
+            gi = j // spg
+            gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
+            act = tl.load(mask_ptr + tok * stride_mt + gid, mask=row_in, other=0) != 0
             k0 = gid * GS + (j - gi * spg) * BK
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
@@ -201,20 +231,32 @@ _PREFILL_CFGS = [_cfg(256, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 64, 4, 4), 
                  _cfg(256, 64, 8, 4)]
 
 
+# Shared memory a config's pipelined X and W tiles may take (H100/H200 allow 227 KB per block).
+_SMEM_BYTES = 220 * 1024
+
+
 def _prune(configs, named_args, **kwargs):
     gs, bm = named_args["GS"], kwargs.get("BM", 128)
+    # A listed batched-decode step (one short row tile, split K) is bandwidth-bound like decode.
+    small = bm == 16 or (kwargs.get("LISTED", False) and named_args["T"] <= 64)
+    x = named_args.get("x_ptr")
+    esize = x.element_size() if hasattr(x, "element_size") else 2
     keep = []
     for c in configs:
         if gs % c.kwargs["BK"] != 0:
             continue
-        if (bm == 16) != any(c is d for d in _DECODE_CFGS):
+        # fp32 tiles of the bf16 configs can outgrow shared memory (227 KB per block on an
+        # H100/H200): e.g. 64 x 128 + 128 x 128 fp32 over 3 stages needs 288 KB.
+        if c.num_stages * c.kwargs["BK"] * (bm + c.kwargs["BN"]) * esize > _SMEM_BYTES:
+            continue
+        if small != any(c is d for d in _DECODE_CFGS):
             continue
         if bm <= 64 and c.kwargs["BN"] == 256 and c.num_warps == 4:
             continue
         keep.append(c)
     if not keep:
         bk = largest_pow2_divisor(gs, 64)
-        keep = [_cfg(128 if bm > 16 else 32, bk, 4, 3)]
+        keep = [_cfg(32 if small else 128, bk, 4, 3)]
     return keep
 
 
@@ -255,11 +297,17 @@ _tuned = triton.autotune(configs=_DECODE_CFGS + _PREFILL_CFGS, key=_KEY,
 
 
 def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int,
-           route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           route: Optional[RouteIndex] = None, out: Optional[torch.Tensor] = None,
+           row_runs: Optional[int] = None) -> torch.Tensor:
     """Reduction-width routed ``y[t] = sum_{g: mask[t,g]} x[t, cols(g)] @ w[:, cols(g)].T``.
 
     x [T, K], w [N, K], mask [T, K // group_size] bool -> y [T, N] (x's dtype, fp32 accumulate).
     ``route`` (a :class:`RouteIndex` of the same mask) lets several ops share one reordering.
+    ``row_runs``: the rows come in aligned runs of this many that share one mask (tile-coherent
+    routing with ``route_tile``; a batch-shared decode step, where every row shares it): row
+    tiles of up to that height then loop over the groups some row of the tile uses, so whole
+    (tile, group) blocks are skipped also where there are too many groups to sort tokens by
+    pattern (FFN down). The result does not depend on it, only the speed.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D tensor [T, K]")
@@ -294,6 +342,9 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
         return y
     bm = gemm_k_block_m(T, ng)
     nested = _use_nested(T, ng, group_size)
+    listed = bool(row_runs) and T > DIRECT_MAX_T and not nested
+    if listed:  # row tiles inside one run: a run's union is its own mask
+        bm = max(16, min(128, largest_pow2_divisor(int(row_runs), 128), next_pow2(T)))
     # Decode: one row tile (bm == 16), never nested; list entries pack group id << 16 with
     # a 16-bit token mask, so group ids must stay below 2**15.
     decode = T <= DIRECT_MAX_T and ng < 2 ** 15
@@ -303,7 +354,8 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     else:  # flat loops: rows in token order, no lists needed (decode derives its own)
         perm, tg, tc = None, m, m
 
-    n_split = _decode_splits(N, K, x.device) if decode else 1
+    # A short listed step (a batched decode) is one row tile: split K as decode does.
+    n_split = _decode_splits(N, K, x.device) if decode or (listed and T <= 64) else 1
     wsp = y if n_split == 1 else torch.empty((n_split, T, N), dtype=torch.float32, device=x.device)
     tickets = split_tickets(x.device, triton.cdiv(T, bm) * triton.cdiv(N, 16)) if n_split > 1 else m
 
@@ -313,7 +365,8 @@ def gemm_k(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, group_size: int
     args = (x, w, y, m, perm if perm is not None else m, tg, tc, T, N, K, ng, group_size,
             x.stride(0), w.stride(0), y.stride(0), m.stride(0), next_pow2(T), wsp, tickets)
     flags = dict(BM=bm, HAS_PERM=perm is not None, GROUP_M=8, NESTED=nested, DECODE=decode,
-                 SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode else 16)
+                 SPLIT=n_split > 1, NG_PAD=max(16, next_pow2(ng)) if decode or listed else 16,
+                 LISTED=listed, RB=max(2, min(bm, 8192 // max(16, next_pow2(ng)))))
     if autotune_enabled():
         _tuned[grid](*args, **flags)
     else:

@@ -264,14 +264,22 @@ _FUSED_PREFILL_CFGS = [_cfg(128, 128, 64, 8, 3), _cfg(128, 64, 64, 4, 4), _cfg(6
 def _prune(configs, named_args, **kwargs):
     tb, gs = named_args["T_BUCKET"], named_args["GS"]
     bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))  # largest pow2 <= group size
+    x = named_args.get("x_ptr")
+    fp32 = hasattr(x, "element_size") and x.element_size() == 4
     keep = []
     for c in configs:
         bm, bn = c.kwargs["BM"], c.kwargs["BN"]
         if (tb <= DIRECT_MAX_T) != (bm == 16):
             continue
+        # fp32 tiles of the bf16 configs can outgrow shared memory (227 KB per block on an
+        # H200): X and up to two weight tiles (gate and up) per stage.
+        if fp32 and c.num_stages * c.kwargs["BK"] * (bm + 2 * bn) * 4 > 220 * 1024:
+            continue
         if bn > bn_cap or (bm > 32 and bm > 2 * tb):
             continue
         keep.append(c)
+    if not keep and fp32:  # a tile that fits: 32 x 64 x 64 over 3 stages
+        return [_cfg(32 if tb > DIRECT_MAX_T else 16, min(64, bn_cap), 64, 4, 3)]
     return keep or [configs[0]]
 
 

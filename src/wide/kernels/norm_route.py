@@ -33,7 +33,8 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
                        H, G, NCHUNK, stride_x, stride_d, stride_res, stride_y, stride_m,
                        HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
                        R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                       NC_PAD: tl.constexpr, G_PAD: tl.constexpr, FINAL: tl.constexpr):
+                       NC_PAD: tl.constexpr, G_PAD: tl.constexpr, FINAL: tl.constexpr,
+                       MARGIN: tl.constexpr = False):
     # Program (token, chunk): residual add, RMSNorm (HF rounding) and the router's first
     # linear on its CHUNK columns; the last chunk program of a token to finish adds the
     # partial router sums in chunk order and writes the mask. One program per token was
@@ -100,13 +101,16 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
             h = tl.sum(parts, axis=0) + hb
             l0 = tl.sum(u0 * h[None, :], axis=1) + b0
             l1 = tl.sum(u1 * h[None, :], axis=1) + b1
-            tl.store(m_ptr + row * stride_m + gs, group_runs(l0, l1, off).to(tl.uint8), mask=g_ok)
+            if MARGIN:  # the decision's own margin (group_runs is margin >= 0), for a batch-wide choice
+                tl.store(m_ptr + row * stride_m + gs, l0 - l1 + off, mask=g_ok)
+            else:
+                tl.store(m_ptr + row * stride_m + gs, group_runs(l0, l1, off).to(tl.uint8), mask=g_ok)
             tl.atomic_xchg(cnt_ptr + row, 0)
 
 
 def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                router=None, *, normed_input: bool = False, chunk: int = 256, defer: bool = False,
-               scratch: Optional[dict] = None):
+               scratch: Optional[dict] = None, margins: bool = False):
     """``(x + delta, RMSNorm(x + delta) * weight, mask or None, RouterPartials or None)`` for
     rows ``x [B, H]`` (``delta`` None: no residual add, the residual is ``x`` itself).
 
@@ -118,17 +122,22 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     sums and per-token tickets, allocated once per shape (outside any graph capture: call once
     eagerly first) and kept by the caller; the kernel leaves the tickets at zero, so a captured
     launch can be replayed as is. The partials are overwritten by the next launch with the
-    same shape: consume a deferred router's (in stream order) before that."""
+    same shape: consume a deferred router's (in stream order) before that. ``margins``: the
+    third result is the router's fp32 margins ``[B, groups]`` instead of its mask (a group runs
+    iff its margin is >= 0), for a decision over the whole batch (batch-shared decode)."""
     B, H = x.shape
     if defer and B != 1:
         raise ValueError(f"a deferred router needs one token, got {B}")
+    if defer and margins:
+        raise ValueError("a deferred router writes its mask in the GEMV: it has no margins to return")
     resid = x if delta is None else torch.empty_like(x)
     normed = torch.empty_like(x)
     chunk = min(chunk, triton.next_power_of_2(H))
     nchunk = triton.cdiv(H, chunk)
     R = router.down.out_features if router is not None else 16
     G = router.num_groups if router is not None else 1
-    mask = torch.empty((B, G), dtype=torch.bool, device=x.device) if router is not None else None
+    mask = (torch.empty((B, G), dtype=torch.float32 if margins else torch.bool, device=x.device)
+            if router is not None else None)
     if router is not None:
         scratch = scratch if scratch is not None else {}
         key = (B, nchunk, R)
@@ -148,12 +157,13 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
         router.up.weight if router is not None else w,
         router.up.bias if router is not None else w,
         router.offset if router is not None else w,
-        mask.view(torch.uint8) if mask is not None else normed, hp, cnt,
+        mask.view(torch.uint8) if mask is not None and not margins else mask if mask is not None else normed,
+        hp, cnt,
         H, G, nchunk, x.stride(0), d.stride(0), resid.stride(0), normed.stride(0),
         mask.stride(0) if mask is not None else 0,
         HAS_DELTA=delta is not None, ROUTE=router is not None, NORMED_IN=normed_input,
         R=R, BLOCK=block, CHUNK=chunk, NC_PAD=max(2, triton.next_power_of_2(nchunk)),
-        G_PAD=max(16, triton.next_power_of_2(G)), FINAL=not defer,
+        G_PAD=max(16, triton.next_power_of_2(G)), FINAL=not defer, MARGIN=margins,
         num_warps=8 if block >= 4096 else 4)
     if defer and router is not None:
         rp = RouterPartials(hp[0], router.down.bias, router.up.weight, router.up.bias, router.offset)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Quality of the routing rules (issue 20) and of the dense router start at scale (issue 19), on
+# the default model at 50%, stage 1, ce, the 6.55M-token budget of bench/quality_scaling.sh
+# (200 steps of 128 x 256, seed 0): per-token routing is that grid's point (ppl 110.7).
+#   tile16, tile64, tile128: --route-tile N (the tokens of a tile of N positions share the mask
+#     of the tile's first token, in training and inference);
+#   dense: --router-init dense --sparsity-warmup 0.5 (routers start at "run every group" and the
+#     target ramps over the first half of the run);
+#   batch-shared decode: the decode-mode perplexity of `wide eval --decode-batches 8 32` (half of
+#     each held-out window prefilled, the other half decoded one token per step on the KV cache,
+#     teacher-forced), with each sequence's own masks and with one mask per batch of 8 or 32
+#     unrelated windows, for the shipped 50% routers (and the dense model as the reference).
+# Records go to RESULTS (default bench/results/routing_quality); the same settings as
+# bench/quality_scaling.sh otherwise (read its header for the device set-up: assets, WIDE_CACHE_DIR,
+# RUNS, BUDGET_S, PACK_TO). VARIANTS picks and orders the runs; a call cut by BUDGET_S resumes.
+#   env $S VARIANTS="dense tile16 tile64" BUDGET_S=540 bash bench/quality_routing.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+PY=${PY:-python3}
+RESULTS=${RESULTS:-bench/results/routing_quality}
+RUNS=${RUNS:-runs/routing}
+TOKENS=${TOKENS:-6553600}
+VARIANTS=${VARIANTS:-"dense tile16 tile64 tile128 shared"}
+LIMIT=${LIMIT:-500}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$RESULTS" "$RUNS"
+# The dense reference is the scaling grid's (same command and settings): not measured again.
+[ -f "$RESULTS/dense.json" ] || cp bench/results/quality_scaling/dense.json "$RESULTS/"
+END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
+left() { echo $(( END - $(date +%s) )); }
+for v in $VARIANTS; do
+    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $v"; continue; fi
+    case $v in
+        dense) args="--router-init dense --sparsity-warmup 0.5" ;;
+        tile*) args="--route-tile ${v#tile}" ;;
+        shared)
+            for r in dense smollm2-135m-50; do
+                [ -f "$RESULTS/decode-$r.json" ] && continue
+                rt=(); [ "$r" = dense ] || rt=(--routers "$r")
+                timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len 256 "${rt[@]}" \
+                    --tasks --batch-size 64 --decode-batches 8 32 --decode-windows "${DECODE_WINDOWS:-64}" \
+                    --out "$RESULTS/decode-$r" || echo "decode eval $r: exit $?"
+            done
+            continue ;;
+        *) echo "unknown variant $v"; exit 2 ;;
+    esac
+    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" \
+        DEVICE="$DEVICE" CAL_ARGS="$args" TAG="-$v" BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
+done
+if [ -n "${PACK_TO:-}" ]; then
+    tar czf - --exclude=routers -C "$RESULTS" . | split -b 15m - "$PACK_TO/routing_quality.tgz."
+fi

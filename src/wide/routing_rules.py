@@ -1,0 +1,122 @@
+"""How the engine (:mod:`wide.inference`) turns the routers' per-token decisions into the masks
+its kernels run: one rule object per engine, chosen at construction, whose methods the prefill
+and decode loops call unconditionally (docs/routing_structure.md has the rules themselves).
+
+* :class:`TokenRule`: every token its own mask (the paper's rule; ``route_tile = 1``).
+* :class:`TileRule`: ``route_tile = N``; the tokens at positions ``[kN, (k+1)N)`` share the mask
+  of position ``kN``. Prefill gathers it; decode keeps, per sequence and (layer, module), the
+  mask of the sequence's current tile in a static buffer (so the step stays one CUDA graph) and
+  takes the fresh decision only on a tile's first position. In prefill the rows come in aligned
+  runs of N that share a mask, which ``gemm_k`` turns into skipped (tile, group) blocks.
+* :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
+  for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
+  reads the weights of that set only. Prefill routes per token.
+
+The masked HF path implements the same rules in :mod:`wide.modeling` (``_tiled``, ``_shared``);
+tests check that both give the same logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class TokenRule:
+    name = "token"
+    margins = False  # decode asks the router for margins instead of a mask
+    defers = True  # batch-1 decode may leave the router to the GEMVs (the mask is used as is)
+
+    def setup(self, engine, batch: int) -> None:
+        pass
+
+    def prefill_runs(self) -> Optional[int]:
+        """Aligned runs of rows sharing a mask in a prefill (a kernel hint), or None."""
+        return None
+
+    def decode_runs(self, batch: int) -> Optional[int]:
+        return None
+
+    def prefill(self, i: int, kind: str, mask, valid, lens):
+        return mask
+
+    def begin_decode(self, pos) -> None:
+        pass
+
+    def decode(self, i: int, kind: str, mask, pos):
+        return mask
+
+
+class TileRule(TokenRule):
+    defers = False
+
+    def __init__(self, tile: int):
+        self.tile = int(tile)
+        self.name = f"tile{self.tile}"
+        self.store: dict = {}
+        self._start = None
+
+    def setup(self, engine, batch: int) -> None:
+        groups = {"attn": engine.attn_groups, "ffn": engine.ffn_groups}
+        self.store = {(i, kind): torch.zeros(batch, groups[kind], dtype=torch.bool, device=engine.device)
+                      for i in range(len(engine.layers)) for kind in ("attn", "ffn")}
+
+    def prefill_runs(self) -> Optional[int]:
+        return self.tile
+
+    def prefill(self, i, kind, mask, valid, lens):
+        if mask is None:
+            return None
+        B, T, _ = mask.shape
+        lead = torch.div(torch.arange(T, device=mask.device), self.tile, rounding_mode="floor") * self.tile
+        tiled = mask.index_select(1, lead) & valid[..., None]
+        # each sequence's current tile, for the decode steps that continue it
+        last = (lens - 1).clamp_min(0)
+        self.store[(i, kind)].copy_(tiled[torch.arange(B, device=mask.device), last])
+        return tiled
+
+    def begin_decode(self, pos) -> None:
+        self._start = (pos % self.tile == 0)[:, None]
+
+    def decode(self, i, kind, mask, pos):
+        if mask is None:
+            return None
+        store = self.store[(i, kind)]
+        torch.where(self._start, mask, store, out=store)
+        return store
+
+
+class SharedRule(TokenRule):
+    name = "batch_shared"
+    margins = True
+    defers = False
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def decode_runs(self, batch: int) -> Optional[int]:
+        return batch
+
+    def decode(self, i, kind, margin, pos):
+        return None if margin is None else self.ops.shared_mask(margin)
+
+
+def make_rule(engine, batch_shared: bool) -> Optional[TokenRule]:
+    """The rule of an engine (None for the dense engine)."""
+    if engine.mode != "routed":
+        return None
+    tile = engine.cfg.route_tile if engine.cfg is not None else 1
+    if batch_shared:
+        if tile != 1:
+            raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "
+                             f"per tile of {tile} tokens (the masked HF path runs both: "
+                             "wide.modeling.batch_shared_decode)")
+        if engine.cfg.tie_modules:
+            raise ValueError("batch-shared decode needs routers with margins per module; tied (dynamic-depth) "
+                             "decisions have none")
+        return SharedRule(engine.ops)
+    return TileRule(tile) if tile > 1 else TokenRule()
+
+
+__all__ = ["TokenRule", "TileRule", "SharedRule", "make_rule"]

@@ -1,0 +1,98 @@
+"""The engine's routing rules (wide.routing_rules): tile-coherent routers and batch-shared decode
+on the static-cache engine give the logits of the masked HF path that implements the same rules
+(wide.modeling), prefill and decode, on both backends (the kernels under the interpreter)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+
+import wide  # noqa: E402
+from wide.modeling import batch_shared_decode  # noqa: E402
+
+TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
+
+
+def routed(seed=0, **cfg):
+    model = wide.wrap(tiny_model("llama", seed=seed, **TINY), wide.WideConfig(ffn_group_size=32, **cfg), seed=seed)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(seed + 1))
+    wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=1)
+    return model
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def ids_of(b, t, seed=3):
+    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("tile", [4, 8])
+def test_tiled_routers_prefill_and_decode_match_masked_path(tile, backend):
+    # prompt of 10 tokens: decode resumes mid-tile (the stored mask) and crosses tile starts
+    model = routed(route_tile=tile)
+    ids = ids_of(2, 21)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    eng = wide.accelerate(model, backend=backend)
+    assert eng.routing == f"tile{tile}"
+    assert rel(eng.logits(ids), ref) < 1e-5
+    for B in (2, 1):
+        eng.setup_cache(B, 32)
+        eng.prefill(ids[:B, :10])
+        for t in range(10, 21):
+            masks = []
+            out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long), record=masks)
+            assert rel(out, ref[:B, t]) < 1e-5, (B, t)
+            if t % tile and t > 10:  # inside a tile: the tile's stored mask, not a fresh decision
+                assert all(torch.equal(m, prev) for (_, _, m), prev in zip(masks, last))
+            last = [m.clone() for _, _, m in masks]
+
+
+def test_tiled_prefill_right_padded_batch_continues_each_tile():
+    # two prompts of different lengths in one right-padded batch: each decodes as it would alone
+    model = routed(route_tile=4)
+    ids = ids_of(2, 16, seed=9)
+    eng = wide.accelerate(model, backend="triton")
+    lens = torch.tensor([13, 10])
+    eng.setup_cache(2, 32)
+    eng.prefill(ids[:, :13], lens)
+    pos = lens.clone()
+    outs = [eng.decode(torch.stack([ids[0, 13], ids[1, 10]]), pos)]
+    for b, n in ((0, 13), (1, 10)):
+        with torch.no_grad():
+            ref = model(input_ids=ids[b:b + 1, :n + 1]).logits[0, -1]
+        assert rel(outs[0][b], ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_batch_shared_decode_matches_masked_path(backend):
+    model = routed(seed=4)
+    ids = ids_of(3, 16, seed=5)
+    eng = wide.accelerate(model, backend=backend, batch_shared=True)
+    assert eng.routing == "batch_shared"
+    with torch.no_grad():
+        assert rel(eng.logits(ids), model(input_ids=ids).logits) < 1e-5  # prefill is per token
+    eng.setup_cache(3, 32)
+    eng.prefill(ids[:, :8])
+    with torch.no_grad(), batch_shared_decode(model):
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        for t in range(8, 16):
+            out = model(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True)
+            masks = []
+            got = eng.decode(ids[:, t], torch.full((3,), t, dtype=torch.long), record=masks)
+            assert rel(got, out.logits[:, -1]) < 1e-5, t
+            for _, _, m in masks:
+                assert torch.equal(m, m[:1].expand_as(m))  # one set for the batch
+
+
+def test_batch_shared_refusals():
+    with pytest.raises(ValueError, match="per-token routers only"):
+        wide.accelerate(routed(route_tile=4), backend="torch", batch_shared=True)
+    with pytest.raises(ValueError, match="routed-engine option"):
+        wide.accelerate(routed(), backend="torch", mode="dense", batch_shared=True)
