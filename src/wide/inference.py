@@ -174,7 +174,7 @@ class AcceleratedModel:
         self.ops = make_ops(self)
         # The routing rule (per token, tiles, batch-shared decode): chosen once, called always.
         self.rule = make_rule(self, batch_shared)
-        self.routing = None if self.rule is None else self.rule.name
+        self.routing = None if mode == "dense" else self.rule.name
         self._cache_key = None
         self._graphs = {}
         self._prefill_pool = None  # one memory pool for every prefill graph
@@ -252,8 +252,7 @@ class AcceleratedModel:
         self._ensure_rope(max_len)
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=self.device)
-        if self.rule is not None:
-            self.rule.setup(self, batch)
+        self.rule.setup(self, batch)
 
     def free_cache(self) -> None:
         self._graphs.clear()
@@ -326,14 +325,13 @@ class AcceleratedModel:
         lens32 = lens.to(torch.int32)
         valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
         rule = self.rule
-        ops.row_runs = rule.prefill_runs() if rule is not None else None
+        ops.row_runs = rule.prefill_runs()
         x = self.embed(ids)
         delta = None  # the previous layer's FFN output, added to x inside the next norm
         for i, L in enumerate(self.layers):
             x, h = ops.norm(L.attn_norm, x, delta)
             ma = ops.mask(i, "attn", x, h, valid)  # [B, T, groups] or None: runs dense
-            if rule is not None:
-                ma = rule.prefill(i, "attn", ma, valid, lens)
+            ma = rule.prefill(i, "attn", ma, valid, lens)
             h = h.reshape(B * T, -1)
             route = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, route)
@@ -341,8 +339,7 @@ class AcceleratedModel:
             o = ops.o_proj(L, ops.attend_prefill(q, k, v, ma, lens32), ma, route)
             x, h = ops.norm(L.ffn_norm, x, o.view(B, T, -1))
             mf = ops.mask(i, "ffn", x, h, valid, attn=ma)
-            if rule is not None:
-                mf = rule.prefill(i, "ffn", mf, valid, lens)
+            mf = rule.prefill(i, "ffn", mf, valid, lens)
             delta = ops.ffn(L, h.reshape(B * T, -1), mf).view(B, T, -1)
         if not all_logits:  # only the last prompt token's row goes on
             rows = (torch.arange(B, device=self.device), lens - 1)
@@ -362,22 +359,18 @@ class AcceleratedModel:
         rule = self.rule
         # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
         # (not where the rule changes the mask after the router).
-        defer = ops.defer_router() and (rule is None or rule.defers)
-        margins = rule is not None and rule.margins
-        ops.row_runs = rule.decode_runs(x.shape[0]) if rule is not None else None
-        if rule is not None:
-            rule.begin_decode(pos)
+        defer = ops.defer_router() and rule.defers
+        ops.row_runs = rule.decode_runs(x.shape[0])
+        rule.begin_decode(pos)
         for i, L in enumerate(self.layers):
-            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=margins)
-            if rule is not None:
-                ma = rule.decode(i, "attn", ma, pos)
+            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins)
+            ma = rule.decode(i, "attn", ma, pos)
             route = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, route, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
             o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, route)
-            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=margins)
-            if rule is not None:
-                mf = rule.decode(i, "ffn", mf, pos)
+            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins)
+            mf = rule.decode(i, "ffn", mf, pos)
             delta = ops.ffn(L, h, mf, router)
             if record is not None:
                 record += [(i, "attn", ma), (i, "ffn", mf)]

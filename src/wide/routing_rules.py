@@ -102,11 +102,9 @@ class SharedRule(TokenRule):
         return None if margin is None else self.ops.shared_mask(margin)
 
 
-def make_rule(engine, batch_shared: bool) -> Optional[TokenRule]:
-    """The rule of an engine (None for the dense engine)."""
-    if engine.mode != "routed":
-        return None
-    tile = engine.cfg.route_tile if engine.cfg is not None else 1
+def make_rule(engine, batch_shared: bool) -> TokenRule:
+    """The rule of an engine (the dense engine's masks are None, which every rule passes on)."""
+    tile = engine.cfg.route_tile if engine.mode == "routed" and engine.cfg is not None else 1
     if batch_shared:
         if tile != 1:
             raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "

@@ -43,6 +43,14 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _split_share(n_steps):
+    # Split-K: program_id(1)'s equal share [lo, hi) of n_steps (balanced on the device).
+    s = tl.program_id(1)
+    n_s = tl.num_programs(1)
+    return (s * n_steps) // n_s, ((s + 1) * n_steps) // n_s
+
+
+@triton.jit
 def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                    T, N, K, NG, GS, stride_xt, stride_wn, stride_yt, stride_mt,
                    T_BUCKET, ws_ptr, cnt_ptr,
@@ -108,11 +116,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
         n_used = tl.sum(used, axis=0)
         ent = tl.where(used != 0, gp * 65536 + bits, 0)
         spg = GS // BK
-        n_steps = n_used * spg
-        s = tl.program_id(1)
-        n_s = tl.num_programs(1)
-        j_lo = (s * n_steps) // n_s
-        j_hi = ((s + 1) * n_steps) // n_s
+        j_lo, j_hi = _split_share(n_used * spg)
         for j in range(j_lo, j_hi):
             gi = j // spg
             e = tl.sum(tl.where(pos == gi, ent, 0), axis=0)
@@ -139,11 +143,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
         pos = tl.cumsum(used, axis=0) - 1
         ent = tl.where(used != 0, gp, -1)
         spg = GS // BK
-        n_steps = tl.sum(used, axis=0) * spg
-        s = tl.program_id(1)
-        n_s = tl.num_programs(1)
-        j_lo = (s * n_steps) // n_s
-        j_hi = ((s + 1) * n_steps) // n_s
+        j_lo, j_hi = _split_share(tl.sum(used, axis=0) * spg)
         for j in range(j_lo, j_hi):
             gi = j // spg
             gid = tl.max(tl.where(pos == gi, ent, -1), axis=0)
