@@ -24,7 +24,9 @@ kernels of :mod:`wide.kernels`: besides the routed GEMMs and attention, fused re
 and SiLU*up, which cut decode's ~50 tiny launches per layer down and round where HF rounds.
 ``"torch"`` runs the same computation with dense matmuls and masks. ``mode="dense"`` runs the
 same engine with no routing (fused QKV and gate/up matmuls, SDPA prefill, flash decoding): the
-baseline the end-to-end benchmark divides by.
+baseline the end-to-end benchmark divides by. The routing rule (per token, tiles of positions for
+routers trained with ``route_tile``, or batch-shared decode) is a :mod:`wide.routing_rules` object,
+also chosen once, that turns the routers' decisions into the masks the ops run.
 
 Module paths, norms, biases and q/k norms come from the model's :class:`~wide.arch.ArchSpec`;
 what the spec or the kernels cannot run is refused with a ``ValueError`` at construction (or,
