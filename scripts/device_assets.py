@@ -57,7 +57,8 @@ def pack(cache: Path) -> None:
         sys.exit(f"{gguf} missing: run `wide demo` (or wide.data.fetch_default_model()) first")
     shutil.rmtree(OUT, ignore_errors=True)
     # Each part leaves room for the working tree (which grows with the repository) and 1 MiB.
-    room = CALL_LIMIT - tree_bytes() - 2**20
+    tree = tree_bytes()
+    room = CALL_LIMIT - tree - 2**20
     p1 = OUT / "part1"
     p1.mkdir(parents=True)
     # The device image has no `gguf` package; transformers needs it to read the file.
@@ -92,7 +93,7 @@ def pack(cache: Path) -> None:
     for part in parts:
         mib = sum(f.stat().st_size for f in part.iterdir()) / 2**20
         print(f"{part}: {mib:.1f} MiB")
-    print(f"{n} parts (working tree {tree_bytes() / 2**20:.1f} MiB): carry them in {n} back-to-back calls, "
+    print(f"{n} parts (working tree {tree / 2**20:.1f} MiB): carry them in {n} back-to-back calls, "
           f"unpack in the last")
 
 

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from wide.evaluate import cache_kwargs
 from wide.inference import AcceleratedModel
 from wide.modeling import batch_shared_decode
 
@@ -27,15 +28,11 @@ B, P, STEPS = 4, 40, 16
 
 def hf_decode(model, ids, shared: bool):
     """Logits [B, STEPS, V] of the masked HF path decoding ids[:, P:P+STEPS] on its KV cache."""
-    import inspect
-
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     outs = []
     with torch.no_grad(), (batch_shared_decode(model) if shared else torch.no_grad()):
         out = model(input_ids=ids[:, :P], use_cache=True)
         for t in range(P, P + STEPS):
-            cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{arg: cache})
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **cache_kwargs(model, out))
             outs.append(out.logits[:, -1].float())
     return torch.stack(outs, 1)
 
@@ -79,9 +76,6 @@ def main() -> int:
                 with open(sys.argv[1], "w") as f:
                     json.dump(checks, f, indent=1)
         model.wide_state.config = base
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(checks, f, indent=1)
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -275,8 +275,6 @@ def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_l
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    # transformers 5.x renamed past_key_values to cache (in 5.2x); accept both.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def run(B: int, desc: str) -> float:
         n_batches = -(-N // B)
@@ -285,7 +283,7 @@ def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_l
             x = ids[j::n_batches].to(device)
             out = model(input_ids=x[:, :P], use_cache=True)
             for t in range(P, L - 1):
-                out = model(input_ids=x[:, t:t + 1], use_cache=True, **{cache_arg: _cache_of(out)})
+                out = model(input_ids=x[:, t:t + 1], use_cache=True, **cache_kwargs(model, out))
                 nll += float(F.cross_entropy(out.logits[:, -1].float(), x[:, t + 1], reduction="sum"))
                 count += x.shape[0]
         return nll / count, count
@@ -303,9 +301,13 @@ def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_l
     return res
 
 
-def _cache_of(out):
+def cache_kwargs(model, out) -> dict:
+    """The keyword that hands forward output ``out``'s KV cache to the next ``model`` call:
+    transformers 5.x renamed ``past_key_values`` to ``cache`` (in 5.2x); both are accepted."""
     cache = out.get("cache")
-    return cache if cache is not None else out.get("past_key_values")
+    cache = cache if cache is not None else out.get("past_key_values")
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {arg: cache}
 
 
 class _null:

@@ -56,6 +56,7 @@ class TileRule(TokenRule):
         self.name = f"tile{self.tile}"
         self.store: dict = {}
         self._start = None
+        self._lead: dict = {}  # prefill length -> each position's tile lead
 
     def setup(self, engine, batch: int) -> None:
         groups = {"attn": engine.attn_groups, "ffn": engine.ffn_groups}
@@ -69,7 +70,10 @@ class TileRule(TokenRule):
         if mask is None:
             return None
         B, T, _ = mask.shape
-        lead = torch.div(torch.arange(T, device=mask.device), self.tile, rounding_mode="floor") * self.tile
+        lead = self._lead.get((T, mask.device))
+        if lead is None:
+            lead = torch.div(torch.arange(T, device=mask.device), self.tile, rounding_mode="floor") * self.tile
+            self._lead[(T, mask.device)] = lead
         tiled = mask.index_select(1, lead) & valid[..., None]
         # each sequence's current tile, for the decode steps that continue it
         last = (lens - 1).clamp_min(0)

@@ -149,6 +149,7 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
         hp = cnt = normed  # unused without a router
     w = weight
     d = delta if delta is not None else x
+    out = None if mask is None else mask if margins else mask.view(torch.uint8)  # fp32 margins or 0/1 bytes
     block = min(4096, triton.next_power_of_2(H))
     _norm_route_kernel[(B, nchunk)](
         x, d, resid, normed, w, eps,
@@ -157,8 +158,7 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
         router.up.weight if router is not None else w,
         router.up.bias if router is not None else w,
         router.offset if router is not None else w,
-        mask.view(torch.uint8) if mask is not None and not margins else mask if mask is not None else normed,
-        hp, cnt,
+        out if mask is not None else normed, hp, cnt,
         H, G, nchunk, x.stride(0), d.stride(0), resid.stride(0), normed.stride(0),
         mask.stride(0) if mask is not None else 0,
         HAS_DELTA=delta is not None, ROUTE=router is not None, NORMED_IN=normed_input,
