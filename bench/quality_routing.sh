@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Quality of the routing rules (issue 20) and of the dense router start at scale (issue 19), on
-# the default model at 50%, stage 1, ce, the 6.55M-token budget of bench/quality_scaling.sh
-# (200 steps of 128 x 256, seed 0): per-token routing is that grid's point (ppl 110.7).
-#   tile16, tile64, tile128: --route-tile N (the tokens of a tile of N positions share the mask
-#     of the tile's first token, in training and inference);
-#   dense: --router-init dense --sparsity-warmup 0.5 (routers start at "run every group" and the
-#     target ramps over the first half of the run);
-#   batch-shared decode: the decode-mode perplexity of `wide eval --decode-batches 8 32` (half of
-#     each held-out window prefilled, the other half decoded one token per step on the KV cache,
-#     teacher-forced), with each sequence's own masks and with one mask per batch of 8 or 32
-#     unrelated windows, for the shipped 50% routers (and the dense model as the reference).
+# Quality of the routing rules (issue 20) and of router choices (issue 19), on the default model
+# at 50%, stage 1, ce, the 6.55M-token budget of bench/quality_scaling.sh (200 steps of 128 x 256,
+# seed 0): per-token routing from a random start is that grid's point (ppl 110.7).
+# A variant is one or more parts joined by "+", each adding `wide calibrate` options:
+#   dense       --router-init dense --sparsity-warmup 0.5 (routers start at "run every group" and
+#               the target ramps over the first half of the run)
+#   tileN       --route-tile N (the tokens of a tile of N positions share the mask of the tile's
+#               first token, in training and inference)
+#   lrX         --lr X                  rankN   --router-rank N
+#   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
+#   tauA-B      --tau-start A --tau-end B
+#   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
+# (dots in a name become "p": tau2-0.2 is tagged tau2-0p2)
+# e.g. "dense+lr6e-3+s1" -> runs/records wide50-ce-6553600-s1-dense+lr6e-3.
+# The variant "shared" is the batch-shared decode measurement instead: the decode-mode perplexity
+# of `wide eval --decode-batches 8 32` (half of each held-out window prefilled, the other half
+# decoded one token per step on the KV cache, teacher-forced), with each sequence's own masks and
+# with one mask per batch of 8 or 32 unrelated windows, for the shipped 50% routers (and the
+# dense model as the reference).
 # Records go to RESULTS (default bench/results/routing_quality); the same settings as
 # bench/quality_scaling.sh otherwise (read its header for the device set-up: assets, WIDE_CACHE_DIR,
 # RUNS, BUDGET_S, PACK_TO). VARIANTS picks and orders the runs; a call cut by BUDGET_S resumes.
@@ -31,22 +39,33 @@ END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 left() { echo $(( END - $(date +%s) )); }
 for v in $VARIANTS; do
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $v"; continue; fi
-    case $v in
-        dense) args="--router-init dense --sparsity-warmup 0.5" ;;
-        tile*) args="--route-tile ${v#tile}" ;;
-        shared)
-            for r in dense smollm2-135m-50; do
-                [ -f "$RESULTS/decode-$r.json" ] && continue
-                rt=(); [ "$r" = dense ] || rt=(--routers "$r")
-                timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len 256 "${rt[@]}" \
-                    --tasks --batch-size 64 --decode-batches 8 32 --decode-windows "${DECODE_WINDOWS:-64}" \
-                    --out "$RESULTS/decode-$r" || echo "decode eval $r: exit $?"
-            done
-            continue ;;
-        *) echo "unknown variant $v"; exit 2 ;;
-    esac
-    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" \
-        DEVICE="$DEVICE" CAL_ARGS="$args" TAG="-$v" BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
+    if [ "$v" = shared ]; then
+        for r in dense smollm2-135m-50; do
+            [ -f "$RESULTS/decode-$r.json" ] && continue
+            rt=(); [ "$r" = dense ] || rt=(--routers "$r")
+            timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len 256 "${rt[@]}" \
+                --tasks --batch-size 64 --decode-batches 8 32 --decode-windows "${DECODE_WINDOWS:-64}" \
+                --out "$RESULTS/decode-$r" || echo "decode eval $r: exit $?"
+        done
+        continue
+    fi
+    args="" seed=${SEED:-0} tag=""
+    for part in ${v//+/ }; do
+        case $part in
+            dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
+            tile*) args+=" --route-tile ${part#tile}" ;;
+            lr*) args+=" --lr ${part#lr}" ;;
+            rank*) args+=" --router-rank ${part#rank}" ;;
+            normed) args+=" --router-input normed" ;;
+            layer) args+=" --budget layer" ;;
+            tau*-*) t=${part#tau}; args+=" --tau-start ${t%-*} --tau-end ${t#*-}" ;;
+            s[0-9]*) seed=${part#s}; continue ;;
+            *) echo "unknown part $part of variant $v"; exit 2 ;;
+        esac
+        tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
+    done
+    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
+        DEVICE="$DEVICE" CAL_ARGS="$args" TAG="-${tag#+}" BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
 done
 if [ -n "${PACK_TO:-}" ]; then
     tar czf - --exclude=routers -C "$RESULTS" . | split -b 15m - "$PACK_TO/routing_quality.tgz."

@@ -47,6 +47,16 @@ def test_rates_by_hand():
     split = WideConfig(attn_target=0.3, ffn_target=0.6)
     assert float(sparsity_penalty(sp, split)) == pytest.approx((abs(0.3 - attn) + abs(0.6 - ffn)) / 2)
 
+    # per-layer budget: each layer's own rate against the target, then the mean over layers.
+    # Here the global FLOP rate can sit near the target while both layers miss it.
+    layer_flops = [(0.25 * wa + 2 / 3 * wf) / (wa + wf), (0.75 * wa + 0.0 * wf) / (wa + wf)]
+    assert float(sparsity_penalty(sp, WideConfig(target_sparsity=0.5, budget="layer"))) == pytest.approx(
+        sum(abs(0.5 - r) for r in layer_flops) / 2)
+    assert float(sparsity_penalty(sp, WideConfig(target_sparsity=0.5, budget="layer", loss_mode="groups"))) == \
+        pytest.approx((abs(0.5 - (0.25 + 2 / 3) / 2) + abs(0.5 - (0.75 + 0) / 2)) / 2)
+    assert float(sparsity_penalty(sp, WideConfig(attn_target=0.3, ffn_target=0.6, budget="layer"))) == pytest.approx(
+        ((abs(0.3 - 0.25) + abs(0.6 - 2 / 3)) / 2 + (abs(0.3 - 0.75) + abs(0.6 - 0.0)) / 2) / 2)
+
 
 def test_loss_uses_the_coefficient_and_is_differentiable(llama):
     wide.wrap(llama, WideConfig(ffn_group_size=32, sparsity_coef=7.0, target_sparsity=0.25))

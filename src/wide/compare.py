@@ -117,7 +117,7 @@ class Comparison:
         a = self.args
         return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init, loss_mode="flops",
                     tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
-                    ffn_group_size=a.ffn_group_size)
+                    ffn_group_size=a.ffn_group_size, budget=a.budget)
 
     # ------------------------------------------------------------ building methods
 
@@ -433,8 +433,8 @@ def add_arguments(p) -> None:
     add_fields(t, CompareArgs, only=("recovery_steps", "recovery_lr"))
     add_fields(t, runs.RunArgs, skip=("stop_at",))
     add_fields(p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)"), WideConfig,
-               only=("router_rank", "router_input", "router_init", "ffn_group_size", "sparsity_coef", "tau_start",
-                     "tau_end"))
+               only=("router_rank", "router_input", "router_init", "ffn_group_size", "budget", "sparsity_coef",
+                     "tau_start", "tau_end"))
     s = p.add_argument_group("static width pruning and LoRA")
     add_fields(s, CompareArgs, only=("static_calib_sequences", "static_normalize"))
     add_fields(s, LoraArgs)

@@ -19,6 +19,7 @@ SPARSE_TARGETS = ("attention", "ffn", "all")
 LOSS_MODES = ("flops", "groups")
 ROUTER_INPUTS = ("residual", "normed")
 ROUTER_INITS = ("random", "dense")
+BUDGETS = ("global", "layer")
 
 
 @dataclass
@@ -54,6 +55,12 @@ class WideConfig:
     loss_mode: str = field(default="flops", metadata={
         "choices": LOSS_MODES,
         "help": "sparsity the penalty measures: FLOP-weighted, or the paper's unweighted group rate"})
+    # "global" lets the routers spend the budget unevenly over depth (some layers nearly dense,
+    # others far sparser); "layer" holds every layer to the target, as static pruning does.
+    budget: str = field(default="global", metadata={
+        "choices": BUDGETS,
+        "help": "where the target holds: over the whole model (global) or in every layer (layer: the penalty "
+                "is the mean over layers of each layer's |target - rate|)"})
     sparsity_coef: float = field(default=20.0, metadata={"help": "weight of |target - rate| in the loss", "min": 0.0})
     tau_start: float = field(default=5.0, metadata={"help": "Gumbel temperature at step 0", "gt": 0.0})
     tau_end: float = field(default=0.5, metadata={"help": "Gumbel temperature at the last step", "gt": 0.0})

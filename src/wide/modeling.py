@@ -522,6 +522,7 @@ class Sparsity:
     attn_rate: Optional[torch.Tensor]
     ffn_rate: Optional[torch.Tensor]
     per_layer: dict  # kind -> list of per-layer rates (None where not routed)
+    module_macs: dict = field(default_factory=dict)  # kind -> routable MACs of one layer's module
 
     def as_dict(self) -> dict:
         f = lambda v: None if v is None else float(v)  # noqa: E731
@@ -554,11 +555,11 @@ def _summarise(geo: Geometry, sums: dict) -> Sparsity:
             module_rate[kind] = sum(rates) / len(rates)
     if not module_rate:
         zero = torch.zeros(())
-        return Sparsity(zero, zero, None, None, per_layer)
+        return Sparsity(zero, zero, None, None, per_layer, {})
     group_rate = sum(module_rate.values()) / len(module_rate)
     w = {k: geo.module_macs(k) for k in module_rate}
     flop_rate = sum(module_rate[k] * w[k] for k in module_rate) / sum(w.values())
-    return Sparsity(flop_rate, group_rate, module_rate.get("attn"), module_rate.get("ffn"), per_layer)
+    return Sparsity(flop_rate, group_rate, module_rate.get("attn"), module_rate.get("ffn"), per_layer, w)
 
 
 def forward_sparsity(model) -> Sparsity:
@@ -574,6 +575,8 @@ def forward_sparsity(model) -> Sparsity:
 def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
     """|target - rate| in the configured mode (docs/method.md, "Sparsity and loss"), before
     the coefficient."""
+    if config.budget == "layer":
+        return _layer_penalty(sp, config)
     if config.attn_target is not None:
         gaps = []
         for target, rate in ((config.attn_target, sp.attn_rate), (config.ffn_target, sp.ffn_rate)):
@@ -582,6 +585,26 @@ def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
         return sum(gaps) / len(gaps)
     rate = sp.flop_rate if config.loss_mode == "flops" else sp.group_rate
     return (config.target_sparsity - rate).abs()
+
+
+def _layer_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
+    """The mean over layers of the global penalty applied to each layer's own rates."""
+    gaps = []
+    for layer in range(len(next(iter(sp.per_layer.values())))):
+        rates = {k: v[layer] for k, v in sp.per_layer.items() if v[layer] is not None}
+        if not rates:
+            continue
+        if config.attn_target is not None:
+            targets = {"attn": config.attn_target, "ffn": config.ffn_target}
+            gaps.append(sum((targets[k] - r).abs() for k, r in rates.items()) / len(rates))
+            continue
+        if config.loss_mode == "flops":
+            w = {k: sp.module_macs[k] for k in rates}
+            rate = sum(rates[k] * w[k] for k in rates) / sum(w.values())
+        else:
+            rate = sum(rates.values()) / len(rates)
+        gaps.append((config.target_sparsity - rate).abs())
+    return sum(gaps) / len(gaps) if gaps else torch.zeros(())
 
 
 def sparsity_loss(model) -> tuple[torch.Tensor, Sparsity]:
