@@ -6,9 +6,11 @@
 #   SEEDS="0 1 2" METHODS="dense wide dynamic_depth" TARGETS="0.25 0.5" \
 #       bash bench/quality_seeds.sh --steps 400 --batch-size 32 --amp bf16
 #
+# The seeds run one after the other: run as three processes at once on one H200 (beside a fourth
+# training run) they were far slower than in turn (none finished a 400-step stage 1 in 7 minutes,
+# ~1 minute alone; the fourth ran at 47k tokens/s against 128k alone): the GPU time-slices
+# between processes.
 # Settings (environment): SEEDS, METHODS, TARGETS, LIMIT (documents per task, default 500),
-# PARALLEL=1 (the seeds run at once, each its own process with a log in RESULTS/seedN.log: at
-# 16 x 256 a run leaves most of an H200 idle, so three seeds take little longer than one),
 # DEVICE (default cuda), RUNS (run directories, default runs/seeds), RESULTS (default
 # bench/results/quality_seeds), PY. On the offline GPU machine unpack the assets first
 # (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
@@ -25,20 +27,10 @@ RUNS=${RUNS:-runs/seeds}
 RESULTS=${RESULTS:-bench/results/quality_seeds}
 mkdir -p "$RESULTS"
 inputs=()
-one_seed() {
-    # shellcheck disable=SC2086
-    $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$1" \
-        --methods $METHODS --targets $TARGETS --runs "$RUNS/seed$1" --out "$RESULTS/seed$1" "${@:2}"
-}
-pids=()
 for s in $SEEDS; do
-    if [ "${PARALLEL:-0}" = 1 ]; then
-        one_seed "$s" "$@" > "$RESULTS/seed$s.log" 2>&1 &
-        pids+=($!)
-    else
-        one_seed "$s" "$@"
-    fi
+    # shellcheck disable=SC2086
+    $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$s" \
+        --methods $METHODS --targets $TARGETS --runs "$RUNS/seed$s" --out "$RESULTS/seed$s" "$@"
     inputs+=("$RESULTS/seed$s.json")
 done
-for p in "${pids[@]}"; do wait "$p" || { echo "a seed failed: see $RESULTS/seed*.log"; exit 1; }; done
 $PY bench/seeds_summary.py "${inputs[@]}" --out "$RESULTS/quality_smollm2_seeds"

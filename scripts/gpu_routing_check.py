@@ -2,7 +2,13 @@
 random Llama (scripts/gpu_smoke.py's) with routers at 50 %, rules tile16 and batch_shared:
 
 * fp32 (TF32 dots in the kernels): prefill logits and 16 decode steps at batch 4 against the
-  masked HF path under the same rule (route_tile, wide.modeling.batch_shared_decode);
+  masked HF path under the same rule (route_tile, wide.modeling.batch_shared_decode), with
+  per-token routing beside them as the yardstick. The kernels' TF32 dots move a router margin by
+  ~1e-3, enough to flip a decision that sits near its threshold, and one flipped decision moves
+  the logits far more than rounding does (in batch-shared decode it swaps a group for the whole
+  batch). So the decode checks also count the (step, layer, module, row, group) decisions on
+  which the two paths differ: a logit error above the bound with no decision flipped is a bug,
+  and flips far above per-token routing's count point at the rule rather than at rounding;
 * bf16: CUDA-graph decode steps equal eager ones exactly, over 16 steps that cross tile starts
   (the tile rule's stored masks live in static buffers that the graph updates in place).
 
@@ -13,6 +19,7 @@ Writes a JSON list of checks to the path given (default: stdout only); exit 1 on
 import dataclasses
 import json
 import sys
+from typing import Optional
 
 import torch
 
@@ -26,26 +33,45 @@ from gpu_smoke import build, rel  # noqa: E402
 B, P, STEPS = 4, 40, 16
 
 
-def hf_decode(model, ids, shared: bool):
-    """Logits [B, STEPS, V] of the masked HF path decoding ids[:, P:P+STEPS] on its KV cache."""
+def hf_decode(model, ids, shared: bool, masks: Optional[list] = None):
+    """Logits [B, STEPS, V] of the masked HF path decoding ids[:, P:P+STEPS] on its KV cache;
+    ``masks`` gets each step's {(layer, kind): bool [B, groups]}."""
     outs = []
+    state = model.wide_state
     with torch.no_grad(), (batch_shared_decode(model) if shared else torch.no_grad()):
         out = model(input_ids=ids[:, :P], use_cache=True)
         for t in range(P, P + STEPS):
             out = model(input_ids=ids[:, t:t + 1], use_cache=True, **cache_kwargs(model, out))
             outs.append(out.logits[:, -1].float())
+            if masks is not None:
+                masks.append({k: v.reshape(B, -1) > 0.5 for k, v in state.masks.items() if k[1] in ("attn", "ffn")})
     return torch.stack(outs, 1)
 
 
-def engine_decode(eng, ids, eager: bool):
+def engine_decode(eng, ids, eager: bool, masks: Optional[list] = None):
+    """The engine's logits [B, STEPS, V]; with ``eager`` each step runs without the graph and
+    ``masks`` gets its {(layer, kind): bool [B, groups]}."""
     eng.setup_cache(B, 128)
     eng.prefill(ids[:, :P])
     outs = []
     for t in range(P, P + STEPS):
         pos = torch.full((B,), t, dtype=torch.long, device="cuda")
-        outs.append(eng.decode(ids[:, t], pos, record=[] if eager else None).float().clone())
+        record = [] if eager else None
+        outs.append(eng.decode(ids[:, t], pos, record=record).float().clone())
+        if masks is not None:
+            masks.append({(i, k): m.reshape(B, -1).to(torch.bool, copy=True) for i, k, m in record if m is not None})  # the tile rule hands out one buffer
     eng.free_cache()
     return torch.stack(outs, 1)
+
+
+def flipped(a: list, b: list) -> tuple:
+    """(decisions that differ, decisions compared) between two runs' per-step masks."""
+    diff = total = 0
+    for sa, sb in zip(a, b):
+        for k in sa.keys() & sb.keys():
+            diff += int((sa[k] != sb[k]).sum())
+            total += sa[k].numel()
+    return diff, total
 
 
 def main() -> int:
@@ -54,9 +80,9 @@ def main() -> int:
         model, ids = build("llama", dtype)
         ids = torch.randint(0, 512, (B, P + STEPS), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         base = model.wide_state.config
-        for rule in ("tile16", "batch_shared"):
+        for rule in ("token", "tile16", "batch_shared") if dtype == torch.float32 else ("tile16", "batch_shared"):
             shared = rule == "batch_shared"
-            model.wide_state.config = base if shared else dataclasses.replace(base, route_tile=16)
+            model.wide_state.config = dataclasses.replace(base, route_tile=16) if rule == "tile16" else base
             eng = AcceleratedModel(model, batch_shared=shared)
             if dtype == torch.float32:
                 with torch.no_grad():
@@ -64,14 +90,21 @@ def main() -> int:
                 err = rel(eng.logits(ids), ref)
                 checks.append({"rule": rule, "check": "prefill logits vs masked HF path (fp32, TF32 dots)",
                                "rel_err": err, "ok": err < 2e-3})
-                err = rel(engine_decode(eng, ids, eager=False), hf_decode(model, ids, shared))
-                checks.append({"rule": rule, "check": f"{STEPS} CUDA-graph decode steps at batch {B} vs masked HF path "
-                                                      "(fp32, TF32 dots)", "rel_err": err, "ok": err < 2e-3})
+                mine, theirs = [], []
+                err = rel(engine_decode(eng, ids, eager=True, masks=mine), hf_decode(model, ids, shared, theirs))
+                diff, total = flipped(mine, theirs)
+                checks.append({"rule": rule, "check": f"{STEPS} eager decode steps at batch {B} vs masked HF path "
+                                                      "(fp32, TF32 dots)", "rel_err": err,
+                               "decisions_flipped": diff, "decisions": total, "ok": err < 2e-3})
+                err = rel(engine_decode(eng, ids, eager=False), engine_decode(eng, ids, eager=True))
+                checks.append({"rule": rule, "check": f"{STEPS} CUDA-graph decode steps = eager (fp32, batch {B})",
+                               "rel_err": err, "ok": err == 0.0})
+                print(checks[-3:], flush=True)
             else:
                 err = rel(engine_decode(eng, ids, eager=False), engine_decode(eng, ids, eager=True))
                 checks.append({"rule": rule, "check": f"{STEPS} CUDA-graph decode steps = eager (bf16, batch {B})",
                                "rel_err": err, "ok": err == 0.0})
-            print(checks[-2:] if dtype == torch.float32 else checks[-1], flush=True)
+                print(checks[-1], flush=True)
             if len(sys.argv) > 1:
                 with open(sys.argv[1], "w") as f:
                     json.dump(checks, f, indent=1)

@@ -44,3 +44,19 @@ def test_e2e_default_is_llama_only(tmp_path, monkeypatch):
     assert meta["model"] == "tiny random Llama"
     with pytest.raises(SystemExit):  # argparse's error: not a preset
         e2e.main(["--tiny", "--model", "gpt-9", "--out-dir", str(tmp_path)])
+
+
+def test_e2e_routings_time_every_batch(tmp_path):
+    # Tile routers are timed in prefill and at every decode batch, batch-shared decode at every
+    # batch; each record names its rule.
+    argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1,2", "--routings",
+            "token,tile4,batch_shared", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
+            "--out-dir", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    meta = json.loads((tmp_path / "e2e.json").read_text())
+    assert meta["errors"] == []
+    got = {(r["op"], r["routing"], r.get("B")) for r in meta["records"] if r["engine"] != "dense"}
+    for B in (1, 2):
+        assert {("e2e_tpot", rule, B) for rule in ("token", "tile4", "batch_shared")} <= got
+    assert ("e2e_ttft", "tile4", 1) in got and not any(op == "e2e_ttft" and rule == "batch_shared"
+                                                        for op, rule, _ in got)
