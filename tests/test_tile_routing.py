@@ -1,6 +1,7 @@
 """Structured routing (docs/routing_structure.md): tile-coherent causal masks (route_tile) and
 batch-shared decode, in the masked HF path."""
 import math
+from copy import deepcopy
 
 import pytest
 import torch
@@ -354,3 +355,25 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
     del meta["wide_config"]["route_tile"], meta["wide_config"]["router_init"]
     cfg.write_text(json.dumps(meta))
     wide.load(routed(), tmp_path / "r")
+
+
+@pytest.mark.parametrize("tile", [1, 4])
+def test_beam_search_reorders_the_tile_store(tile):
+    # Beam search reorders the KV cache between steps; the tile rule's stored masks (each
+    # sequence's current tile) must follow the same beams, or a beam runs another beam's groups.
+    # Each returned beam's score (length_penalty 0: its summed log-probs) must then equal those
+    # of one full forward over its text, whose masks the tile rule defines.
+    model = routed(tile)
+    ids = ids_of(1, 6, seed=4)
+    n = 9  # crosses two tile starts after the prompt
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, num_beams=3, num_return_sequences=3, do_sample=False,
+                             length_penalty=0.0, early_stopping=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        logp = model(input_ids=out.sequences[:, :-1]).logits.log_softmax(-1)
+    want = logp[:, ids.shape[1] - 1:].gather(-1, out.sequences[:, ids.shape[1]:, None]).squeeze(-1).sum(-1)
+    assert torch.allclose(out.sequences_scores, want, atol=1e-4), (out.sequences_scores, want)
+    copy = deepcopy(model)
+    assert copy._reorder_cache.__self__ is copy  # a copy reorders its own store
+    wide.unwrap(model)
+    assert not hasattr(model, "_reorder_cache")

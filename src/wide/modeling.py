@@ -25,6 +25,8 @@ group set per module (inference only).
 from __future__ import annotations
 
 import contextlib
+import inspect
+import types
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -474,7 +476,27 @@ def wrap(model, config: Optional[WideConfig] = None, *, seed: Optional[int] = No
     model.wide_state = WideState(config=config, geometry=geo)
     model.wide_config = config
     install_hooks(model)
+    _follow_beams(model)
     return model
+
+
+def _follow_beams(model) -> None:
+    """Beam search (transformers' generate) reorders the KV cache between steps through the
+    model's ``_reorder_cache`` where it has one: this instance gets one that reorders the tile
+    rule's stored masks the same way, so that every beam keeps its own tile's groups. (A bound
+    method, so that a deep copy of the model reorders its own store.)"""
+    model._reorder_cache = types.MethodType(_reorder_cache, model)
+
+
+def _reorder_cache(model, cache, beam_idx):
+    store = model.wide_state.tile_store
+    for key, entry in store.items():  # (tile [B], values [B, G]) per module
+        store[key] = tuple(t.index_select(0, beam_idx.to(t.device)) for t in entry)
+    inherited = inspect.getattr_static(type(model), "_reorder_cache", None)  # older models' own
+    if inherited is not None:
+        return inherited.__get__(model, type(model))(cache, beam_idx)
+    cache.reorder_cache(beam_idx)
+    return cache
 
 
 def unwrap(model):
@@ -487,6 +509,7 @@ def unwrap(model):
     del model.wide_routers
     del model.wide_state
     del model.wide_config
+    model.__dict__.pop("_reorder_cache", None)
     return model
 
 
