@@ -54,6 +54,49 @@ def test_tiled_routers_prefill_and_decode_match_masked_path(tile, backend):
             last = [m.clone() for _, _, m in masks]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_steps_inside_every_tile_skip_the_routers(backend, monkeypatch):
+    # With the host's positions, a step where no sequence starts a tile runs on the stored masks
+    # without evaluating a router, and gives the same logits as the step that evaluates them.
+    model = routed(route_tile=4)
+    ids = ids_of(2, 21)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    eng = wide.accelerate(model, backend=backend)
+    calls = []
+    for name in ("mask", "margins"):
+        f = getattr(eng.ops, name)
+        monkeypatch.setattr(eng.ops, name, lambda *a, f=f, **k: calls.append(1) or f(*a, **k))
+    import wide.ops as ops_module
+    kernel = ops_module.norm_route
+    monkeypatch.setattr(ops_module, "norm_route", lambda *a, **k: (calls.append(1) if len(a) > 4 and a[4] is not None
+                                                                  else None) or kernel(*a, **k))
+    for B in (1, 2):
+        eng.setup_cache(B, 32)
+        eng.prefill(ids[:B, :10])
+        for t in range(10, 21):
+            starts = [t % 4 == 0] * B
+            assert eng.rule.reuses([t] * B) == (not any(starts))
+            calls.clear()
+            masks = []
+            out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long), record=masks, positions=[t] * B)
+            assert rel(out, ref[:B, t]) < 1e-5, (B, t)
+            assert (len(calls) == 0) == (not any(starts)), (B, t, len(calls))
+    assert not eng.rule.reuses([5, 8])  # one sequence starting a tile is enough to route
+
+
+def test_generate_skips_routers_inside_tiles_and_keeps_the_tokens():
+    model = routed(route_tile=4)
+    prompt = ids_of(1, 7, seed=11)[0].tolist()
+    eng = wide.accelerate(model, backend="torch")
+    got = eng.generate([prompt], max_new_tokens=9).tokens[0]
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(9):
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[len(prompt):]
+
+
 def test_tiled_prefill_right_padded_batch_continues_each_tile():
     # two prompts of different lengths in one right-padded batch: each decodes as it would alone
     model = routed(route_tile=4)

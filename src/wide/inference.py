@@ -352,8 +352,10 @@ class AcceleratedModel:
 
     # -------------------------------------------------------------- decode
 
-    def _decode_eager(self, tok: torch.Tensor, pos: torch.Tensor, record: Optional[list] = None):
-        """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V]."""
+    def _decode_eager(self, tok: torch.Tensor, pos: torch.Tensor, record: Optional[list] = None,
+                      reuse: bool = False):
+        """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V].
+        ``reuse``: the rule holds every mask of this step (``rule.reuses``): no router runs."""
         ops = self.ops
         x = self.embed(tok)
         delta = None
@@ -363,15 +365,17 @@ class AcceleratedModel:
         # (not where the rule changes the mask after the router).
         defer = ops.defer_router() and rule.defers
         ops.row_runs = rule.decode_runs(x.shape[0])
-        rule.begin_decode(pos)
+        rule.begin_decode(pos, reuse)
+        route = not reuse
         for i, L in enumerate(self.layers):
-            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins)
+            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route)
             ma = rule.decode(i, "attn", ma, pos)
-            route = ops.index(ma)
-            q, kv = ops.qkv(L, h, ma, route, router, fused=True)
+            index = ops.index(ma)
+            q, kv = ops.qkv(L, h, ma, index, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
-            o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, route)
-            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins)
+            o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, index)
+            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins,
+                                              route=route)
             mf = rule.decode(i, "ffn", mf, pos)
             delta = ops.ffn(L, h, mf, router)
             if record is not None:
@@ -380,24 +384,27 @@ class AcceleratedModel:
 
     @torch.no_grad()
     def decode(self, tok: torch.Tensor, pos: Optional[torch.Tensor] = None,
-               record: Optional[list] = None) -> torch.Tensor:
+               record: Optional[list] = None, positions: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Logits [B, V] for new tokens ``tok [B]`` at positions ``pos`` (default: the
         engine's position buffer, advanced by :meth:`generate`). CUDA-graph replay on GPU.
         ``record`` (a list): the step runs eagerly and appends ``(layer, kind, mask or None)``
-        for every module, the masks the kernels used (bool ``[B, groups]``)."""
+        for every module, the masks the kernels used (bool ``[B, groups]``). ``positions``: the
+        same positions as host ints, if the caller knows them; a rule that already holds every
+        mask there (tiles, inside a tile) then skips the routers."""
         if self._cache_key is None:
             raise ValueError("call setup_cache first")
         if pos is not None:
             self.pos.copy_(pos)
         self.tok.copy_(tok)
+        reuse = positions is not None and self.rule.reuses(positions)
         if (record is not None or not self.cuda_graphs
                 or getattr(self.state, "mask_fn", None) is not None):  # (a Python mask_fn is not captured)
-            return self._decode_eager(self.tok, self.pos, record)
+            return self._decode_eager(self.tok, self.pos, record, reuse)
         B = tok.shape[0]
-        g = self._graphs.get(B)
+        g = self._graphs.get((B, reuse))
         if g is None:
-            g = self._capture(lambda: self._decode_eager(self.tok, self.pos))
-            self._graphs[B] = g
+            g = self._capture(lambda: self._decode_eager(self.tok, self.pos, reuse=reuse))
+            self._graphs[(B, reuse)] = g
         graph, out = g
         graph.replay()
         return out
@@ -444,6 +451,7 @@ class AcceleratedModel:
         t1 = time.perf_counter()
         out = [tok]
         self.pos.copy_(lens)
+        host_pos = [len(p) for p in prompts]  # what self.pos holds, known without a sync
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         if eos is not None:
             done |= torch.isin(tok, eos)
@@ -451,8 +459,9 @@ class AcceleratedModel:
         for _ in range(max_new_tokens - 1):
             if eos is not None and bool(done.all()):
                 break
-            logits = self.decode(tok)
+            logits = self.decode(tok, positions=host_pos)
             self.pos += 1
+            host_pos = [p + 1 for p in host_pos]
             tok = sample_logits(logits, temperature, top_k, top_p, gen)
             out.append(tok)
             steps += 1

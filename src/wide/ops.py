@@ -207,10 +207,14 @@ class TorchOps:
         # the routers a second time and record masks for the HF path.
         return x, norm.forward(x)
 
-    def norm_route(self, i: int, kind: str, x, delta, attn=None, defer: bool = False, margins: bool = False):
+    def norm_route(self, i: int, kind: str, x, delta, attn=None, defer: bool = False, margins: bool = False,
+                   route: bool = True):
         """Decode: (x + delta, its RMSNorm, the module's mask or None, RouterPartials or None);
-        ``margins``: the router's fp32 margins in place of the mask."""
+        ``margins``: the router's fp32 margins in place of the mask; ``route=False``: no router
+        runs (the mask is None)."""
         resid, normed = self.norm(self.e.layers[i].norm(kind), x, delta)
+        if not route:
+            return resid, normed, None, None
         if margins:
             return resid, normed, self.margins(i, kind, resid, normed), None
         return resid, normed, self.mask(i, kind, resid, normed, attn=attn), None
@@ -324,9 +328,12 @@ class TritonOps(TorchOps):
             norm.variance_epsilon, chunk=triton.next_power_of_2(H))
         return resid.view(B, T, H), normed.view(B, T, H)
 
-    def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False):
+    def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False, route=True):
         e = self.e
         norm = e.layers[i].norm(kind)
+        if not route:
+            resid, normed, _, _ = norm_route(x, delta, norm.weight, norm.variance_epsilon, scratch=self._scratch)
+            return resid, normed, None, None
         # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
         fused = self.routed(kind) and e.state.mask_fn is None and not e.cfg.tie_modules
         router = e.layers[i].routers.get(kind) if fused else None

@@ -6,7 +6,8 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
 * :class:`TileRule`: ``route_tile = N``; the tokens at positions ``[kN, (k+1)N)`` share the mask
   of position ``kN``. Prefill gathers it; decode keeps, per sequence and (layer, module), the
   mask of the sequence's current tile in a static buffer (so the step stays one CUDA graph) and
-  takes the fresh decision only on a tile's first position. In prefill the rows come in aligned
+  takes the fresh decision only on a tile's first position; a step where no sequence starts a
+  tile skips the routers altogether (its own graph, picked from the positions the host knows). In prefill the rows come in aligned
   runs of N that share a mask, which ``gemm_k`` turns into skipped (tile, group) blocks.
 * :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
@@ -41,7 +42,12 @@ class TokenRule:
     def prefill(self, i: int, kind: str, mask, valid, lens):
         return mask
 
-    def begin_decode(self, pos) -> None:
+    def reuses(self, positions) -> bool:
+        """Whether a decode step at host ``positions`` (one int per sequence) can run without
+        the routers: every mask it needs is one this rule already holds."""
+        return False
+
+    def begin_decode(self, pos, reuse: bool = False) -> None:
         pass
 
     def decode(self, i: int, kind: str, mask, pos):
@@ -56,12 +62,13 @@ class TileRule(TokenRule):
         self.name = f"tile{self.tile}"
         self.store: dict = {}
         self._start = None
+        self._reuse = False
         self._lead: dict = {}  # prefill length -> each position's tile lead
 
     def setup(self, engine, batch: int) -> None:
         groups = {"attn": engine.attn_groups, "ffn": engine.ffn_groups}
         self.store = {(i, kind): torch.zeros(batch, groups[kind], dtype=torch.bool, device=engine.device)
-                      for i in range(len(engine.layers)) for kind in ("attn", "ffn")}
+                      for i in range(len(engine.layers)) for kind in ("attn", "ffn") if engine.ops.routed(kind)}
 
     def prefill_runs(self) -> Optional[int]:
         return self.tile
@@ -80,10 +87,18 @@ class TileRule(TokenRule):
         self.store[(i, kind)].copy_(tiled[torch.arange(B, device=mask.device), last])
         return tiled
 
-    def begin_decode(self, pos) -> None:
-        self._start = (pos % self.tile == 0)[:, None]
+    def reuses(self, positions) -> bool:
+        # No sequence starts a tile: the step runs on the stored masks and skips the routers
+        # (at batch 1 that is N - 1 steps of N; at batch B about (1 - 1/N)^B of them).
+        return all(int(p) % self.tile for p in positions)
+
+    def begin_decode(self, pos, reuse: bool = False) -> None:
+        self._reuse = reuse
+        self._start = None if reuse else (pos % self.tile == 0)[:, None]
 
     def decode(self, i, kind, mask, pos):
+        if self._reuse:
+            return self.store.get((i, kind))
         if mask is None:
             return None
         store = self.store[(i, kind)]

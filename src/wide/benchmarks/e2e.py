@@ -333,10 +333,13 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         start = torch.full((B,), ctx, dtype=torch.long, device=device)
 
         def loop():
+            # As generate() does: the host's positions let a tile step skip the routers. (Every
+            # sequence here sits at the same position, so a batch's tiles start together: at
+            # B > 1 that skips more steps than unrelated prompts would.)
             engine.pos.copy_(start)
             tok = first
-            for _ in range(n):
-                logits = engine.decode(tok)
+            for step in range(n):
+                logits = engine.decode(tok, positions=[ctx + step] * B)
                 engine.pos += 1
                 tok = logits.argmax(-1)
 
