@@ -255,8 +255,9 @@ def test_batch_shared_runs_rule():
         assert torch.equal(batch_shared_runs(margin[perm], valid[perm]), shared)
         for row in margin:  # a batch of one keeps exactly its own groups
             assert torch.equal(batch_shared_runs(row[None], torch.tensor([True])), group_runs(row))
-    # Group 0's margins sum to 0 or 1 in float32 depending on the order of the rows; sorted first,
-    # the sum and so the choice of one group out of two is the same for every order.
+    # Group 0's margins sum to 0 or 1 in float32 depending on the order of the rows; summed as
+    # integers (exact), the sum and so the choice of one group out of two is the same for every
+    # order.
     margin = torch.tensor([[1e8, -0.1], [1.0, -0.1], [-1e8, 0.7]])
     choices = {tuple(batch_shared_runs(margin[list(p)], torch.ones(3, dtype=torch.bool)).tolist())
                for p in ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))}

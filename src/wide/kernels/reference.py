@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm_reference", "apply_rope", "batch_shared_runs"]
+__all__ = ["rms_norm_reference", "apply_rope", "batch_shared_runs", "shared_units"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +25,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+# Margins are summed over the batch as integers in units of 2^-20 (truncated toward zero, after
+# a clamp that keeps 1024 rows of them inside int64): integer sums are exact, so the sum, and
+# the set, does not depend on the order of the rows, and the kernel's sum equals this one bit
+# for bit without sorting each group's margins first.
+SHARED_SCALE = 2.0 ** 20
+SHARED_CLAMP = 1e9
+
+
+def shared_units(margin: torch.Tensor) -> torch.Tensor:
+    """fp32 margins as int64 counts of 2^-20 (what batch_shared_runs sums)."""
+    return (margin.float().clamp(-SHARED_CLAMP, SHARED_CLAMP) * SHARED_SCALE).to(torch.int64)
+
+
 def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """One execute set [groups] for a whole decode batch (``margin`` [B, groups], ``valid`` [B]
     bool; rows that are not valid take no part).
@@ -33,14 +46,13 @@ def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     the largest summed margins: the set is the union a kernel reads, and the cap keeps it at the
     batch's mean width instead of the union of per-token sets (which approaches every group
     as the batch grows). Ceil rather than round: the batch never runs narrower than its mean
-    width, and a batch of one keeps exactly its own groups (its own top-n by margin). The margins
-    are sorted over the batch before summing so that the sum, and so the set, does not depend
-    on the order of the rows; ties go to the lower group index.
+    width, and a batch of one keeps exactly its own groups (its own top-n by margin). The
+    margins are summed exactly (``shared_units``), so the set does not depend on the order of
+    the rows; ties go to the lower group index.
     """
-    rows = torch.where(valid.unsqueeze(-1), margin, torch.zeros_like(margin))
     count = ((margin >= 0) & valid.unsqueeze(-1)).sum()  # wide.routers.group_runs
     n = valid.sum().clamp_min(1)
     keep = (count + n - 1) // n  # ceil, in integers: stays on the device
-    score = rows.sort(dim=0).values.sum(dim=0)
+    score = torch.where(valid.unsqueeze(-1), shared_units(margin), 0).sum(dim=0)
     order = torch.sort(score, descending=True, stable=True).indices
     return order.argsort() < keep  # a group's rank in the order
