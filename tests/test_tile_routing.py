@@ -1,5 +1,6 @@
 """Structured routing (docs/routing_structure.md): tile-coherent causal masks (route_tile) and
 batch-shared decode, in the masked HF path."""
+import dataclasses
 import math
 from copy import deepcopy
 
@@ -356,6 +357,25 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
     del meta["wide_config"]["route_tile"], meta["wide_config"]["router_init"]
     cfg.write_text(json.dumps(meta))
     wide.load(routed(), tmp_path / "r")
+
+
+def test_fields_a_file_predates_take_what_wide_did_then():
+    # Not today's default: a default may change (the dense router start is a candidate), and an
+    # older file must still load and resume as it was trained.
+    from wide import config as config_module
+    from wide import train as train_module
+
+    names = {f.name: f for f in dataclasses.fields(WideConfig)}
+    for key, then in config_module.PREDATES.items():
+        old = WideConfig().to_dict()
+        del old[key]
+        assert getattr(WideConfig.from_dict(old), key) == then, key
+    targs = {f.name for f in dataclasses.fields(train_module.TrainArgs)}
+    assert set(config_module.PREDATES) <= set(names) and set(train_module.PREDATES) <= targs
+    assert train_module.with_defaults({"steps": 5})["sparsity_warmup"] == train_module.PREDATES["sparsity_warmup"]
+    # the file's own values win; what it lacks comes from PREDATES, not from today's defaults
+    assert config_module.with_predating({"router_init": "dense"})["router_init"] == "dense"
+    assert config_module.with_predating({}) == config_module.PREDATES
 
 
 @pytest.mark.parametrize("tile", [1, 4])

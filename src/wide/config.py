@@ -22,6 +22,16 @@ ROUTER_INITS = ("random", "dense")
 BUDGETS = ("global", "layer")
 
 
+# What wide did before each of these fields existed: a file that lacks one was written then, and
+# loads or resumes with that behaviour even after the field's default changes.
+PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global"}
+
+
+def with_predating(saved: dict) -> dict:
+    """A saved WideConfig dict with the fields it predates filled in as ``PREDATES`` says."""
+    return {**{k: v for k, v in PREDATES.items() if k not in saved}, **saved}
+
+
 @dataclass
 class WideConfig:
     # The metadata is each field's command-line option (wide.cliargs): its help, and its flag
@@ -108,7 +118,8 @@ class WideConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown WideConfig fields {sorted(unknown)}: written by a newer version of wide?")
-        return cls(**d)  # fields an older file lacks (route_tile) take their defaults
+        return cls(**with_predating(d))
+
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Union
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import WideConfig
+from .config import WideConfig, with_predating
 from .fileio import atomic_write_text as _write_text
 from .fileio import sha256_file
 from .modeling import ModelDims, get_state, wrap
@@ -287,8 +287,7 @@ def read_meta(path) -> dict:
 def config_differences(saved: dict, config: WideConfig) -> dict:
     """``{field: (saved value, value in config)}`` for each WideConfig field that differs."""
     now = config.to_dict()
-    # A field a file predates (route_tile, router_init) was that field's default then.
-    saved = {**WideConfig().to_dict(), **saved}
+    saved = with_predating(saved)  # a field a file predates is what wide did before it
     return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
 
 

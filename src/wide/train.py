@@ -97,10 +97,14 @@ RESUME_KEYS = ("steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmu
                "loss", "kd_temperature", "mix_weight", "amp", "sparsity_warmup")
 
 
+# What wide did before each of these TrainArgs fields existed (see config.PREDATES).
+PREDATES = {"loss": "ce", "kd_temperature": 1.0, "mix_weight": 0.5, "amp": "none", "sparsity_warmup": 0.0}
+
+
 def with_defaults(saved: dict) -> dict:
     """Saved TrainArgs (a checkpoint's, a run's) with the fields an older version of wide did
-    not have filled in with their defaults, which are what that version did."""
-    return {**{f.name: f.default for f in fields(TrainArgs)}, **saved}
+    not have filled in with what that version did (``PREDATES``; other fields: the default)."""
+    return {**{f.name: PREDATES.get(f.name, f.default) for f in fields(TrainArgs)}, **saved}
 
 
 def target_config(cfg, args: TrainArgs, step: int):
