@@ -7,8 +7,9 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
   of position ``kN``. Prefill gathers it; decode keeps, per sequence and (layer, module), the
   mask of the sequence's current tile in a static buffer (so the step stays one CUDA graph) and
   takes the fresh decision only on a tile's first position; a step where no sequence starts a
-  tile skips the routers altogether (its own graph, picked from the positions the host knows). In prefill the rows come in aligned
-  runs of N that share a mask, which ``gemm_k`` turns into skipped (tile, group) blocks.
+  tile skips the routers altogether (its own graph, picked from the positions the host knows).
+  In prefill the rows come in aligned runs of N that share a mask, which ``gemm_k`` turns into
+  skipped (tile, group) blocks.
 * :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
   reads the weights of that set only. Prefill routes per token.
