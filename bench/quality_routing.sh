@@ -67,6 +67,8 @@ for v in $VARIANTS; do
     env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
         DEVICE="$DEVICE" CAL_ARGS="$args" TAG="-${tag#+}" BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
 done
+# every run so far in one table, each beside the settings its run.json holds
+$PY bench/variants_table.py "$RESULTS" > /dev/null || echo "variants_table: exit $?"
 if [ -n "${PACK_TO:-}" ]; then
     tar czf - --exclude=routers -C "$RESULTS" . | split -b 15m - "$PACK_TO/routing_quality.tgz."
 fi

@@ -1,0 +1,109 @@
+"""One table of the router-choice runs of bench/quality_routing.sh (issue 19, item 4): every
+`wide eval` record named ``wide<pct>-<loss>-<tokens>-s<seed>[-<variant>]`` in a folder, beside the
+settings its calibration used (read back from ``runs/<name>.run.json``, not from the name), its
+perplexity against dense and the share of dense's above-chance accuracy it keeps; rows sorted by
+perplexity within each token budget.
+
+    python3 bench/variants_table.py bench/results/routing_quality   # writes variants.{md,json} there
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from scaling_plot import kept_above_chance  # noqa: E402
+
+NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<seed>\d+)(?:-(?P<variant>.+))?$")
+STEM = "variants"
+# column: (where in run.json, key)
+SETTINGS = (("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"), ("start", "wide_config", "router_init"),
+            ("warm-up", "train_args", "sparsity_warmup"), ("budget", "wide_config", "budget"),
+            ("input", "wide_config", "router_input"), ("rank", "wide_config", "router_rank"),
+            ("tau", "wide_config", "tau_start"), ("tau end", "wide_config", "tau_end"),
+            ("tile", "wide_config", "route_tile"))
+
+
+def settings(run: dict) -> dict:
+    """The table's settings of one run.json; fields a run predates read as what wide did then."""
+    from wide.config import with_predating
+    from wide.train import with_defaults
+
+    parts = {"train_args": with_defaults(run.get("train_args", {})),
+             "wide_config": with_predating(run.get("wide_config", {}))}
+    return {col: parts[where].get(key) for col, where, key in SETTINGS}
+
+
+def collect(folder: Path) -> list:
+    """Quality records of the named runs (and dense), each with its name, variant and settings."""
+    out = []
+    for f in sorted(folder.glob("*.json")):
+        m = NAME.match(f.stem)
+        if f.stem != "dense" and m is None:
+            continue
+        recs = [r for r in json.loads(f.read_text()).get("records", []) if r.get("op") == "quality"]
+        if not recs:
+            continue
+        rec = {**recs[0], "name": f.stem}
+        if m is not None:
+            run = folder / "runs" / f"{f.stem}.run.json"
+            if not run.is_file():
+                raise FileNotFoundError(f"{run} is missing: the table reads each run's settings from it")
+            rec.update(variant=m["variant"] or "-", tokens=int(m["tokens"]), seed=int(m["seed"]),
+                       loss=m["loss"], settings=settings(json.loads(run.read_text())))
+        out.append(rec)
+    return out
+
+
+def _f(v, p=2):
+    return "-" if v is None else f"{v:.{p}f}" if isinstance(v, float) else str(v)
+
+
+def _g(v):
+    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def table(records: list) -> str:
+    dense = next((r for r in records if r["name"] == "dense"), None)
+    kept = kept_above_chance(records)
+    routed = sorted((r for r in records if r["name"] != "dense"), key=lambda r: (r["tokens"], r["ppl"]))
+    head = ["variant", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
+            "above chance kept"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in ([dense] if dense else []) + routed:
+        s = r.get("settings", {})
+        k = kept.get(id(r))
+        ratio = r["ppl"] / dense["ppl"] if dense else None
+        cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
+                 _f(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
+                 _f(r["ppl"]), _f(ratio), _f(r.get("avg"), 3), "-" if k is None else f"{k:.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path)
+    args = ap.parse_args(argv)
+    records = collect(args.folder)
+    if not any(r["name"] != "dense" for r in records):
+        print(f"no wide<pct>-<loss>-<tokens>-s<seed>[-<variant>].json records in {args.folder}", file=sys.stderr)
+        return 1
+    md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
+          f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n")
+    (args.folder / f"{STEM}.md").write_text(md)
+    keep = ("name", "variant", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
+    (args.folder / f"{STEM}.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in records], indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
