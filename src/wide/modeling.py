@@ -579,10 +579,14 @@ def _summarise(geo: Geometry, sums: dict) -> Sparsity:
     if not module_rate:
         zero = torch.zeros(())
         return Sparsity(zero, zero, None, None, per_layer, {})
-    group_rate = sum(module_rate.values()) / len(module_rate)
     w = {k: geo.module_macs(k) for k in module_rate}
-    flop_rate = sum(module_rate[k] * w[k] for k in module_rate) / sum(w.values())
+    flop_rate, group_rate = _combined(module_rate, w)
     return Sparsity(flop_rate, group_rate, module_rate.get("attn"), module_rate.get("ffn"), per_layer, w)
+
+
+def _combined(rates: dict, macs: dict) -> tuple:
+    """(FLOP-weighted, unweighted) rate of module rates {kind: rate}, weights {kind: MACs}."""
+    return sum(rates[k] * macs[k] for k in rates) / sum(macs[k] for k in rates), sum(rates.values()) / len(rates)
 
 
 def forward_sparsity(model) -> Sparsity:
@@ -598,36 +602,24 @@ def forward_sparsity(model) -> Sparsity:
 def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
     """|target - rate| in the configured mode (docs/method.md, "Sparsity and loss"), before
     the coefficient."""
-    if config.budget == "layer":
-        return _layer_penalty(sp, config)
-    if config.attn_target is not None:
+    if config.budget == "layer":  # the same gap on each layer's own rates, averaged over layers
         gaps = []
-        for target, rate in ((config.attn_target, sp.attn_rate), (config.ffn_target, sp.ffn_rate)):
-            if rate is not None:
-                gaps.append((target - rate).abs())
-        return sum(gaps) / len(gaps)
-    rate = sp.flop_rate if config.loss_mode == "flops" else sp.group_rate
+        for layer in range(len(next(iter(sp.per_layer.values())))):
+            rates = {k: v[layer] for k, v in sp.per_layer.items() if v[layer] is not None}
+            if rates:
+                flop, group = _combined(rates, sp.module_macs)
+                gaps.append(_gap(rates, flop if config.loss_mode == "flops" else group, config))
+        return sum(gaps) / len(gaps) if gaps else torch.zeros(())
+    rates = {k: r for k, r in (("attn", sp.attn_rate), ("ffn", sp.ffn_rate)) if r is not None}
+    return _gap(rates, sp.flop_rate if config.loss_mode == "flops" else sp.group_rate, config)
+
+
+def _gap(rates: dict, rate, config: WideConfig) -> torch.Tensor:
+    """|target - rate|, or with separate module targets the mean of the modules' own gaps."""
+    if config.attn_target is not None:
+        targets = {"attn": config.attn_target, "ffn": config.ffn_target}
+        return sum((targets[k] - r).abs() for k, r in rates.items()) / len(rates)
     return (config.target_sparsity - rate).abs()
-
-
-def _layer_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
-    """The mean over layers of the global penalty applied to each layer's own rates."""
-    gaps = []
-    for layer in range(len(next(iter(sp.per_layer.values())))):
-        rates = {k: v[layer] for k, v in sp.per_layer.items() if v[layer] is not None}
-        if not rates:
-            continue
-        if config.attn_target is not None:
-            targets = {"attn": config.attn_target, "ffn": config.ffn_target}
-            gaps.append(sum((targets[k] - r).abs() for k, r in rates.items()) / len(rates))
-            continue
-        if config.loss_mode == "flops":
-            w = {k: sp.module_macs[k] for k in rates}
-            rate = sum(rates[k] * w[k] for k in rates) / sum(w.values())
-        else:
-            rate = sum(rates.values()) / len(rates)
-        gaps.append((config.target_sparsity - rate).abs())
-    return sum(gaps) / len(gaps) if gaps else torch.zeros(())
 
 
 def sparsity_loss(model) -> tuple[torch.Tensor, Sparsity]:
