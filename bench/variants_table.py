@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scaling_plot import kept_above_chance  # noqa: E402
+from scaling_plot import _f, kept_above_chance  # noqa: E402
 
 NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<seed>\d+)(?:-(?P<variant>.+))?$")
 STEM = "variants"
@@ -62,10 +62,6 @@ def collect(folder: Path) -> list:
     return out
 
 
-def _f(v, p=2):
-    return "-" if v is None else f"{v:.{p}f}" if isinstance(v, float) else str(v)
-
-
 def _g(v):
     return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -82,8 +78,8 @@ def table(records: list) -> str:
         k = kept.get(id(r))
         ratio = r["ppl"] / dense["ppl"] if dense else None
         cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
-                 _f(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
-                 _f(r["ppl"]), _f(ratio), _f(r.get("avg"), 3), "-" if k is None else f"{k:.0%}"]
+                 _g(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
+                 _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), "-" if k is None else f"{k:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -59,7 +59,8 @@ def engine_decode(eng, ids, eager: bool, masks: Optional[list] = None):
         record = [] if eager else None
         outs.append(eng.decode(ids[:, t], pos, record=record).float().clone())
         if masks is not None:
-            masks.append({(i, k): m.reshape(B, -1).to(torch.bool, copy=True) for i, k, m in record if m is not None})  # the tile rule hands out one buffer
+            # copies: the tile rule hands out the same buffer at every step
+            masks.append({(i, k): m.reshape(B, -1).to(torch.bool, copy=True) for i, k, m in record if m is not None})
     eng.free_cache()
     return torch.stack(outs, 1)
 
