@@ -4,7 +4,8 @@
 # PROBE=0 / TESTS=0 skip a part; TESTS_K narrows the tests (pytest -k); KERNELS=1 adds the T=1
 # kernel bench; E2E=0 skips the e2e bench; E2E_ARGS=--profile adds the per-kernel profiles.
 # ROUTING=1 adds the routing rules (issue 20): scripts/gpu_routing_check.py (graph = eager in
-# bf16, engine vs masked HF path in fp32 with flipped decisions counted), the batch-shared and
+# bf16, engine vs masked HF path in fp32 with flipped decisions counted, then again with the
+# kernels' fp32 dots in ieee instead of TF32, where nothing should flip), the batch-shared and
 # norm_route kernel tests compiled, and an e2e run of token, tile16 and batch_shared at batches
 # 1, 8 and 32 with per-kernel profiles (ROUTING_S seconds, default 300).
 # Trials from experiments/ ride along: SWEEP_ARGS="--wide --shapes q" the decode GEMV sweep,
@@ -49,6 +50,9 @@ fi
 if [ "${ROUTING:-0}" != 0 ]; then
   timeout 240 python scripts/gpu_routing_check.py $R/routing_check.json > $R/routing_check.log 2>&1
   echo "routing check exit $?"; tail -n 4 $R/routing_check.log
+  timeout 200 python scripts/gpu_routing_check.py --precision ieee $R/routing_check_ieee.json \
+    > $R/routing_check_ieee.log 2>&1
+  echo "routing check (ieee dots) exit $?"; tail -n 3 $R/routing_check_ieee.log
   TRITON_INTERPRET=0 timeout 180 python -m pytest -q tests/test_kernels_batch_shared.py \
     tests/test_kernels_norm_route.py > $R/routing_tests.log 2>&1
   echo "routing kernel tests exit $?"; tail -n 2 $R/routing_tests.log

@@ -4,7 +4,9 @@
 # seed 0): per-token routing from a random start is that grid's point (ppl 110.7).
 # A variant is one or more parts joined by "+", each adding `wide calibrate` options:
 #   dense       --router-init dense --sparsity-warmup 0.5 (routers start at "run every group" and
-#               the target ramps over the first half of the run)
+#               the target ramps over the first half of the run; wide's default since 2026-12-04,
+#               but a variant without it starts random, as the grid did: quality_scaling.sh's
+#               START_ARGS)
 #   tileN       --route-tile N (the tokens of a tile of N positions share the mask of the tile's
 #               first token, in training and inference)
 #   lrX         --lr X                  rankN   --router-rank N

@@ -57,6 +57,9 @@ DATA=${DATA:-wiki}
 EVAL_DATA=${EVAL_DATA:-}
 DEVICE=${DEVICE:-cuda}
 PHASES=${PHASES:-"speed train eval plot extra"}
+# The committed grid started its routers from random decisions, the default before 2026-12-04;
+# CAL_ARGS come after these, so "--router-init dense --sparsity-warmup 0.5" there wins.
+START_ARGS=${START_ARGS:-"--router-init random --sparsity-warmup 0"}
 mkdir -p "$RESULTS" "$RUNS"
 # BUDGET_S: seconds this call may use. Each command gets what is left minus a reserve for the
 # packing at the end; a command cut short resumes from its checkpoint in the next call.
@@ -97,7 +100,7 @@ calibrate_and_eval() {  # NAME TARGET LOSS TOKENS SEED RESULTS_DIR
         echo "== $name: $steps steps of $BATCH x $SEQ tokens"
         bounded $WIDE calibrate --device "$DEVICE" "${DATA_ARGS[@]}" --target "$target" --loss "$loss" \
             --amp "$AMP" --steps "$steps" --batch-size "$BATCH" --seed "$seed" --eval-every 0 --save-every 50 \
-            ${CAL_ARGS:-} --out "$run" --resume || return 0
+            $START_ARGS ${CAL_ARGS:-} --out "$run" --resume || return 0
     fi
     if has eval && [ -f "$run/run.json" ] && [ ! -f "$dir/$name.json" ]; then
         bounded $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --routers "$run/routers" --limit "$LIMIT" \

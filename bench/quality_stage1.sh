@@ -9,7 +9,8 @@ WIDE=${WIDE:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/wide}
 RUN=${1:-runs/smollm2-50}
 STEPS=${STEPS:-240}
 LIMIT=${LIMIT:-100}
+# the committed run's random start (the default before 2026-12-04)
 "$WIDE" calibrate --target 0.5 --loss-mode flops --steps "$STEPS" --batch-size 4 --seq-len 256 \
-  --eval-every 60 --eval-batches 4 --save-every 20 --out "$RUN" --resume
+  --router-init random --sparsity-warmup 0 --eval-every 60 --eval-batches 4 --save-every 20 --out "$RUN" --resume
 "$WIDE" eval --routers "$RUN/routers" --dense --limit "$LIMIT" --batch-size 8 \
   --out bench/results/quality_smollm2_stage1

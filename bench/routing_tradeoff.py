@@ -2,8 +2,9 @@
 
 Quality (SmolLM2-135M, 50 %, stage 1, ce, 6.55M calibration tokens, seed 0; `wide eval` records
 of bench/quality_routing.sh, the per-token point from the scaling grid of bench/quality_scaling.sh)
-and speed (Llama-3.1-8B shapes, random weights, H200; one `wide.benchmarks.e2e --routings` run, each
-ratio against the dense engine of that run). Batch-shared decode changes decode steps only: its
+and speed (Llama-3.1-8B shapes, random weights, H200; `wide.benchmarks.e2e --routings` runs, each
+ratio against the dense engine of its own run; where several runs time a cell the last one named
+wins, and the table marks the cells it took from runs after the first). Batch-shared decode changes decode steps only: its
 quality is the decode-mode perplexity of `wide eval --decode-batches 8 32` (second half of each
 held-out window decoded one token per step), for the shipped 50 % routers, against the same
 routers decoding with their own masks.
@@ -24,6 +25,9 @@ sys.path.insert(0, str(ROOT / "src"))
 RULES = ("token", "tile16", "tile64", "tile128", "batch_shared")
 SPEED = (("e2e_ttft", 4096, "TTFT 4k"), ("e2e_ttft", 16384, "TTFT 16k"), ("e2e_tpot", 1, "TPOT B=1"),
          ("e2e_tpot", 8, "TPOT B=8"), ("e2e_tpot", 32, "TPOT B=32"))
+# The first run timed every cell; the second (tile steps that skip the routers, the rolled
+# batch-shared kernel) re-timed token, tile16 and batch_shared at 4k and batches 1, 8, 32.
+E2E_RUNS = ("e2e_routing.json", "e2e_reuse.json")
 TARGETS = {"TTFT 4k": 1.75, "TPOT B=1": 1.7, "TPOT B=8": 1.5, "TPOT B=32": 1.4}
 
 
@@ -47,16 +51,18 @@ def quality(quality_dir: Path, grid: Path, tokens: int) -> dict:
     return out
 
 
-def speed(e2e: Path) -> dict:
-    """(routing, column label) -> (routed ms, dense ms, speedup) at 50 % from one e2e run."""
+def speed(runs: list) -> dict:
+    """(routing, column label) -> (routed ms, dense ms, speedup, index of the run) at 50 %, from
+    e2e runs in order (a later run's cell replaces an earlier one's)."""
     out = {}
-    for r in json.loads(e2e.read_text())["records"]:
-        if r.get("engine") != "routed" or r.get("sparsity") != 0.5 or "speedup" not in r:
-            continue
-        x = r["prompt_len"] if r["op"] == "e2e_ttft" else r["B"]
-        for op, val, label in SPEED:
-            if r["op"] == op and x == val:
-                out[(r.get("routing") or "token", label)] = (r["ms"], r["dense_ms"], r["speedup"])
+    for k, e2e in enumerate(runs):
+        for r in json.loads(Path(e2e).read_text())["records"]:
+            if r.get("engine") != "routed" or r.get("sparsity") != 0.5 or "speedup" not in r:
+                continue
+            x = r["prompt_len"] if r["op"] == "e2e_ttft" else r["B"]
+            for op, val, label in SPEED:
+                if r["op"] == op and x == val:
+                    out[(r.get("routing") or "token", label)] = (r["ms"], r["dense_ms"], r["speedup"], k)
     return out
 
 
@@ -81,6 +87,8 @@ def table(q: dict, s: dict) -> tuple:
             src = "token" if rule == "batch_shared" and label.startswith("TTFT") else rule
             if (src, label) in s:
                 row[label] = s[(src, label)][2]
+                if s[(src, label)][3]:
+                    row.setdefault("later_run", {})[label] = s[(src, label)][3]
         rows.append(row)
     lines = ["| routing | ppl | ppl / per-token | avg | above chance kept | "
              + " | ".join(label for _, _, label in SPEED) + " |",
@@ -94,8 +102,9 @@ def table(q: dict, s: dict) -> tuple:
             q_cells = (f"{row['ppl']:.1f}", f"{row['ppl_vs_token']:.2f}x", f"{row['avg']:.3f}",
                        f"{row['above_chance_kept']:.0%}" if row.get("above_chance_kept") is not None else "-") \
                 if "ppl" in row else ("-",) * 4
-        sp = [(f"{row[label]:.2f}x" + (" (= token)" if row["routing"] == "batch_shared" and label.startswith("TTFT")
-                                        else "")) if label in row else "-" for _, _, label in SPEED]
+        sp = [(f"{row[label]:.2f}x" + "*" * row.get("later_run", {}).get(label, 0)
+               + (" (= token)" if row["routing"] == "batch_shared" and label.startswith("TTFT") else ""))
+              if label in row else "-" for _, _, label in SPEED]
         lines.append(f"| {row['routing']} | " + " | ".join(q_cells) + " | " + " | ".join(sp) + " |")
     lines.append("| target | - | <= 1.10x | - | - | " + " | ".join(
         f">= {TARGETS[label]}x" if label in TARGETS else "-" for _, _, label in SPEED) + " |")
@@ -138,18 +147,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quality", default=str(ROOT / "bench/results/routing_quality"))
     ap.add_argument("--grid", default=str(ROOT / "bench/results/quality_scaling/quality_scaling.json"))
-    ap.add_argument("--e2e", default=str(ROOT / "bench/results/routing/e2e_routing.json"))
+    ap.add_argument("--e2e", nargs="+", default=[str(ROOT / "bench/results/routing" / f) for f in E2E_RUNS],
+                    help="e2e results in order; a later run's cell replaces an earlier one's (marked *, ** ...)")
     ap.add_argument("--tokens", type=int, default=6553600)
     ap.add_argument("--out", default=str(ROOT / "bench/results/routing"))
     a = ap.parse_args(argv)
     q = quality(Path(a.quality), Path(a.grid), a.tokens)
-    rows, md = table(q, speed(Path(a.e2e)))
+    rows, md = table(q, speed(a.e2e))
+    if len(a.e2e) > 1:
+        md += "\n\n" + "\n".join(f"{'*' * k}: from {Path(f).name}" for k, f in enumerate(a.e2e) if k) \
+            + f" (unmarked speed cells: {Path(a.e2e[0]).name})"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing_tradeoff.json").write_text(json.dumps({"tokens": a.tokens, "rows": rows}, indent=1))
     (out / "routing_tradeoff.md").write_text(
         "# Routing rules: quality cost against speed (50 %)\n\nCommand: `python3 bench/routing_tradeoff.py` "
-        "(reads bench/results/routing_quality, quality_scaling/quality_scaling.json and routing/e2e_routing.json)"
+        "(reads bench/results/routing_quality, quality_scaling/quality_scaling.json and the e2e runs named below it)"
         "\n\n" + md + "\n")
     plot(rows, out / "routing_tradeoff.png")
     print(md)

@@ -17,7 +17,7 @@ from wide.cli import build_parser, demo_args, main
 from wide.compare import CompareArgs
 from wide.config import WideConfig
 from wide.estimate import DryRunArgs
-from wide.recovery import RECOVERY_LR, LoraArgs
+from wide.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from wide.sampling_data import SampleArgs
 from wide.train import TrainArgs
 
@@ -48,9 +48,8 @@ PARTIAL = {
     "sample-data": (runs.ModelArgs, SampleArgs, runs.DataArgs),
 }
 # Where a command's default differs from its dataclass's: the values users see, pinned here.
-OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("compare", "steps"): 240, ("compare", "save_every"): 20,
-             ("demo", "steps"): 30, ("demo", "limit"): 20, ("demo", "tasks"): [],
-             ("demo", "sparsity_warmup"): 0.5, ("demo", "router_init"): "dense"}
+OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("recover", "sparsity_warmup"): 0.0, ("compare", "steps"): 240,
+             ("compare", "save_every"): 20, ("demo", "steps"): 30, ("demo", "limit"): 20, ("demo", "tasks"): []}
 
 
 def _subparsers() -> dict:
@@ -86,7 +85,7 @@ def test_no_flags_build_the_default_dataclasses(cmd):
     required, classes = FULL[cmd]
     ns = build_parser().parse_args([cmd, *required])
     for cls in classes:
-        expected = cls(lr=RECOVERY_LR) if (cmd, cls) == ("recover", TrainArgs) else cls()
+        expected = cls(**RECOVERY_DEFAULTS) if (cmd, cls) == ("recover", TrainArgs) else cls()
         assert cliargs.from_args(cls, ns) == expected, (cmd, cls.__name__)
 
 
@@ -196,6 +195,7 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
                  "--out", str(tmp / "s2")]) == 0
     run2 = json.loads((tmp / "s2" / "run.json").read_text())
     assert run2["train_args"]["lr"] == RECOVERY_LR
+    assert run2["train_args"]["sparsity_warmup"] == 0.0  # trained routers: the full target from step 1
     assert run2["lora"] == dataclasses.asdict(LoraArgs(r=4))
     assert (tmp / "s2" / "recovered" / "adapter_model.safetensors").is_file()
     assert main(["eval", *common, "--routers", str(tmp / "s2" / "recovered"), "--tasks", "--out", str(tmp / "r2")]) == 0
@@ -214,6 +214,7 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     meta = json.loads((tmp / "cmp" / "wide-50" / "stage1" / "final" / "wide_config.json").read_text())
     assert meta["compare_settings"]["train"] == dataclasses.asdict(
         TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=20))
+
 
 
 def test_missing_model_directory_is_a_user_error(tmp_path, capsys):

@@ -41,7 +41,7 @@ def _routers(model):
 
 def _stage2(model, out, dist, **kw):
     # No dropout: its masks are drawn per rank, so they differ between world sizes by design.
-    return recovery.recover(model, _ids(), TrainArgs(steps=2, batch_size=4, eval_every=0, save_every=0, seed=3), out,
+    return recovery.recover(model, _ids(), TrainArgs(steps=2, batch_size=4, eval_every=0, save_every=0, seed=3, sparsity_warmup=0.0), out,
                             lora=recovery.LoraArgs(dropout=0.0), progress=False, dist=dist, **kw)
 
 

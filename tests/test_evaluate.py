@@ -95,7 +95,7 @@ def test_perplexity_and_bits_per_byte():
     nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert res["ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-5)
     assert res["bpb"] == pytest.approx(float(nll) / math.log(2) / 4.0, rel=1e-5)
-    wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32, router_init="random"))
     res = perplexity(model, ids, batch_size=2, progress=False)
     assert 0.0 <= res["flop_sparsity"] <= 1.0 and "per_layer" in res["sparsity"]
 
@@ -118,7 +118,7 @@ def test_real_default_model_routes_and_scores():
     ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
     dense = model(ids).logits
     assert tok.decode(dense[0, -1].argmax()) == " Rome"
-    wide.wrap(model, wide.WideConfig())
+    wide.wrap(model, wide.WideConfig(router_init="random"))  # offsets spread random routers to the target
     assert model.wide_state.geometry.attn_groups == 3 and model.wide_state.geometry.ffn_groups == 12
     for lr in model.wide_routers:
         lr.attn.offset.fill_(1e9)
@@ -137,7 +137,8 @@ def test_decode_perplexity_matches_full_forward_and_batch_of_one():
     from wide.evaluate import decode_perplexity
 
     ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(0))
-    model = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, attn_group_size=1), seed=0)
+    model = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, attn_group_size=1, router_init="random"),
+                      seed=0)
     res = decode_perplexity(model, ids, batch_sizes=(1, 3), progress=False)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()

@@ -24,7 +24,7 @@ TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_he
 
 def routed(seed=0, target=0.5, model_type="llama", shape=None, **cfg):
     model = tiny_model(model_type, seed=seed, **(shape or TINY))
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32, **cfg))
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32, **{"router_init": "random", **cfg}))
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, 96, (2, 24), generator=g)
     if target is not None:
@@ -78,7 +78,7 @@ def test_decode_steps_match_masked_path_across_column_chunks(router_input):
     model = tiny_model("llama", seed=7, hidden_size=320, head_dim=64, intermediate_size=128,
                        num_attention_heads=5, num_key_value_heads=1, vocab_size=96,
                        max_position_embeddings=256)
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32, router_input=router_input))
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32, router_input=router_input, router_init="random"))
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(8))
     wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=1)
     with torch.no_grad(), wide.track_sparsity(model) as tr:

@@ -118,7 +118,7 @@ def test_random_masks_match_hand_written_forward(model_type, sparse_target):
 def test_kv_cache_is_dense_whatever_the_routing(llama):
     ids = torch.randint(0, 96, (1, 7))
     dense_kv = llama(ids, use_cache=True).past_key_values
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     get_state(llama).mask_fn = lambda layer, kind, x: torch.zeros(*x.shape[:2], get_state(llama).geometry.groups(kind))
     routed = llama(ids, use_cache=True)
     kv = routed.past_key_values
@@ -133,7 +133,7 @@ def test_kv_cache_is_dense_whatever_the_routing(llama):
 
 
 def test_generation_with_cache_matches_full_forward(llama):
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     ids = torch.randint(0, 96, (1, 6))
     out = llama.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     # Routing is per token and K/V are dense, so incremental decoding equals a full pass.
@@ -142,7 +142,7 @@ def test_generation_with_cache_matches_full_forward(llama):
 
 
 def test_gradients_reach_only_the_routers(llama):
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     wide.freeze_backbone(llama)
     llama.train()
     get_state(llama).tau = 1.0
@@ -158,7 +158,7 @@ def test_gradients_reach_only_the_routers(llama):
 
 
 def test_training_masks_are_hard_and_inference_deterministic(llama):
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     state = get_state(llama)
     seen = []
     state.mask_observers.append(lambda layer, kind, mask, valid: seen.append(mask))
@@ -172,7 +172,7 @@ def test_training_masks_are_hard_and_inference_deterministic(llama):
 
 
 def test_routers_stay_fp32_under_dtype_casts(llama):
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     llama.to(torch.bfloat16)
     assert llama.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in llama.wide_routers.parameters())
@@ -180,7 +180,7 @@ def test_routers_stay_fp32_under_dtype_casts(llama):
 
 
 def test_padding_is_excluded_from_rates(llama):
-    wide.wrap(llama, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(llama, wide.WideConfig(ffn_group_size=32, router_init="random"))
     state = get_state(llama)
     state.mask_fn = lambda layer, kind, x: torch.cat(
         [torch.ones(x.shape[0], 3, state.geometry.groups(kind)), torch.zeros(x.shape[0], x.shape[1] - 3, state.geometry.groups(kind))], 1)

@@ -98,7 +98,7 @@ def _stage2(tmp_path, stage1, steps, **kw):
     torch.manual_seed(0)  # adapter init
     model = recovery.load_recovered(tiny_model("llama"), stage1)
     ids = torch.randint(0, 96, (16, 8), generator=torch.Generator().manual_seed(0))
-    args = TrainArgs(steps=steps, batch_size=2, lr=2e-3, eval_every=0, save_every=2, seed=1)
+    args = TrainArgs(steps=steps, batch_size=2, lr=2e-3, eval_every=0, save_every=2, seed=1, sparsity_warmup=0.0)
     return model, recovery.recover(model, ids, args, tmp_path, progress=False, **kw)
 
 
@@ -150,3 +150,29 @@ def test_compare_merge_check_sets_merge_error_against_stage2_change(tmp_path):
     assert res["stage2_change_rel"] > 1e-2  # the adapters did change the model
     assert res["argmax_agreement"] == 1.0
     assert c.merge_check(tmp_path / "wide-50" / "stage1" / "final") == {}  # nothing to merge
+
+
+def test_stage2_keeps_the_full_target_from_the_first_step_while_stage1_warms_up():
+    """Stage 1's default target warm-up exists for routers that start dense; stage 2 starts from
+    trained routers, so compare's stage 2 and `wide recover` run the full target from step 1
+    (a warm-up there would let the trained routers drift dense first)."""
+    from wide.cli import build_parser
+    from wide.compare import Comparison
+
+    args = build_parser().parse_args(["compare", "--recovery-steps", "3", "--sparsity-warmup", "0.25"])
+    c = Comparison.__new__(Comparison)
+    c.args = args
+    assert c.train_args(1).sparsity_warmup == 0.25
+    two = c.train_args(2)
+    assert (two.sparsity_warmup, two.steps, two.lr) == (0.0, 3, args.recovery_lr)
+    assert recovery.TrainArgs().sparsity_warmup == 0.5 and wide.WideConfig().router_init == "dense"
+    rec = build_parser().parse_args(["recover", "--routers", "r", "--out", "o"])
+    assert (rec.sparsity_warmup, rec.lr) == (0.0, recovery.RECOVERY_LR)
+
+
+def test_stage2_with_a_target_warmup_warns(tmp_path):
+    model = routed()
+    ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="drift towards dense"):
+        recovery.recover(model, ids, TrainArgs(steps=1, batch_size=2, eval_every=0, save_every=0), tmp_path,
+                         progress=False)

@@ -18,7 +18,7 @@ from wide.routers import batch_shared_runs, group_runs
 def routed(tile: int = 1, seed: int = 0, **kw):
     # 4 attention groups of one head, 6 FFN groups of 16 channels: random routers skip about half.
     kw = {"ffn_group_size": 16, "attn_group_size": 1, **kw}
-    return wide.wrap(tiny_model("llama"), WideConfig(route_tile=tile, **kw), seed=seed)
+    return wide.wrap(tiny_model("llama"), WideConfig(route_tile=tile, **{"router_init": "random", **kw}), seed=seed)
 
 
 def ids_of(b, t, seed=0):
@@ -345,8 +345,9 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
 
     old = WideConfig().to_dict()
     del old["route_tile"], old["router_init"]  # what every checkpoint before these fields holds
-    assert config_differences(old, WideConfig()) == {}
+    assert config_differences(old, WideConfig()) == {}  # router_init only set the start
     assert config_differences(old, WideConfig(route_tile=4)) == {"route_tile": (1, 4)}
+    assert config_differences(WideConfig(router_init="random").to_dict(), WideConfig(router_init="dense")) == {}
     # Loading such routers into a model already wrapped with the same (default) config.
     model = routed()
     wide.save_routers(model, tmp_path / "r")
@@ -360,8 +361,8 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
 
 
 def test_fields_a_file_predates_take_what_wide_did_then():
-    # Not today's default: a default may change (the dense router start is a candidate), and an
-    # older file must still load and resume as it was trained.
+    # Not today's default: defaults change (the dense router start became one), and an older
+    # file must still load and resume as it was trained.
     from wide import config as config_module
     from wide import train as train_module
 

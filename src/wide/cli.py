@@ -27,7 +27,7 @@ from . import compare, runs
 from .cliargs import add_fields, bounded, dest, from_args, options
 from .config import WideConfig
 from .estimate import DryRunArgs
-from .recovery import RECOVERY_LR, LoraArgs
+from .recovery import RECOVERY_DEFAULTS, LoraArgs
 from .sampling_data import SampleArgs
 from .train import RESUME_KEYS, TrainArgs
 
@@ -294,12 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reach.")
     d.add_argument("--out", default="runs/demo", help="run directory, resumed when run again (default: %(default)s)")
     d.add_argument("--overwrite", action="store_true", help="delete the run already in OUT and start over")
-    # A budget that finishes in minutes on a laptop CPU.
-    # Dense start and a target that rises over the first half: in 30 CPU steps, held-out
-    # perplexity 261 against 4745 from random decisions (docs/method.md, "Router start").
-    add_fields(d, TrainArgs, only=("steps", "batch_size", "sparsity_warmup"),
-               defaults={"steps": 30, "sparsity_warmup": 0.5})
-    add_fields(d, WideConfig, only=("router_init",), defaults={"router_init": "dense"})
+    # A budget that finishes in minutes on a laptop CPU. The start is wide's default (dense, the
+    # target rising over the first half): in 30 CPU steps, held-out perplexity 261 against 4745
+    # from random decisions (docs/method.md, "Router start").
+    add_fields(d, TrainArgs, only=("steps", "batch_size", "sparsity_warmup"), defaults={"steps": 30})
+    add_fields(d, WideConfig, only=("router_init",))
     add_fields(d, runs.DataArgs, only=("seq_len",))
     d.add_argument("--eval-sequences", type=bounded(int, min=1), default=32,
                    help="held-out sequences for perplexity (default: %(default)s)")
@@ -452,7 +451,7 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
     lo = r.add_argument_group("LoRA")
     add_fields(lo, LoraArgs)
     lo.add_argument("--freeze-routers", action="store_true", help="train the adapters only")
-    _add_training_args(r, lr=RECOVERY_LR)
+    _add_training_args(r, **RECOVERY_DEFAULTS)
 
 
 def cmd_recover(args) -> dict:

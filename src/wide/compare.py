@@ -30,7 +30,7 @@ from . import runs
 from .baselines import NORMALIZE
 from .cliargs import add_fields, from_args
 from .config import WideConfig
-from .recovery import RECOVERY_LR, LoraArgs
+from .recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from .train import TrainArgs, with_defaults
 
 METHOD_ROWS = {
@@ -111,7 +111,8 @@ class Comparison:
         a = self.args
         if stage == 1:
             return from_args(TrainArgs, a, eval_every=0)
-        return from_args(TrainArgs, a, eval_every=0, steps=a.recovery_steps, lr=a.recovery_lr)
+        return from_args(TrainArgs, a, **{**RECOVERY_DEFAULTS, "lr": a.recovery_lr}, eval_every=0,
+                         steps=a.recovery_steps)
 
     def wide_overrides(self) -> dict:
         a = self.args

@@ -25,6 +25,9 @@ BUDGETS = ("global", "layer")
 # What wide did before each of these fields existed: a file that lacks one was written then, and
 # loads or resumes with that behaviour even after the field's default changes.
 PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global"}
+# Fields that only set where training starts: routers that differ only in these compute the same
+# function, so loading or resuming them never counts these as a difference.
+START_ONLY = frozenset({"router_init"})
 
 
 def with_predating(saved: dict) -> dict:
@@ -58,10 +61,12 @@ class WideConfig:
     router_input: str = field(default="residual", metadata={
         "choices": ROUTER_INPUTS,
         "help": "what routers read: the residual stream entering the module, or its normed input"})
-    router_init: str = field(default="random", metadata={
+    # Dense since 2026-12-04: from random decisions the first steps go to undoing the damage they
+    # do (docs/method.md, "Router start"); files saved before the field read "random" (PREDATES).
+    router_init: str = field(default="dense", metadata={
         "choices": ROUTER_INITS,
-        "help": "routers' start: random decisions (about half of the groups per token), or dense (every group "
-                "runs with probability sigmoid(4) = 0.98; pair it with --sparsity-warmup)"})
+        "help": "routers' start: dense (every group runs with probability sigmoid(4) = 0.98; the target then "
+                "rises over --sparsity-warmup) or random decisions (about half of the groups per token)"})
     loss_mode: str = field(default="flops", metadata={
         "choices": LOSS_MODES,
         "help": "sparsity the penalty measures: FLOP-weighted, or the paper's unweighted group rate"})

@@ -82,7 +82,7 @@ def explanation(records: list, run: dict) -> str:
     lines += [
         "",
         "The demo's routers start dense and its target rises over the first half of the steps "
-        "(--router-init dense --sparsity-warmup 0.5); started from random decisions, which break the model "
+        "(wide's defaults, --router-init dense --sparsity-warmup 0.5); started from random decisions, which break the model "
         "(training cross-entropy near 14 nats at the first step, against about 3.1 for dense), the same 30 steps "
         "left held-out perplexity at 4745 instead of 261 (docs/method.md). Either way a few CPU minutes show the "
         "loss falling, not a finished model: at 50%, held-out perplexity was 703, 111 and 61 after 1.6M, 6.6M "

@@ -17,6 +17,7 @@ write per checkpoint.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -36,6 +37,9 @@ FINAL_DIR = "recovered"
 _PEFT_PREFIX = "base_model.model."
 # The paper's stage-2 learning rate; stage 1 trains fresh routers at TrainArgs' default.
 RECOVERY_LR = 2e-4
+# Where stage 2's TrainArgs differ from stage 1's defaults: the paper's rate, and the full target
+# from the first step (stage 1's warm-up exists for routers that start dense; these are trained).
+RECOVERY_DEFAULTS = {"lr": RECOVERY_LR, "sparsity_warmup": 0.0}
 
 
 @dataclass
@@ -199,13 +203,17 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
     """Stage 2 on a model wrapped with stage-1 routers: add LoRA, train adapters (+ routers)
     with ``wide.train.train``, save ``out_dir/recovered`` (routers + adapters, unmerged).
 
-    ``args.lr`` should be the stage-2 rate (``RECOVERY_LR``, the paper's). The model keeps its
+    ``args`` should carry stage 2's rate and no target warm-up (``RECOVERY_DEFAULTS``). The model keeps its
     adapters unmerged on return; call ``merge(model)`` for inference.
 
     ``dist`` (a ``wide.distributed.DistContext``) runs it as one rank of a data-parallel run:
     the backbone is sharded after the adapters are added (unless ``shard=False``), so they stay
     replicated in float32, and only the main rank writes ``out_dir/recovered``.
     """
+    if args.sparsity_warmup and not freeze_routers:
+        warnings.warn(f"stage 2 with sparsity_warmup={args.sparsity_warmup}: the target starts near 0, so the "
+                      "trained routers first drift towards dense; stage 2 usually runs the full target from "
+                      "the first step (TrainArgs(**RECOVERY_DEFAULTS), as `wide recover` does)", stacklevel=2)
     lora = (lora or LoraArgs()).resolved(model)
     params = add_lora(model, lora, freeze_routers=freeze_routers)
     if dist is not None and shard:
@@ -225,5 +233,5 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
     return result
 
 
-__all__ = ["LoraArgs", "RECOVERY_LR", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
+__all__ = ["LoraArgs", "RECOVERY_LR", "RECOVERY_DEFAULTS", "add_lora", "has_lora", "write_adapters", "read_adapters", "merge",
            "save_recovered", "load_recovered", "recover"]

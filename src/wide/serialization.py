@@ -30,7 +30,7 @@ from typing import Callable, Optional, Union
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import WideConfig, with_predating
+from .config import START_ONLY, WideConfig, with_predating
 from .fileio import atomic_write_text as _write_text
 from .fileio import sha256_file
 from .modeling import ModelDims, get_state, wrap
@@ -285,10 +285,12 @@ def read_meta(path) -> dict:
 
 
 def config_differences(saved: dict, config: WideConfig) -> dict:
-    """``{field: (saved value, value in config)}`` for each WideConfig field that differs."""
+    """``{field: (saved value, value in config)}`` for each WideConfig field that differs, except
+    those that only set where training started (``START_ONLY``: trained routers are the same
+    function whatever their start)."""
     now = config.to_dict()
     saved = with_predating(saved)  # a field a file predates is what wide did before it
-    return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k]}
+    return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k] and k not in START_ONLY}
 
 
 def load(model, path):

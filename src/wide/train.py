@@ -75,9 +75,11 @@ class TrainArgs:
     kd_temperature: float = field(default=1.0, metadata={
         "help": "softmax temperature T of both distributions in the KL; the KL is scaled by T^2", "gt": 0})
     mix_weight: float = field(default=0.5, metadata={"help": "share of kd in --loss mix", "min": 0, "max": 1})
-    sparsity_warmup: float = field(default=0.0, metadata={
+    # 0.5 pairs with WideConfig's dense router start (stage 1). Stage 2 starts from trained
+    # routers and keeps the full target: `wide recover` and compare's stage 2 default to 0.
+    sparsity_warmup: float = field(default=0.5, metadata={
         "help": "share of the steps over which the sparsity target rises linearly from 0 to its value "
-                "(0: the full target from the first step)", "min": 0, "max": 1})
+                "(0: the full target from the first step; for routers that start dense, stage 1)", "min": 0, "max": 1})
     amp: str = field(default="none", metadata={
         "choices": AMP_MODES,
         "help": "bf16: run the backbone's forward passes (student and teacher) under bf16 autocast; routers, "

@@ -265,7 +265,9 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     records = meta["records"]
     model = build_model(model_name, args.tiny, device, dtype)
     print(f"[e2e] {model_name} built in {_now() - t_start:.1f}s", flush=True)
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=128 if not args.tiny else 32))
+    # Random routers: a dense start's masks do not depend on the input until trained, so no
+    # offset could spread them to 50 % per token.
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=128 if not args.tiny else 32, router_init="random"))
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
 

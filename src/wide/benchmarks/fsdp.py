@@ -53,7 +53,9 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
-    wcfg = WideConfig()  # paper defaults: 50% FLOP target, GQA-pack attention groups, 128-channel FFN groups
+    # Paper defaults (50% FLOP target, GQA-pack attention groups, 128-channel FFN groups) with the
+    # random start of the committed fsdp_h200 runs; the start does not change a step's work.
+    wcfg = WideConfig(router_init="random")
     modeling.wrap(model, wcfg)
     modeling.freeze_backbone(model)
     distributed.shard_model(model, ctx)
