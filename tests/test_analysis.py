@@ -15,7 +15,7 @@ from wide.modeling import get_state
 
 def test_analysis_counts_by_hand(tmp_path):
     model = tiny_model("llama")
-    wide.wrap(model, wide.WideConfig(ffn_group_size=32, attn_group_size=2))  # 2 attn, 3 ffn groups
+    wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32, attn_group_size=2))  # 2 attn, 3 ffn groups
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     fixed = {(l, k): (torch.rand(2, 8, get_state(model).geometry.groups(k), generator=g) > 0.5).float()
@@ -70,7 +70,7 @@ def test_tile_skip_by_hand():
 
 def test_analysis_excludes_padding():
     model = tiny_model("llama")
-    wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32))
     masks = analysis.collect_masks(model, [torch.randint(0, 96, (2, 5))])
     assert all(m.shape[0] == 10 for m in masks.values())
     am = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])

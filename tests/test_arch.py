@@ -42,11 +42,11 @@ def test_missing_module_is_refused():
     model = tiny_model("qwen3")
     del model.model.layers[1].self_attn.k_norm
     with pytest.raises(arch.UnsupportedArchitecture, match=r"layer 1 has no self_attn.k_norm"):
-        wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+        wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32))
 
 
 def test_hooks_sit_on_the_spec_modules():
-    model = wide.wrap(tiny_model("qwen2"), wide.WideConfig(ffn_group_size=32))
+    model = wide.wrap(tiny_model("qwen2"), wide.WideConfig(router_init="random", ffn_group_size=32))
     spec = arch.spec_for(model)
     layer = arch.decoder_layers(model)[0]
     for kind in arch.KINDS:

@@ -45,7 +45,7 @@ def test_distillation_loss_equals_the_written_out_kl(T):
 
 def routed(seed=0, **cfg):
     model = tiny_model("llama", seed=seed)
-    wide.wrap(model, WideConfig(ffn_group_size=32, attn_group_size=1, **cfg), seed=seed)
+    wide.wrap(model, WideConfig(ffn_group_size=32, attn_group_size=1, **{"router_init": "random", **cfg}), seed=seed)
     wide.freeze_backbone(model)
     return model
 

@@ -30,7 +30,7 @@ def _args():
 
 def _model():
     model = tiny_model("llama")
-    wide.wrap(model, WideConfig(ffn_group_size=32))
+    wide.wrap(model, WideConfig(router_init="random", ffn_group_size=32))
     wide.freeze_backbone(model)
     return model
 

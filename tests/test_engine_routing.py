@@ -17,7 +17,7 @@ TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_he
 
 
 def routed(seed=0, **cfg):
-    model = wide.wrap(tiny_model("llama", seed=seed, **TINY), wide.WideConfig(ffn_group_size=32, **cfg), seed=seed)
+    model = wide.wrap(tiny_model("llama", seed=seed, **TINY), wide.WideConfig(ffn_group_size=32, **{"router_init": "random", **cfg}), seed=seed)
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(seed + 1))
     wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=1)
     return model
@@ -132,6 +132,30 @@ def test_batch_shared_decode_matches_masked_path(backend):
             assert rel(got, out.logits[:, -1]) < 1e-5, t
             for _, _, m in masks:
                 assert torch.equal(m, m[:1].expand_as(m))  # one set for the batch
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_batch_shared_at_batch_one_is_per_token_routing_without_the_choice(backend, monkeypatch):
+    # A batch of one's shared set is its own mask, so the engine takes the per-token path
+    # (router deferred to the GEMVs on the kernels) and never runs the batch-wide choice.
+    model = routed(seed=6)
+    ids = ids_of(1, 14, seed=7)
+    token = wide.accelerate(model, backend=backend)
+    shared = wide.accelerate(model, backend=backend, batch_shared=True)
+    monkeypatch.setattr(shared.ops, "shared_mask", lambda m: pytest.fail("batch-wide choice at batch 1"))
+    for eng in (token, shared):
+        eng.setup_cache(1, 32)
+        eng.prefill(ids[:, :8])
+    with torch.no_grad(), batch_shared_decode(model):
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        for t in range(8, 14):
+            out = model(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True)
+            pos = torch.full((1,), t, dtype=torch.long)
+            got, want = [], []
+            a = shared.decode(ids[:, t], pos, record=got)
+            assert torch.equal(a, token.decode(ids[:, t], pos, record=want)), t
+            assert all(torch.equal(x[2], y[2]) for x, y in zip(got, want))
+            assert rel(a, out.logits[:, -1]) < 1e-5, t  # the masked path's batch-shared rule at batch 1
 
 
 def test_batch_shared_refusals():

@@ -167,11 +167,11 @@ def test_clear_errors(monkeypatch):
     dense = tiny_model("llama", **TINY)
     with pytest.raises(ValueError, match="not wrapped"):
         accelerate(dense)
-    small_heads = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=32))  # head_dim 16
+    small_heads = wide.wrap(tiny_model("llama"), wide.WideConfig(router_init="random", ffn_group_size=32))  # head_dim 16
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         accelerate(small_heads, backend="triton")
     assert accelerate(small_heads).backend == "torch"  # auto falls back
-    odd = wide.wrap(tiny_model("llama", **dict(TINY, intermediate_size=96)), wide.WideConfig(ffn_group_size=24))
+    odd = wide.wrap(tiny_model("llama", **dict(TINY, intermediate_size=96)), wide.WideConfig(router_init="random", ffn_group_size=24))
     with pytest.raises(ValueError, match="multiple of 16"):
         accelerate(odd, backend="triton")
     with pytest.raises(ValueError, match="interpreter"):
@@ -232,7 +232,7 @@ def test_prefill_kernels_match_torch_backend_across_token_blocks():
     model = tiny_model("llama", seed=9, hidden_size=96, head_dim=64, intermediate_size=128,
                        num_attention_heads=3, num_key_value_heads=1, vocab_size=96,
                        max_position_embeddings=256)
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    model = wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32))
     lens = torch.tensor([70, 41])
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(2))
     outs = []
@@ -429,7 +429,7 @@ def test_what_the_spec_refuses(monkeypatch):
     with pytest.raises(ValueError, match="scale embeddings"):
         accelerate(model)
     monkeypatch.setitem(arch.ARCHS, "qwen3", spec)
-    biased = wide.wrap(tiny_model("qwen3", attention_bias=True, **TINY), wide.WideConfig(ffn_group_size=32))
+    biased = wide.wrap(tiny_model("qwen3", attention_bias=True, **TINY), wide.WideConfig(router_init="random", ffn_group_size=32))
     with pytest.raises(ValueError, match="q_proj has a bias"):  # Qwen3's spec allows none
         accelerate(biased)
     with pytest.raises(ValueError, match="SiLU"):

@@ -42,6 +42,15 @@ def test_matches_reference_and_stays_under_cap(B, G, kind):
         assert torch.equal(out[0], m[0] >= 0)  # a batch of one keeps its own groups
 
 
+def test_a_batch_of_one_keeps_its_own_groups_even_at_tiny_margins():
+    # Units round down: -5e-7 (skip) stays below +5e-7 (run). Rounded toward zero both were 0,
+    # and the tie went to group 0, a group the token itself skips.
+    m = torch.tensor([[-5e-7, 5e-7, -1e-3, 2.0, 0.0, -0.0]], device=DEVICE)
+    own = (m[0] >= 0).cpu()
+    assert torch.equal(batch_shared_mask(m)[0].cpu(), own)
+    assert torch.equal(batch_shared_mask_reference(m)[0].cpu(), own)
+
+
 def test_row_order_does_not_matter():
     gen = torch.Generator().manual_seed(5)
     m = torch.randn(8, 112, generator=gen).to(DEVICE)

@@ -89,7 +89,7 @@ def test_all_groups_kept_equals_dense(model_type):
     model = tiny_model(model_type)
     ids = torch.randint(0, 96, (2, 11))
     dense = model(ids).logits
-    wide.wrap(model, wide.WideConfig(ffn_group_size=32))
+    wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32))
     for lr in model.wide_routers:  # every group executes
         for r in (lr.attn, lr.ffn):
             r.offset.fill_(1e6)
@@ -102,7 +102,7 @@ def test_all_groups_kept_equals_dense(model_type):
 @pytest.mark.parametrize("sparse_target", ["all", "attention", "ffn"])
 def test_random_masks_match_hand_written_forward(model_type, sparse_target):
     model = tiny_model(model_type)
-    wide.wrap(model, wide.WideConfig(ffn_group_size=16, attn_group_size=1, sparse_target=sparse_target))
+    wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=16, attn_group_size=1, sparse_target=sparse_target))
     masks = random_masks(model)
     ids = torch.randint(0, 96, (2, 9))
     routed = model(ids).logits

@@ -15,7 +15,7 @@ from wide.train import TrainArgs
 
 def routed(seed=0):
     model = tiny_model("llama", seed=seed)
-    wide.wrap(model, wide.WideConfig(ffn_group_size=32, attn_group_size=1))
+    wide.wrap(model, wide.WideConfig(router_init="random", ffn_group_size=32, attn_group_size=1))
     with torch.no_grad():
         for p in model.wide_routers.parameters():
             p.normal_(0, 0.5)

@@ -59,7 +59,7 @@ def test_rates_by_hand():
 
 
 def test_loss_uses_the_coefficient_and_is_differentiable(llama):
-    wide.wrap(llama, WideConfig(ffn_group_size=32, sparsity_coef=7.0, target_sparsity=0.25))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32, sparsity_coef=7.0, target_sparsity=0.25))
     llama.train()
     get_state(llama).tau = 1.0
     llama(torch.randint(0, 96, (2, 5)))
@@ -118,7 +118,7 @@ def test_sparsity_warmup_changes_the_penalty_of_early_steps(tmp_path):
     hists = []
     for warm in (0.0, 0.5):
         model = tiny_model()
-        wide.wrap(model, WideConfig(target_sparsity=0.5, ffn_group_size=32), seed=0)
+        wide.wrap(model, WideConfig(router_init="random", target_sparsity=0.5, ffn_group_size=32), seed=0)
         wide.freeze_backbone(model)
         out = tmp_path / f"w{warm}"
         hists.append(train(model, ids, TrainArgs(steps=4, batch_size=2, eval_every=0, save_every=0,
@@ -148,7 +148,7 @@ def test_data_order_is_a_function_of_seed_and_step():
 
 def _tiny_run(tmp_path, steps, **kw):
     model = tiny_model("llama")
-    wide.wrap(model, WideConfig(ffn_group_size=32))
+    wide.wrap(model, WideConfig(router_init="random", ffn_group_size=32))
     wide.freeze_backbone(model)
     ids = torch.randint(0, 96, (24, 8), generator=torch.Generator().manual_seed(0))
     args = TrainArgs(steps=steps, batch_size=2, grad_accum=2, eval_every=0, save_every=2, seed=3)
@@ -170,7 +170,7 @@ def test_resume_continues_the_same_run(tmp_path):
 def test_resume_refuses_changed_settings_and_names_them(tmp_path):
     _tiny_run(tmp_path, 4, stop_at=2)
     model = tiny_model("llama")
-    wide.wrap(model, WideConfig(ffn_group_size=32, target_sparsity=0.3))
+    wide.wrap(model, WideConfig(router_init="random", ffn_group_size=32, target_sparsity=0.3))
     wide.freeze_backbone(model)
     args = TrainArgs(steps=5, batch_size=2, grad_accum=2, seed=3, max_grad_norm=2.0)
     with pytest.raises(ValueError, match="steps was 4, now 5; max_grad_norm was 1.0, now 2.0; "
@@ -179,7 +179,7 @@ def test_resume_refuses_changed_settings_and_names_them(tmp_path):
 
 
 def test_save_load_round_trip(tmp_path, llama):
-    wide.wrap(llama, WideConfig(ffn_group_size=32, router_rank=4))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32, router_rank=4))
     with torch.no_grad():
         for p in llama.wide_routers.parameters():
             p.normal_()
@@ -198,7 +198,7 @@ def test_save_load_round_trip(tmp_path, llama):
 def test_from_pretrained_loads_base_and_routers(tmp_path, llama):
     llama.save_pretrained(tmp_path / "base")
     base = type(llama).from_pretrained(tmp_path / "base")
-    wide.wrap(base, WideConfig(ffn_group_size=32))
+    wide.wrap(base, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(base, tmp_path / "r")
     model = wide.from_pretrained(tmp_path / "r")
     ids = torch.randint(0, 96, (1, 5))
@@ -206,7 +206,7 @@ def test_from_pretrained_loads_base_and_routers(tmp_path, llama):
 
 
 def test_load_refuses_mismatched_missing_and_corrupt(tmp_path, llama):
-    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(llama, tmp_path / "r")
     other = tiny_model("llama", num_hidden_layers=3)
     with pytest.raises(CheckpointError, match="num_layers: checkpoint 2 vs model 3"):
@@ -219,7 +219,7 @@ def test_load_refuses_mismatched_missing_and_corrupt(tmp_path, llama):
 
 
 def test_atomic_save_leaves_previous_checkpoint_on_failure(tmp_path, llama):
-    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(llama, tmp_path / "r")
     before = (tmp_path / "r" / "routers.safetensors").read_bytes()
 
@@ -248,9 +248,9 @@ def test_offsets_hit_the_target_exactly(llama, mode):
 
 def test_bad_inputs_fail_clearly(llama):
     with pytest.raises(ValueError, match="does not divide intermediate_size=96"):
-        wide.wrap(tiny_model("llama"), WideConfig(ffn_group_size=40))
+        wide.wrap(tiny_model("llama"), WideConfig(router_init="random", ffn_group_size=40))
     with pytest.raises(ValueError, match="does not divide the model's 4 query heads"):
-        wide.wrap(tiny_model("llama"), WideConfig(attn_group_size=3))
+        wide.wrap(tiny_model("llama"), WideConfig(router_init="random", attn_group_size=3))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
@@ -262,7 +262,7 @@ def test_bad_inputs_fail_clearly(llama):
         WideConfig(target_sparsity=1.5)
     with pytest.raises(ValueError, match="both"):
         WideConfig(attn_target=0.5)
-    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     with pytest.raises(ValueError, match="already wrapped"):
         wide.wrap(llama)
     with pytest.raises(ValueError, match="nothing to train"):
@@ -275,7 +275,7 @@ def test_module_skip_and_dynamic_depth_configs(tmp_path):
     cfg = tiny_config()
     model = tiny_model("llama")
     # Module skipping = one group per module; dynamic depth = one decision per layer.
-    wide.wrap(model, WideConfig(attn_group_size=cfg.num_attention_heads, ffn_group_size=cfg.intermediate_size,
+    wide.wrap(model, WideConfig(router_init="random", attn_group_size=cfg.num_attention_heads, ffn_group_size=cfg.intermediate_size,
                                 tie_modules=True))
     seen = {}
     get_state(model).mask_observers.append(lambda layer, kind, mask, valid: seen.__setitem__((layer, kind), mask))
@@ -289,7 +289,7 @@ def test_wrap_seed_fixes_the_router_init_and_leaves_the_global_rng_alone():
     models = [tiny_model("llama") for _ in range(3)]
     before = torch.get_rng_state()
     for m, seed in zip(models, (1, 1, 2)):
-        wide.wrap(m, WideConfig(ffn_group_size=32), seed=seed)
+        wide.wrap(m, WideConfig(router_init="random", ffn_group_size=32), seed=seed)
     assert torch.equal(torch.get_rng_state(), before)
     a, b, c = (m.wide_routers.state_dict() for m in models)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -301,7 +301,7 @@ def test_wrap_seed_fixes_the_router_init_and_leaves_the_global_rng_alone():
 
 def _versions(llama, root):
     """A router directory saved at step 1, and the model changed for a step-2 save."""
-    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(llama, root / "ck", extra={"step": 1})
     with torch.no_grad():
         for p in llama.wide_routers.parameters():
@@ -394,7 +394,7 @@ def test_a_checkpoint_written_before_manifests_still_resumes(tmp_path):
 
 
 def test_read_meta_names_what_a_config_lacks(tmp_path, llama):
-    wide.wrap(llama, WideConfig(ffn_group_size=32))
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(llama, tmp_path / "r")
     (tmp_path / "r" / "wide_config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="lacks 'wide_config', 'model'"):

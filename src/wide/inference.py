@@ -361,11 +361,11 @@ class AcceleratedModel:
         delta = None
         seq_lens = (pos + 1).to(torch.int32)
         rule = self.rule
+        rule.begin_decode(pos, reuse)  # first: what the rule asks of the router may depend on the batch
         # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
         # (not where the rule changes the mask after the router).
         defer = ops.defer_router() and rule.defers
         ops.row_runs = rule.decode_runs(x.shape[0])
-        rule.begin_decode(pos, reuse)
         route = not reuse
         for i, L in enumerate(self.layers):
             x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route)

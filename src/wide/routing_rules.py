@@ -109,17 +109,23 @@ class TileRule(TokenRule):
 
 class SharedRule(TokenRule):
     name = "batch_shared"
-    margins = True
-    defers = False
 
     def __init__(self, ops):
         self.ops = ops
+        self.margins, self.defers = True, False
+
+    def begin_decode(self, pos, reuse: bool = False) -> None:
+        # A batch of one's shared set is exactly its own mask (batch_shared_runs), which the
+        # per-token path gives without the choice's launch and with the router deferred to the
+        # GEMVs (batch 1 ran 1.29x against per-token's 1.38x, bench/results/routing).
+        own = pos.shape[0] == 1
+        self.margins, self.defers = not own, own
 
     def decode_runs(self, batch: int) -> Optional[int]:
-        return batch
+        return batch if batch > 1 else None
 
     def decode(self, i, kind, margin, pos):
-        return None if margin is None else self.ops.shared_mask(margin)
+        return self.ops.shared_mask(margin) if self.margins and margin is not None else margin
 
 
 def make_rule(engine, batch_shared: bool) -> TokenRule:

@@ -25,17 +25,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-# Margins are summed over the batch as integers in units of 2^-20 (truncated toward zero, after
-# a clamp that keeps 1024 rows of them inside int64): integer sums are exact, so the sum, and
-# the set, does not depend on the order of the rows, and the kernel's sum equals this one bit
-# for bit without sorting each group's margins first.
+# Margins are summed over the batch as integers in units of 2^-20 (rounded down, after a clamp
+# that keeps 1024 rows of them inside int64): integer sums are exact, so the sum, and the set,
+# does not depend on the order of the rows, and the kernel's sum equals this one bit for bit
+# without sorting each group's margins first. Down, not toward zero: every margin that says
+# skip (< 0) stays below every one that says run (>= 0), so a batch of one keeps exactly its
+# own groups (truncation sent both -1e-7 and +1e-7 to 0, a tie the lower group index won).
 SHARED_SCALE = 2.0 ** 20
 SHARED_CLAMP = 1e9
 
 
 def shared_units(margin: torch.Tensor) -> torch.Tensor:
     """fp32 margins as int64 counts of 2^-20 (what batch_shared_runs sums)."""
-    return (margin.float().clamp(-SHARED_CLAMP, SHARED_CLAMP) * SHARED_SCALE).to(torch.int64)
+    return torch.floor(margin.float().clamp(-SHARED_CLAMP, SHARED_CLAMP) * SHARED_SCALE).to(torch.int64)
 
 
 def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,8 @@ def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     the largest summed margins: the set is the union a kernel reads, and the cap keeps it at the
     batch's mean width instead of the union of per-token sets (which approaches every group
     as the batch grows). Ceil rather than round: the batch never runs narrower than its mean
-    width, and a batch of one keeps exactly its own groups (its own top-n by margin). The
+    width, and a batch of one keeps exactly its own groups (its own top-n by margin, which
+    ``shared_units`` keeps apart from the groups it skips). The
     margins are summed exactly (``shared_units``), so the set does not depend on the order of
     the rows; ties go to the lower group index.
     """
