@@ -13,8 +13,12 @@
 #   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
+#   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
+#               TOKENS) at the same batch, evaluated like stage 1; the stage-1 run is the
+#               variant without this part (shared with it, not trained again)
 # (dots in a name become "p": tau2-0.2 is tagged tau2-0p2)
-# e.g. "dense+lr6e-3+s1" -> runs/records wide50-ce-6553600-s1-dense+lr6e-3.
+# e.g. "dense+lr6e-3+s1" -> runs/records wide50-ce-6553600-s1-dense+lr6e-3;
+# "lr1.2e-2+lora1e-3" -> stage 1 wide50-ce-6553600-s0-lr1p2e-2, stage 2 ...-s0-lr1p2e-2+lora1e-3.
 # The variant "shared" is the batch-shared decode measurement instead: the decode-mode perplexity
 # of `wide eval --decode-batches 8 32` (half of each held-out window prefilled, the other half
 # decoded one token per step on the KV cache, teacher-forced), with each sequence's own masks and
@@ -34,6 +38,9 @@ TOKENS=${TOKENS:-6553600}
 VARIANTS=${VARIANTS:-"dense tile16 tile64 tile128 shared"}
 LIMIT=${LIMIT:-500}
 DEVICE=${DEVICE:-cuda}
+BATCH=${BATCH:-128}
+SEQ=${SEQ:-256}
+AMP=${AMP:-bf16}
 mkdir -p "$RESULTS" "$RUNS"
 # The dense reference is the scaling grid's (same command and settings): not measured again.
 [ -f "$RESULTS/dense.json" ] || cp bench/results/quality_scaling/dense.json "$RESULTS/"
@@ -51,7 +58,7 @@ for v in $VARIANTS; do
         done
         continue
     fi
-    args="" seed=${SEED:-0} tag=""
+    args="" seed=${SEED:-0} tag="" lora=""
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -62,12 +69,33 @@ for v in $VARIANTS; do
             layer) args+=" --budget layer" ;;
             tau*-*) t=${part#tau}; args+=" --tau-start ${t%-*} --tau-end ${t#*-}" ;;
             s[0-9]*) seed=${part#s}; continue ;;
+            lora*) lora=${part#lora}; continue ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
     env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
-        DEVICE="$DEVICE" CAL_ARGS="$args" TAG="-${tag#+}" BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
+        DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
+        BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
+    [ -n "$lora" ] || continue
+    s1="wide50-ce-$TOKENS-s$seed${tag:+-${tag#+}}"
+    name="wide50-ce-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
+    [ -f "$RESULTS/$name.json" ] && continue
+    if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
+    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi
+    run2="$RUNS/$name" steps=$(( ${LORA_TOKENS:-$TOKENS} / (BATCH * SEQ) ))
+    if [ ! -f "$run2/run.json" ]; then
+        echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
+        timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data wiki --seq-len "$SEQ" \
+            --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" \
+            --seed "$seed" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
+    fi
+    timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
+        --routers "$run2/recovered" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} --out "$RESULTS/$name" \
+        || { echo "eval $name: exit $?"; continue; }
+    mkdir -p "$RESULTS/runs"
+    cp "$run2/run.json" "$RESULTS/runs/$name.run.json"
+    cp "$run2/history.json" "$RESULTS/runs/$name.history.json" 2>/dev/null || true
 done
 # every run so far in one table, each beside the settings its run.json holds
 $PY bench/variants_table.py "$RESULTS" > /dev/null || echo "variants_table: exit $?"

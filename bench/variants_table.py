@@ -2,7 +2,8 @@
 `wide eval` record named ``wide<pct>-<loss>-<tokens>-s<seed>[-<variant>]`` in a folder, beside the
 settings its calibration used (read back from ``runs/<name>.run.json``, not from the name), its
 perplexity against dense and the share of dense's above-chance accuracy it keeps; rows sorted by
-perplexity within each token budget.
+perplexity within each token budget (stage 2 rows: `loraX` variants, their tokens stage 1's plus
+their own, their settings stage 2's: lr, warm-up).
 
     python3 bench/variants_table.py bench/results/routing_quality   # writes variants.{md,json} there
 """
@@ -23,6 +24,7 @@ from scaling_plot import _f, kept_above_chance  # noqa: E402
 
 NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<seed>\d+)(?:-(?P<variant>.+))?$")
 STEM = "variants"
+STAGE2 = re.compile(r"[-+]lora[^+]*$")  # a stage-2 run's name is its stage-1 run's plus this
 # column: (where in run.json, key)
 SETTINGS = (("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"), ("start", "wide_config", "router_init"),
             ("warm-up", "train_args", "sparsity_warmup"), ("budget", "wide_config", "budget"),
@@ -56,8 +58,14 @@ def collect(folder: Path) -> list:
             run = folder / "runs" / f"{f.stem}.run.json"
             if not run.is_file():
                 raise FileNotFoundError(f"{run} is missing: the table reads each run's settings from it")
-            rec.update(variant=m["variant"] or "-", tokens=int(m["tokens"]), seed=int(m["seed"]),
-                       loss=m["loss"], settings=settings(json.loads(run.read_text())))
+            data = json.loads(run.read_text())
+            if "wide_config" not in data:  # stage 2's run.json: the routers' settings are stage 1's
+                stage1 = folder / "runs" / f"{STAGE2.sub('', f.stem)}.run.json"
+                if stage1.is_file():
+                    data["wide_config"] = json.loads(stage1.read_text()).get("wide_config", {})
+            # tokens: the record's own count (stage 2 adds its tokens to stage 1's), else the name's
+            rec.update(variant=m["variant"] or "-", tokens=int(rec.get("tokens") or m["tokens"]), seed=int(m["seed"]),
+                       loss=m["loss"], stage=rec.get("stage") or 1, settings=settings(data))
         out.append(rec)
     return out
 
@@ -70,14 +78,14 @@ def table(records: list) -> str:
     dense = next((r for r in records if r["name"] == "dense"), None)
     kept = kept_above_chance(records)
     routed = sorted((r for r in records if r["name"] != "dense"), key=lambda r: (r["tokens"], r["ppl"]))
-    head = ["variant", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
+    head = ["variant", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
             "above chance kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ([dense] if dense else []) + routed:
         s = r.get("settings", {})
         k = kept.get(id(r))
         ratio = r["ppl"] / dense["ppl"] if dense else None
-        cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
+        cells = [r.get("variant", "(dense model)"), _g(r.get("stage")), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
                  _g(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
                  _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), "-" if k is None else f"{k:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
     md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
           f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n")
     (args.folder / f"{STEM}.md").write_text(md)
-    keep = ("name", "variant", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
+    keep = ("name", "variant", "stage", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
     (args.folder / f"{STEM}.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in records], indent=1))
     print(md)
     return 0

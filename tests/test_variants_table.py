@@ -51,3 +51,25 @@ def test_settings_come_from_the_run_not_the_name(tmp_path):
     run.unlink()
     with pytest.raises(FileNotFoundError, match="run.json"):
         mod.collect(folder)
+
+
+def test_stage2_rows_carry_their_stage_tokens_and_settings(tmp_path):
+    # a loraX variant of bench/quality_routing.sh: its record counts stage 1's tokens and its own,
+    # its run.json is stage 2's (lr, no warm-up)
+    mod = load()
+    folder = copy_results(tmp_path)
+    s1, s2 = "wide50-ce-6553600-s0-dense+lr1p2e-2", "wide50-ce-6553600-s0-dense+lr1p2e-2+lora1e-3"
+    doc = json.loads((folder / f"{s1}.json").read_text())
+    for r in doc["records"]:
+        r.update(stage=2, tokens=2 * 6553600, ppl=r["ppl"] * 0.8)
+    (folder / f"{s2}.json").write_text(json.dumps(doc))
+    run = json.loads((folder / "runs" / f"{s1}.run.json").read_text())
+    run["train_args"].update(lr=1e-3, sparsity_warmup=0.0)
+    del run["wide_config"]  # `wide recover` records the adapters, not the routers' settings
+    (folder / "runs" / f"{s2}.run.json").write_text(json.dumps(run))
+    rec = next(r for r in mod.collect(folder) if r["name"] == s2)
+    assert (rec["stage"], rec["tokens"], rec["variant"]) == (2, 2 * 6553600, "dense+lr1p2e-2+lora1e-3")
+    assert (rec["settings"]["lr"], rec["settings"]["warm-up"]) == (1e-3, 0.0)
+    assert rec["settings"]["start"] == "dense" and rec["settings"]["rank"] == 16  # stage 1's routers
+    assert next(r for r in mod.collect(folder) if r["name"] == s1)["stage"] == 1
+    assert "| dense+lr1p2e-2+lora1e-3 | 2 | 13.1M |" in mod.table(mod.collect(folder))
