@@ -113,6 +113,16 @@ def test_tiled_prefill_right_padded_batch_continues_each_tile():
         assert rel(outs[0][b], ref) < 1e-5
 
 
+def hf_shared_steps(model, ids, start: int):
+    """(t, logits [B, V]) of the masked HF path decoding ids[:, t] for t >= start under the
+    batch-shared rule, after a prefill of ids[:, :start]."""
+    with torch.no_grad(), batch_shared_decode(model):
+        out = model(input_ids=ids[:, :start], use_cache=True)
+        for t in range(start, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True)
+            yield t, out.logits[:, -1]
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_batch_shared_decode_matches_masked_path(backend):
     model = routed(seed=4)
@@ -123,15 +133,12 @@ def test_batch_shared_decode_matches_masked_path(backend):
         assert rel(eng.logits(ids), model(input_ids=ids).logits) < 1e-5  # prefill is per token
     eng.setup_cache(3, 32)
     eng.prefill(ids[:, :8])
-    with torch.no_grad(), batch_shared_decode(model):
-        out = model(input_ids=ids[:, :8], use_cache=True)
-        for t in range(8, 16):
-            out = model(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True)
-            masks = []
-            got = eng.decode(ids[:, t], torch.full((3,), t, dtype=torch.long), record=masks)
-            assert rel(got, out.logits[:, -1]) < 1e-5, t
-            for _, _, m in masks:
-                assert torch.equal(m, m[:1].expand_as(m))  # one set for the batch
+    for t, ref in hf_shared_steps(model, ids, 8):
+        masks = []
+        got = eng.decode(ids[:, t], torch.full((3,), t, dtype=torch.long), record=masks)
+        assert rel(got, ref) < 1e-5, t
+        for _, _, m in masks:
+            assert torch.equal(m, m[:1].expand_as(m))  # one set for the batch
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -146,16 +153,13 @@ def test_batch_shared_at_batch_one_is_per_token_routing_without_the_choice(backe
     for eng in (token, shared):
         eng.setup_cache(1, 32)
         eng.prefill(ids[:, :8])
-    with torch.no_grad(), batch_shared_decode(model):
-        out = model(input_ids=ids[:, :8], use_cache=True)
-        for t in range(8, 14):
-            out = model(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True)
-            pos = torch.full((1,), t, dtype=torch.long)
-            got, want = [], []
-            a = shared.decode(ids[:, t], pos, record=got)
-            assert torch.equal(a, token.decode(ids[:, t], pos, record=want)), t
-            assert all(torch.equal(x[2], y[2]) for x, y in zip(got, want))
-            assert rel(a, out.logits[:, -1]) < 1e-5, t  # the masked path's batch-shared rule at batch 1
+    for t, ref in hf_shared_steps(model, ids, 8):
+        pos = torch.full((1,), t, dtype=torch.long)
+        got, want = [], []
+        a = shared.decode(ids[:, t], pos, record=got)
+        assert torch.equal(a, token.decode(ids[:, t], pos, record=want)), t
+        assert all(torch.equal(x[2], y[2]) for x, y in zip(got, want))
+        assert rel(a, ref) < 1e-5, t  # the masked path's batch-shared rule at batch 1
 
 
 def test_batch_shared_refusals():
