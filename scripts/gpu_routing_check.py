@@ -102,8 +102,24 @@ def fp32_ok(err: float, flips: Optional[int] = None) -> bool:
     return err < 5e-3 or bool(flips)
 
 
+def dots_are_ieee() -> dict:
+    """Whether the kernels' fp32 dots run in fp32: a 64-row gemm_k (its tl.dot path) against
+    PyTorch's fp32 matmul. TF32 rounds the inputs to 10 mantissa bits (~1e-4 relative error
+    here), fp32 FMAs leave ~1e-7; so the ieee checks below only mean something if this holds."""
+    from wide.kernels import gemm_k
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(64, 512, device="cuda", generator=gen)
+    w = torch.randn(256, 512, device="cuda", generator=gen)
+    err = rel(gemm_k(x, w, torch.ones(64, 4, dtype=torch.bool, device="cuda"), 128), x @ w.T)
+    return {"rule": "-", "check": "the kernels' fp32 dots run in fp32 (TRITON_F32_DEFAULT=ieee)",
+            "rel_err": err, "ok": err < 1e-5}
+
+
 def main() -> int:
-    checks = []
+    checks = [dots_are_ieee()] if ARGS.precision == "ieee" else []
+    if checks:
+        print(checks[-1], flush=True)
     dots = "fp32 dots" if ARGS.precision == "ieee" else "TF32 dots"
     # bf16 dots ignore the fp32 precision: the bf16 checks run in the default mode only
     for dtype in (torch.bfloat16, torch.float32) if ARGS.precision == "tf32" else (torch.float32,):
