@@ -60,3 +60,18 @@ def test_e2e_routings_time_every_batch(tmp_path):
         assert {("e2e_tpot", rule, B) for rule in ("token", "tile4", "batch_shared")} <= got
     assert ("e2e_ttft", "tile4", 1) in got and not any(op == "e2e_ttft" and rule == "batch_shared"
                                                         for op, rule, _ in got)
+
+
+def test_profiles_name_their_engine_and_rule():
+    # The GPU's --profile tables (per-kernel time of one step) read in the markdown with the
+    # engine and rule they profiled, a tile prefill included.
+    pr = {"total_us_per_step": 10.0, "launches_per_step": 3.0,
+          "top": [{"kernel": "_gemm_k_kernel", "us_per_step": 6.0, "launches_per_step": 2.0}]}
+    meta = {"device": "GPU", "torch": "t", "triton": "t", "date": "d", "model": "m", "routers": "r", "command": "c",
+            "records": [], "profile": {"routed prefill 4096": pr, "routed tile16 prefill 4096": pr,
+                                       "routed batch_shared decode B=32": pr, "dense": pr}}
+    md = e2e.markdown(meta)
+    assert "B=1 prefill of 4096 tokens, routed engine:" in md
+    assert "B=1 prefill of 4096 tokens, routed tile16 engine:" in md
+    assert "Eager B=32 decode step, routed batch_shared engine:" in md
+    assert "Eager B=1 decode step, dense engine:" in md

@@ -463,6 +463,10 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             profiles[pre + name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
             profiles[f"{pre}{name} prefill {T_p}"] = guarded(
                 f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
+        for name, eng in engines.items():  # a tile prefill is where (tile, group) blocks may be skipped
+            if name.startswith("tile"):
+                profiles[f"{pre}routed {name} prefill {T_p}"] = guarded(
+                    f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
         if "batch_shared" in engines:  # where a batched step's time goes, per routing
             Bp = batches[-1]
             for name, eng in (("dense", dense), ("routed", routed), ("routed batch_shared", engines["batch_shared"])):
@@ -575,7 +579,7 @@ def markdown(meta: dict) -> str:
             continue
         model, _, name = key.rpartition(": ")  # a later model's profiles carry its name
         if "prefill" in name:
-            what = f"B=1 prefill of {name.split()[-1]} tokens, {name.split()[0]} engine"
+            what = f"B=1 prefill of {name.split()[-1]} tokens, {' '.join(name.split()[:-2])} engine"
         elif " decode B=" in name:
             eng_name, _, b = name.partition(" decode B=")
             what = f"Eager B={b} decode step, {eng_name} engine"
