@@ -13,6 +13,7 @@
 #   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
+#   kd, mix     that loss instead of ce, in both stages (the run's name carries it where ce stands)
 #   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
 #               TOKENS) at the same batch, evaluated like stage 1; the stage-1 run is the
 #               variant without this part (shared with it, not trained again)
@@ -58,7 +59,7 @@ for v in $VARIANTS; do
         done
         continue
     fi
-    args="" seed=${SEED:-0} tag="" lora=""
+    args="" seed=${SEED:-0} tag="" lora="" loss=ce
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -70,16 +71,17 @@ for v in $VARIANTS; do
             tau*-*) t=${part#tau}; args+=" --tau-start ${t%-*} --tau-end ${t#*-}" ;;
             s[0-9]*) seed=${part#s}; continue ;;
             lora*) lora=${part#lora}; continue ;;
+            kd|mix) loss=$part; continue ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
-    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES=ce PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
+    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
         DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
     [ -n "$lora" ] || continue
-    s1="wide50-ce-$TOKENS-s$seed${tag:+-${tag#+}}"
-    name="wide50-ce-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
+    s1="wide50-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
+    name="wide50-$loss-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
     [ -f "$RESULTS/$name.json" ] && continue
     if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi
@@ -87,7 +89,7 @@ for v in $VARIANTS; do
     if [ ! -f "$run2/run.json" ]; then
         echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
         timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data wiki --seq-len "$SEQ" \
-            --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" \
+            --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
             --seed "$seed" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
     fi
     timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
