@@ -125,7 +125,6 @@ class WideConfig:
             raise ValueError(f"unknown WideConfig fields {sorted(unknown)}: written by a newer version of wide?")
         return cls(**with_predating(d))
 
-
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
