@@ -15,8 +15,9 @@
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
 #   kd, mix     that loss instead of ce, in both stages (the run's name carries it where ce stands)
 #   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
-#               TOKENS) at the same batch, evaluated like stage 1; the stage-1 run is the
-#               variant without this part (shared with it, not trained again)
+#               TOKENS; another budget adds -t<LORA_TOKENS> to the name) at the same batch,
+#               evaluated like stage 1; the stage-1 run is the variant without this part
+#               (shared with it, not trained again)
 # (dots in a name become "p": tau2-0.2 is tagged tau2-0p2)
 # e.g. "dense+lr6e-3+s1" -> runs/records wide50-ce-6553600-s1-dense+lr6e-3;
 # "lr1.2e-2+lora1e-3" -> stage 1 wide50-ce-6553600-s0-lr1p2e-2, stage 2 ...-s0-lr1p2e-2+lora1e-3.
@@ -82,6 +83,7 @@ for v in $VARIANTS; do
     [ -n "$lora" ] || continue
     s1="wide50-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
     name="wide50-$loss-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
+    lt=${LORA_TOKENS:-$TOKENS}; [ "$lt" = "$TOKENS" ] || name+="-t$lt"  # stage 2's own budget
     [ -f "$RESULTS/$name.json" ] && continue
     if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi

