@@ -14,6 +14,11 @@
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
 #   kd, mix     that loss instead of ce, in both stages (the run's name carries it where ce stands)
+#   samples     both stages calibrate on text sampled from the dense model (`wide sample-data`,
+#               SAMPLE_TOKENS tokens, default 2 x TOKENS so that stage 1 and 2 together see each
+#               sample about once, batches of SAMPLE_BATCH, default 2048; sampled once into
+#               RUNS/samples-s<seed>, resumable shard by shard) instead of the 600k-token wiki corpus
+#               (which 6.55M tokens repeat 11 times); perplexity is still held-out wiki
 #   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
 #               TOKENS; another budget adds -t<LORA_TOKENS> to the name) at the same batch,
 #               evaluated like stage 1; the stage-1 run is the variant without this part
@@ -60,7 +65,7 @@ for v in $VARIANTS; do
         done
         continue
     fi
-    args="" seed=${SEED:-0} tag="" lora="" loss=ce
+    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -73,11 +78,14 @@ for v in $VARIANTS; do
             s[0-9]*) seed=${part#s}; continue ;;
             lora*) lora=${part#lora}; continue ;;
             kd|mix) loss=$part; continue ;;
+            samples) data=samples ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
-    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PHASES="train eval" LIMIT="$LIMIT" SEED="$seed" \
+    phases="train eval"; [ "$data" = wiki ] || phases="sample $phases"
+    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \
+        DATA="$data" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
         DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
     [ -n "$lora" ] || continue
@@ -90,7 +98,9 @@ for v in $VARIANTS; do
     run2="$RUNS/$name" steps=$(( ${LORA_TOKENS:-$TOKENS} / (BATCH * SEQ) ))
     if [ ! -f "$run2/run.json" ]; then
         echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
-        timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data wiki --seq-len "$SEQ" \
+        d=wiki; [ "$data" = wiki ] || d="$RUNS/samples-s$seed --eval-data wiki"
+        # shellcheck disable=SC2086
+        timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
             --seed "$seed" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
     fi

@@ -72,10 +72,13 @@ bounded() {
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 if [ "$DATA" = samples ]; then  # the model's own text, sampled once (resumable), then trained on
-    SAMPLES="$RUNS/samples"
+    SAMPLES="$RUNS/samples-s$SEED"  # sampled with the run's seed
     if has sample; then
-        $WIDE sample-data --device "$DEVICE" --dtype bfloat16 --tokens "${SAMPLE_TOKENS:-26214400}" \
-            --batch-size "${SAMPLE_BATCH:-512}" --max-new-tokens 512 --seed "$SEED" --out "$SAMPLES"
+        # Shards are written whole and kept by a rerun: a call cut here resumes in the next one,
+        # and nothing trains on an unfinished directory (the loader refuses it).
+        bounded $WIDE sample-data --device "$DEVICE" --dtype bfloat16 --tokens "${SAMPLE_TOKENS:-26214400}" \
+            --batch-size "${SAMPLE_BATCH:-512}" --max-new-tokens 512 --seed "$SEED" --out "$SAMPLES" \
+            || { echo "sample-data: exit $? (not finished: rerun to resume)"; exit 0; }
         cp "$SAMPLES/manifest.json" "$RESULTS/samples_manifest.json"
     fi
     DATA="$SAMPLES"
