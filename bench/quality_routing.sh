@@ -13,6 +13,7 @@
 #   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
+#   pN          target N% instead of 50% (the run's name starts wide<N>- where it says wide50-)
 #   kd, mix     that loss instead of ce, in both stages (the run's name carries it where ce stands)
 #   samples     both stages calibrate on text sampled from the dense model (`wide sample-data`,
 #               SAMPLE_TOKENS tokens, default 2 x TOKENS so that stage 1 and 2 together see each
@@ -65,7 +66,7 @@ for v in $VARIANTS; do
         done
         continue
     fi
-    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki
+    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki pct=50
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -76,6 +77,7 @@ for v in $VARIANTS; do
             layer) args+=" --budget layer" ;;
             tau*-*) t=${part#tau}; args+=" --tau-start ${t%-*} --tau-end ${t#*-}" ;;
             s[0-9]*) seed=${part#s}; continue ;;
+            p[0-9]*) pct=${part#p}; continue ;;
             lora*) lora=${part#lora}; continue ;;
             kd|mix) loss=$part; continue ;;
             samples) data=samples ;;
@@ -84,13 +86,13 @@ for v in $VARIANTS; do
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
     phases="train eval"; [ "$data" = wiki ] || phases="sample $phases"
-    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \
+    env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PCT="$pct" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \
         DATA="$data" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
         DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
     [ -n "$lora" ] || continue
-    s1="wide50-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
-    name="wide50-$loss-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
+    s1="wide$pct-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
+    name="wide$pct-$loss-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
     lt=${LORA_TOKENS:-$TOKENS}; [ "$lt" = "$TOKENS" ] || name+="-t$lt"  # stage 2's own budget
     [ -f "$RESULTS/$name.json" ] && continue
     if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi

@@ -30,7 +30,8 @@
 #
 # Settings (environment): RESULTS (records, default $OUT or bench/results/quality_scaling),
 # RUNS (run directories, default runs/scaling), TOKENS (budgets), LOSSES, BATCH, SEQ, SEED, AMP,
-# LIMIT, EVAL_ARGS (more `wide eval` options), CAL_ARGS (more `wide calibrate` options, e.g.
+# LIMIT, PCT (the target in percent, default 50), EVAL_ARGS (more `wide eval` options), CAL_ARGS
+# (more `wide calibrate` options, e.g.
 # "--router-init dense --sparsity-warmup 0.5 --lr 6e-3") with TAG (a suffix that keeps those runs
 # apart, e.g. -dense; give such runs their own RESULTS, the plot keys points by loss, tokens and
 # seed), DEVICE, DATA (calibration source, default wiki, the
@@ -149,9 +150,11 @@ extra_runs() {  # "TARGETS" "SEEDS"
     done
 }
 
+PCT=${PCT:-50}  # the grid's target in percent (records wide<PCT>-...)
 for tokens in $TOKENS; do
     for loss in $LOSSES; do
-        calibrate_and_eval "wide50-$loss-$tokens-s$SEED${TAG:-}" 0.5 "$loss" "$tokens" "$SEED" "$RESULTS"
+        calibrate_and_eval "wide$PCT-$loss-$tokens-s$SEED${TAG:-}" "$(awk "BEGIN { print $PCT / 100 }")" "$loss" \
+            "$tokens" "$SEED" "$RESULTS"
     done
     if [ "$tokens" = "$SHIP_TOKENS" ]; then extra_runs 0.25 "$SEED"; fi
 done

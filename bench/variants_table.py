@@ -2,7 +2,7 @@
 `wide eval` record named ``wide<pct>-<loss>-<tokens>-s<seed>[-<variant>]`` in a folder, beside the
 settings its calibration used (read back from ``runs/<name>.run.json``, not from the name), its
 perplexity against dense and the share of dense's above-chance accuracy it keeps; rows sorted by
-perplexity within each token budget (stage 2 rows: `loraX` variants, their tokens stage 1's plus
+perplexity within each target and token budget (stage 2 rows: `loraX` variants, their tokens stage 1's plus
 their own, their settings stage 2's: lr, warm-up).
 
     python3 bench/variants_table.py bench/results/routing_quality   # writes variants.{md,json} there
@@ -65,7 +65,8 @@ def collect(folder: Path) -> list:
                     data["wide_config"] = json.loads(stage1.read_text()).get("wide_config", {})
             # tokens: the record's own count (stage 2 adds its tokens to stage 1's), else the name's
             rec.update(variant=m["variant"] or "-", tokens=int(rec.get("tokens") or m["tokens"]), seed=int(m["seed"]),
-                       loss=m["loss"], stage=rec.get("stage") or 1, settings=settings(data))
+                       loss=m["loss"], stage=rec.get("stage") or 1, target=int(m["pct"]) / 100,
+                       settings=settings(data))
         out.append(rec)
     return out
 
@@ -77,15 +78,16 @@ def _g(v):
 def table(records: list) -> str:
     dense = next((r for r in records if r["name"] == "dense"), None)
     kept = kept_above_chance(records)
-    routed = sorted((r for r in records if r["name"] != "dense"), key=lambda r: (r["tokens"], r["ppl"]))
-    head = ["variant", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
+    routed = sorted((r for r in records if r["name"] != "dense"),
+                    key=lambda r: (-r["target"], r["tokens"], r["ppl"]))
+    head = ["variant", "target", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
             "above chance kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ([dense] if dense else []) + routed:
         s = r.get("settings", {})
         k = kept.get(id(r))
         ratio = r["ppl"] / dense["ppl"] if dense else None
-        cells = [r.get("variant", "(dense model)"), _g(r.get("stage")), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
+        cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['target']:.0%}", _g(r.get("stage")), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
                  _g(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
                  _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), "-" if k is None else f"{k:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
           f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n")
     (args.folder / f"{STEM}.md").write_text(md)
-    keep = ("name", "variant", "stage", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
+    keep = ("name", "variant", "target", "stage", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
     (args.folder / f"{STEM}.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in records], indent=1))
     print(md)
     return 0

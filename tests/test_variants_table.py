@@ -72,4 +72,18 @@ def test_stage2_rows_carry_their_stage_tokens_and_settings(tmp_path):
     assert (rec["settings"]["lr"], rec["settings"]["warm-up"]) == (1e-3, 0.0)
     assert rec["settings"]["start"] == "dense" and rec["settings"]["rank"] == 16  # stage 1's routers
     assert next(r for r in mod.collect(folder) if r["name"] == s1)["stage"] == 1
-    assert "| dense+lr1p2e-2+lora1e-3 | 2 | 13.1M |" in mod.table(mod.collect(folder))
+    assert "| dense+lr1p2e-2+lora1e-3 | 50% | 2 | 13.1M |" in mod.table(mod.collect(folder))
+
+
+def test_target_comes_from_the_name_and_sorts_first(tmp_path):
+    # a pN variant of bench/quality_routing.sh is named wide<N>-...: its rows come after the 50% ones
+    mod = load()
+    folder = copy_results(tmp_path)
+    s50 = "wide50-ce-6553600-s0-dense+lr1p2e-2"
+    s25 = "wide25-ce-6553600-s0-dense+lr1p2e-2"
+    shutil.copy(folder / f"{s50}.json", folder / f"{s25}.json")
+    shutil.copy(folder / "runs" / f"{s50}.run.json", folder / "runs" / f"{s25}.run.json")
+    recs = {r["name"]: r for r in mod.collect(folder)}
+    assert (recs[s25]["target"], recs[s50]["target"]) == (0.25, 0.5)
+    rows = [line for line in mod.table(list(recs.values())).splitlines() if line.startswith("| dense+lr1p2e-2 |")]
+    assert " 25% " in rows[-1] and all(" 50% " in r for r in rows[:-1])
