@@ -26,7 +26,7 @@ NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<s
 STEM = "variants"
 STAGE2 = re.compile(r"[-+]lora[^+]*$")  # a stage-2 run's name is its stage-1 run's plus this
 # column: (where in run.json, key)
-SETTINGS = (("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"), ("start", "wide_config", "router_init"),
+SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"), ("start", "wide_config", "router_init"),
             ("warm-up", "train_args", "sparsity_warmup"), ("budget", "wide_config", "budget"),
             ("input", "wide_config", "router_input"), ("rank", "wide_config", "router_rank"),
             ("tau", "wide_config", "tau_start"), ("tau end", "wide_config", "tau_end"),
@@ -38,8 +38,11 @@ def settings(run: dict) -> dict:
     from wide.config import with_predating
     from wide.train import with_defaults
 
+    data = dict(run.get("data", {}))
+    if data.get("data"):  # a path (sampled shards) by its folder's name: samples-s0
+        data["data"] = Path(data["data"]).name
     parts = {"train_args": with_defaults(run.get("train_args", {})),
-             "wide_config": with_predating(run.get("wide_config", {}))}
+             "wide_config": with_predating(run.get("wide_config", {})), "data": data}
     return {col: parts[where].get(key) for col, where, key in SETTINGS}
 
 

@@ -35,6 +35,7 @@ def test_table_regenerates_from_committed_results(tmp_path):
             if r["name"] != "dense"}
     lr = rows[("dense+lr1p2e-2", 6553600, 1)]
     assert lr["settings"]["lr"] == 0.012 and lr["settings"]["start"] == "dense"
+    assert lr["settings"]["data"] == "wiki"
     assert rows[("tile16", 6553600, 0)]["settings"]["tile"] == 16
     assert rows[("tile16", 6553600, 0)]["settings"]["budget"] == "global"  # the run predates --budget
 
@@ -72,7 +73,7 @@ def test_stage2_rows_carry_their_stage_tokens_and_settings(tmp_path):
     assert (rec["settings"]["lr"], rec["settings"]["warm-up"]) == (1e-3, 0.0)
     assert rec["settings"]["start"] == "dense" and rec["settings"]["rank"] == 16  # stage 1's routers
     assert next(r for r in mod.collect(folder) if r["name"] == s1)["stage"] == 1
-    assert "| dense+lr1p2e-2+lora1e-3 | 50% | 2 | 13.1M |" in mod.table(mod.collect(folder))
+    assert "| dense+lr1p2e-2+lora1e-3 | 50% | 2 | 13.1M | 0 | ce | wiki |" in mod.table(mod.collect(folder))
 
 
 def test_target_comes_from_the_name_and_sorts_first(tmp_path):
