@@ -10,6 +10,9 @@
 #   tileN       --route-tile N (the tokens of a tile of N positions share the mask of the tile's
 #               first token, in training and inference)
 #   lrX         --lr X                  rankN   --router-rank N
+#   ffnN        --ffn-group-size N      attnN   --attn-group-size N (finer groups: the default
+#               model has 12 FFN groups of 128 and 3 attention groups of 3 heads, where
+#               Llama-3.1-8B has 112 and 8; ffn16 gives it 96, attn1 9)
 #   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
@@ -73,6 +76,8 @@ for v in $VARIANTS; do
             tile*) args+=" --route-tile ${part#tile}" ;;
             lr*) args+=" --lr ${part#lr}" ;;
             rank*) args+=" --router-rank ${part#rank}" ;;
+            ffn[0-9]*) args+=" --ffn-group-size ${part#ffn}" ;;
+            attn[0-9]*) args+=" --attn-group-size ${part#attn}" ;;
             normed) args+=" --router-input normed" ;;
             layer) args+=" --budget layer" ;;
             tau*-*) t=${part#tau}; args+=" --tau-start ${t%-*} --tau-end ${t#*-}" ;;

@@ -30,7 +30,8 @@ SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("l
             ("warm-up", "train_args", "sparsity_warmup"), ("budget", "wide_config", "budget"),
             ("input", "wide_config", "router_input"), ("rank", "wide_config", "router_rank"),
             ("tau", "wide_config", "tau_start"), ("tau end", "wide_config", "tau_end"),
-            ("tile", "wide_config", "route_tile"))
+            ("tile", "wide_config", "route_tile"), ("ffn group", "wide_config", "ffn_group_size"),
+            ("attn group", "wide_config", "attn_group_size"))
 
 
 def settings(run: dict) -> dict:
@@ -43,7 +44,10 @@ def settings(run: dict) -> dict:
         data["data"] = Path(data["data"]).name
     parts = {"train_args": with_defaults(run.get("train_args", {})),
              "wide_config": with_predating(run.get("wide_config", {})), "data": data}
-    return {col: parts[where].get(key) for col, where, key in SETTINGS}
+    out = {col: parts[where].get(key) for col, where, key in SETTINGS}
+    if out["attn group"] is None:  # the default: one GQA pack per group
+        out["attn group"] = "pack"
+    return out
 
 
 def collect(folder: Path) -> list:
