@@ -75,3 +75,18 @@ def test_profiles_name_their_engine_and_rule():
     assert "B=1 prefill of 4096 tokens, routed tile16 engine:" in md
     assert "Eager B=32 decode step, routed batch_shared engine:" in md
     assert "Eager B=1 decode step, dense engine:" in md
+
+
+def test_e2e_group_sizes(tmp_path):
+    # Finer groups than the defaults (bench/results/group_size_cpu) time through the same kernels;
+    # the results say which sizes they timed.
+    argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1", "--ffn-group-size", "16",
+            "--attn-group-size", "1", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
+            "--out-dir", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    meta = json.loads((tmp_path / "e2e.json").read_text())
+    assert meta["errors"] == []
+    assert (meta["ffn_group_size"], meta["attn_group_size"]) == (16, 1)
+    assert "FFN groups of 16 channels, attention groups of 1 head" in meta["routers"]
+    routed = [r for r in meta["records"] if r["engine"] == "routed" and r["op"] == "e2e_tpot"]
+    assert routed and 0.2 < routed[0]["active_frac_per_token"] < 0.8

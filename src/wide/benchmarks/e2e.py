@@ -150,6 +150,11 @@ def main(argv=None) -> int:
                     help="routing rules of the routed engine, comma-separated: token, tile<N> (routers with "
                          "route_tile N: TTFT at every prompt length), batch_shared (one group set per decode batch); "
                          "TPOT of each at every batch; default: %(default)s")
+    ap.add_argument("--ffn-group-size", type=int, default=None,
+                    help="FFN channels per group (default: 128, 32 with --tiny); finer groups route better "
+                         "(bench/results/group_size_cpu) at a kernel cost this measures")
+    ap.add_argument("--attn-group-size", type=int, default=None,
+                    help="query heads per attention group (default: one GQA pack)")
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
@@ -208,7 +213,9 @@ def main(argv=None) -> int:
             "command": "python -m wide.benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
             "prefill_graph_max_tokens": inference.PREFILL_GRAPH_MAX_TOKENS if device.type == "cuda" else None,
             "model": _describe(models, args.tiny), "models": models,
-            "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)",
+            "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)"
+                       + _groups_note(args),
+            "ffn_group_size": _ffn_group_size(args), "attn_group_size": args.attn_group_size,
             "records": [], "errors": []}
 
     def save():
@@ -255,6 +262,18 @@ def _describe(models: list, tiny: bool) -> str:
     return ("tiny random models of " if tiny else "random weights, configs of ") + ", ".join(models)
 
 
+def _ffn_group_size(args) -> int:
+    return args.ffn_group_size or (32 if args.tiny else 128)
+
+
+def _groups_note(args) -> str:
+    """The group sizes where they are not the defaults (the markdown's routers line)."""
+    parts = ([f"FFN groups of {args.ffn_group_size} channels"] if args.ffn_group_size else []) + \
+            ([f"attention groups of {args.attn_group_size} head{'s' * (args.attn_group_size != 1)}"]
+             if args.attn_group_size else [])
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, prompt_lens, batches,
                  meta, save, over_budget, guarded, t_start, routings=("token",)) -> None:
     """Calibration and measurements of one preset, appended to ``meta`` (the ``first`` model's
@@ -267,7 +286,8 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     print(f"[e2e] {model_name} built in {_now() - t_start:.1f}s", flush=True)
     # Random routers: a dense start's masks do not depend on the input until trained, so no
     # offset could spread them to 50 % per token.
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=128 if not args.tiny else 32, router_init="random"))
+    model = wide.wrap(model, wide.WideConfig(ffn_group_size=_ffn_group_size(args), attn_group_size=args.attn_group_size,
+                                             router_init="random"))
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
 
