@@ -2,8 +2,8 @@
 `wide eval` record named ``wide<pct>-<loss>-<tokens>-s<seed>[-<variant>]`` in a folder, beside the
 settings its calibration used (read back from ``runs/<name>.run.json``, not from the name), its
 perplexity against dense and the share of dense's above-chance accuracy it keeps; rows sorted by
-perplexity within each target and token budget (stage 2 rows: `loraX` variants, their tokens stage 1's plus
-their own, their settings stage 2's: lr, warm-up).
+perplexity within each target and token budget (stage 2 rows: `loraX` variants, their tokens
+stage 1's plus their own, their settings stage 2's: lr, warm-up).
 
     python3 bench/variants_table.py bench/results/routing_quality   # writes variants.{md,json} there
 """
@@ -26,8 +26,9 @@ NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<s
 STEM = "variants"
 STAGE2 = re.compile(r"[-+]lora[^+]*$")  # a stage-2 run's name is its stage-1 run's plus this
 # column: (where in run.json, key)
-SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"), ("start", "wide_config", "router_init"),
-            ("warm-up", "train_args", "sparsity_warmup"), ("budget", "wide_config", "budget"),
+SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("lr", "train_args", "lr"),
+            ("start", "wide_config", "router_init"), ("warm-up", "train_args", "sparsity_warmup"),
+            ("budget", "wide_config", "budget"),
             ("input", "wide_config", "router_input"), ("rank", "wide_config", "router_rank"),
             ("tau", "wide_config", "tau_start"), ("tau end", "wide_config", "tau_end"),
             ("tile", "wide_config", "route_tile"), ("ffn group", "wide_config", "ffn_group_size"),
@@ -87,14 +88,15 @@ def table(records: list) -> str:
     kept = kept_above_chance(records)
     routed = sorted((r for r in records if r["name"] != "dense"),
                     key=lambda r: (-r["target"], r["tokens"], r["ppl"]))
-    head = ["variant", "target", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense", "avg",
-            "above chance kept"]
+    head = ["variant", "target", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense",
+            "avg", "above chance kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ([dense] if dense else []) + routed:
         s = r.get("settings", {})
         k = kept.get(id(r))
         ratio = r["ppl"] / dense["ppl"] if dense else None
-        cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['target']:.0%}", _g(r.get("stage")), "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
+        cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['target']:.0%}", _g(r.get("stage")),
+                 "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
                  _g(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
                  _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), "-" if k is None else f"{k:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
