@@ -102,10 +102,10 @@ for v in $VARIANTS; do
     [ -f "$RESULTS/$name.json" ] && continue
     if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi
-    run2="$RUNS/$name" steps=$(( ${LORA_TOKENS:-$TOKENS} / (BATCH * SEQ) ))
+    run2="$RUNS/$name" steps=$(( lt / (BATCH * SEQ) ))
     if [ ! -f "$run2/run.json" ]; then
         echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
-        d=wiki; [ "$data" = wiki ] || d="$RUNS/samples-s$seed --eval-data wiki"
+        d=wiki; [ "$data" = wiki ] || d="$RUNS/samples-s$seed --eval-data wiki"  # quality_scaling.sh's SAMPLES
         # shellcheck disable=SC2086
         timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
