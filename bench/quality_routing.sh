@@ -10,9 +10,11 @@
 #   tileN       --route-tile N (the tokens of a tile of N positions share the mask of the tile's
 #               first token, in training and inference)
 #   lrX         --lr X                  rankN   --router-rank N
-#   ffnN        --ffn-group-size N      attnN   --attn-group-size N (finer groups: the default
-#               model has 12 FFN groups of 128 and 3 attention groups of 3 heads, where
-#               Llama-3.1-8B has 112 and 8; ffn16 gives it 96, attn1 9)
+#   ffnN        --ffn-group-size N      attnN   --attn-group-size N (the default model has 3
+#               attention groups of 3 heads, where Llama-3.1-8B has 8; attn1 gives it 9. A variant
+#               without ffnN runs 12 FFN groups of 128, as every record before 2026-12-04 did
+#               (quality_scaling.sh's FFN_GROUP), although wide's default on this model is now 16
+#               channels, 96 groups: ffn16 asks for that)
 #   normed      --router-input normed   layer   --budget layer (the target holds in every layer)
 #   tauA-B      --tau-start A --tau-end B
 #   sN          seed N instead of SEED (the run's name keeps the seed where the grid's does)
@@ -23,6 +25,9 @@
 #               sample about once, batches of SAMPLE_BATCH, default 2048; sampled once into
 #               RUNS/samples-s<seed>, resumable shard by shard) instead of the 600k-token wiki corpus
 #               (which 6.55M tokens repeat 11 times); perplexity is still held-out wiki
+#   sotu        both stages calibrate on the 233 State of the Union addresses (`--data sotu`, 1.58M
+#               tokens after decontamination, 2.8x wiki's 0.57M: 6.55M tokens repeat it 4 times);
+#               perplexity is still held-out wiki
 #   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
 #               TOKENS; another budget adds -t<LORA_TOKENS> to the name) at the same batch,
 #               evaluated like stage 1; the stage-1 run is the variant without this part
@@ -86,13 +91,15 @@ for v in $VARIANTS; do
             lora*) lora=${part#lora}; continue ;;
             kd|mix) loss=$part; continue ;;
             samples) data=samples ;;
+            sotu) data=sotu ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
-    phases="train eval"; [ "$data" = wiki ] || phases="sample $phases"
+    phases="train eval"; [ "$data" = samples ] && phases="sample $phases"
+    ed=; [ "$data" = sotu ] && ed=wiki  # held-out perplexity stays wiki's (samples: quality_scaling.sh's own)
     env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PCT="$pct" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \
-        DATA="$data" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
+        DATA="$data" EVAL_DATA="$ed" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
         DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
     [ -n "$lora" ] || continue
@@ -105,7 +112,8 @@ for v in $VARIANTS; do
     run2="$RUNS/$name" steps=$(( lt / (BATCH * SEQ) ))
     if [ ! -f "$run2/run.json" ]; then
         echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
-        d=wiki; [ "$data" = wiki ] || d="$RUNS/samples-s$seed --eval-data wiki"  # quality_scaling.sh's SAMPLES
+        d=$data; [ "$data" = samples ] && d="$RUNS/samples-s$seed"  # quality_scaling.sh's SAMPLES
+        [ "$data" = wiki ] || d+=" --eval-data wiki"
         # shellcheck disable=SC2086
         timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \

@@ -61,6 +61,10 @@ PHASES=${PHASES:-"speed train eval plot extra"}
 # The committed grid started its routers from random decisions, the default before 2026-12-04;
 # CAL_ARGS come after these, so "--router-init dense --sparsity-warmup 0.5" there wins.
 START_ARGS=${START_ARGS:-"--router-init random --sparsity-warmup 0"}
+# Every record here and in bench/quality_routing.sh was made at 12 FFN groups of 128 channels,
+# the default until it became per model (16 channels on this model) on 2026-12-04: pinned, so
+# the commands above still make them; CAL_ARGS' --ffn-group-size (quality_routing.sh's ffnN) wins.
+FFN_GROUP=${FFN_GROUP:-128}
 mkdir -p "$RESULTS" "$RUNS"
 # BUDGET_S: seconds this call may use. Each command gets what is left minus a reserve for the
 # packing at the end; a command cut short resumes from its checkpoint in the next call.
@@ -104,7 +108,7 @@ calibrate_and_eval() {  # NAME TARGET LOSS TOKENS SEED RESULTS_DIR
         echo "== $name: $steps steps of $BATCH x $SEQ tokens"
         bounded $WIDE calibrate --device "$DEVICE" "${DATA_ARGS[@]}" --target "$target" --loss "$loss" \
             --amp "$AMP" --steps "$steps" --batch-size "$BATCH" --seed "$seed" --eval-every 0 --save-every 50 \
-            $START_ARGS ${CAL_ARGS:-} --out "$run" --resume || return 0
+            --ffn-group-size "$FFN_GROUP" $START_ARGS ${CAL_ARGS:-} --out "$run" --resume || return 0
     fi
     if has eval && [ -f "$run/run.json" ] && [ ! -f "$dir/$name.json" ]; then
         bounded $WIDE eval --device "$DEVICE" "${DATA_ARGS[@]}" --routers "$run/routers" --limit "$LIMIT" \

@@ -60,6 +60,7 @@ def fill_cache(cache: Path) -> None:
 
     data.fetch_default_model(cache)
     data.wiki_articles(cache)
+    data.sotu_addresses(cache)
     data.task_ngrams(cache_dir=cache)
 
 
@@ -78,7 +79,7 @@ def pack(cache: Path) -> None:
     # decontam is a cache (the tasks' n-gram sets): carried, it spares the device the CPU work
     # of rebuilding it in every fresh machine.
     with tarfile.open(p1 / "data.tar.gz", "w:gz") as tar:
-        for sub in ("zero_shot", "wiki", "decontam"):
+        for sub in ("zero_shot", "wiki", "sotu", "decontam"):
             if (cache / sub).is_dir():
                 tar.add(cache / sub, arcname=sub)
     data = gguf.read_bytes()

@@ -24,6 +24,8 @@ def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):
     gguf.write_bytes(payload)
     (cache / "wiki").mkdir()
     (cache / "wiki" / "a.txt").write_text("text")
+    (cache / "sotu").mkdir()
+    (cache / "sotu" / "s.json").write_text("[]")
     monkeypatch.setattr(mod, "OUT", tmp_path / "parts")
     monkeypatch.setattr(mod, "tree_bytes", lambda: 0)
     monkeypatch.setattr(mod, "CALL_LIMIT", 2**20 + 400_000)  # room for ~400 kB a part
@@ -45,6 +47,7 @@ def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):
     mod.unpack(cache, tmp_path / "parts")
     assert gguf.read_bytes() == payload
     assert (cache / "wiki" / "a.txt").read_text() == "text"
+    assert (cache / "sotu" / "s.json").read_text() == "[]"
     # a corrupt part is refused
     last = parts[-1] / "gguf.2"
     last.write_bytes(b"x" + last.read_bytes()[1:])
@@ -54,14 +57,15 @@ def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):
 
 def test_fill_cache_fetches_everything_a_device_run_reads(tmp_path, monkeypatch):
     """A part packed from a cache without the corpus or the tasks sent a device run to a
-    registry it cannot reach (2026-12-04): pack fetches the model, the wiki corpus and the
-    tasks' n-gram sets (which load the tasks) into the cache it packs."""
+    registry it cannot reach (2026-12-04): pack fetches the model, both built-in corpora (wiki,
+    sotu) and the tasks' n-gram sets (which load the tasks) into the cache it packs."""
     from wide import data
 
     mod = _mod()
     calls = []
     monkeypatch.setattr(data, "fetch_default_model", lambda c: calls.append(("model", c)))
     monkeypatch.setattr(data, "wiki_articles", lambda c: calls.append(("wiki", c)))
+    monkeypatch.setattr(data, "sotu_addresses", lambda c: calls.append(("sotu", c)))
     monkeypatch.setattr(data, "task_ngrams", lambda cache_dir: calls.append(("tasks", cache_dir)))
     mod.fill_cache(tmp_path)
-    assert calls == [("model", tmp_path), ("wiki", tmp_path), ("tasks", tmp_path)]
+    assert calls == [("model", tmp_path), ("wiki", tmp_path), ("sotu", tmp_path), ("tasks", tmp_path)]

@@ -119,7 +119,8 @@ def test_real_default_model_routes_and_scores():
     dense = model(ids).logits
     assert tok.decode(dense[0, -1].argmax()) == " Rome"
     wide.wrap(model, wide.WideConfig(router_init="random"))  # offsets spread random routers to the target
-    assert model.wide_state.geometry.attn_groups == 3 and model.wide_state.geometry.ffn_groups == 12
+    # 96 FFN groups: the default group size on this model (auto_ffn_group_size: 16 channels)
+    assert model.wide_state.geometry.attn_groups == 3 and model.wide_state.geometry.ffn_groups == 96
     for lr in model.wide_routers:
         lr.attn.offset.fill_(1e9)
         lr.ffn.offset.fill_(1e9)

@@ -190,3 +190,35 @@ def test_padding_is_excluded_from_rates(llama):
     assert float(wide.forward_sparsity(llama).flop_rate) == 0.0  # skipped tokens were padding
     llama(ids)
     assert float(wide.forward_sparsity(llama).flop_rate) == 0.5
+
+
+@pytest.mark.parametrize("intermediate, size", [
+    (14336, 128),  # Llama-3.1-8B: 112 groups of 128, the kernels' best
+    (11008, 128),  # Llama-2-7B: 86
+    (8192, 128),  # Llama-3.2-1B: exactly 64
+    (4864, 64),  # Qwen2.5-0.5B: 38 groups of 128 are too few, 76 of 64
+    (3072, 48),  # Qwen3-0.6B: a multiple of 16 that is no power of two
+    (1536, 16),  # SmolLM2-135M: 96 groups
+    (96, 16),  # tiny: no size gives 64 groups, so the finest
+])
+def test_auto_ffn_group_size(intermediate, size):
+    from wide.modeling import auto_ffn_group_size
+
+    assert auto_ffn_group_size(intermediate) == size
+
+
+def test_auto_ffn_group_size_is_stored(tmp_path):
+    """wrap() writes the size it picked into the config, so saved routers name their geometry and
+    load into a model wrapped with the default config; an explicit size still wins."""
+    model = wide.wrap(tiny_model("llama"), wide.WideConfig())
+    assert model.wide_config.ffn_group_size == 16 and get_state(model).geometry.ffn_groups == 6
+    wide.save_routers(model, tmp_path / "r")
+    again = wide.load(tiny_model("llama"), tmp_path / "r")
+    assert again.wide_config.ffn_group_size == 16
+    wide.load(wide.wrap(tiny_model("llama"), wide.WideConfig()), tmp_path / "r")  # same config: loads
+    with pytest.raises(wide.CheckpointError, match="ffn_group_size: checkpoint 16 vs model 32"):
+        wide.load(wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=32)), tmp_path / "r")
+    with pytest.raises(ValueError, match="intermediate_size=100 has no divisor that is a multiple of 16"):
+        wide.wrap(tiny_model("llama", intermediate_size=100))
+    assert wide.wrap(tiny_model("llama", intermediate_size=100), wide.WideConfig(ffn_group_size=25)) \
+        .wide_state.geometry.ffn_groups == 4
