@@ -9,7 +9,7 @@ set -euo pipefail
 WIDE=${WIDE:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/wide}
 [ -x "$WIDE" ] || WIDE=wide
 cd "$(dirname "$0")/.."
-# --router-init random --sparsity-warmup 0: the start these results were made with (the default
-# before 2026-12-04); later arguments in "$@" win.
+# --router-init random --sparsity-warmup 0 --ffn-group-size 128: the start and the groups these
+# results were made with (the defaults before 2026-12-04); later arguments in "$@" win.
 "$WIDE" compare --device "${DEVICE:-cuda}" --limit 200 --steps 400 --batch-size 16 --quiet \
-    --router-init random --sparsity-warmup 0 --runs "${RUNS:-runs/compare}" --out bench/results/quality_smollm2 "$@"
+    --router-init random --sparsity-warmup 0 --ffn-group-size 128 --runs "${RUNS:-runs/compare}" --out bench/results/quality_smollm2 "$@"
