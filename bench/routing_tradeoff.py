@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -36,14 +37,19 @@ def _records(path: Path) -> list:
     return [r for r in json.loads(path.read_text()).get("records", []) if r.get("op") == "quality"]
 
 
-def quality(quality_dir: Path, grid: Path, tokens: int) -> dict:
+def quality(quality_dir: Path, grid: Path, tokens: int, recipe: str = "") -> dict:
     """routing -> the quality record at ``tokens`` (ce, seed 0), plus "dense" and the decode-mode
-    records ("decode_dense", "decode_routers")."""
+    records ("decode_dense", "decode_routers"). ``recipe``: the bench/quality_routing.sh variant
+    whose per-token run and ``+tileN`` runs to read ("": the scaling grid's recipe, lr 2e-3 from a
+    random start, with the plain ``tileN`` variants)."""
     out = {"dense": _records(quality_dir / "dense.json")[0]}
-    out["token"] = next(r for r in _records(grid) if r.get("loss") == "ce" and r.get("tokens") == tokens
-                        and r.get("seed") == 0 and r.get("routing", "token") in (None, "token"))
+    if recipe:
+        out["token"] = _records(quality_dir / f"wide50-ce-{tokens}-s0-{recipe}.json")[0]
+    else:
+        out["token"] = next(r for r in _records(grid) if r.get("loss") == "ce" and r.get("tokens") == tokens
+                            and r.get("seed") == 0 and r.get("routing", "token") in (None, "token"))
     for rule in RULES[1:4]:
-        f = quality_dir / f"wide50-ce-{tokens}-s0-{rule}.json"
+        f = quality_dir / f"wide50-ce-{tokens}-s0-{recipe + '+' if recipe else ''}{rule}.json"
         if f.is_file():
             out[rule] = _records(f)[0]
     for key, name in (("decode_dense", "decode-dense.json"), ("decode_routers", "decode-smollm2-135m-50.json")):
@@ -67,13 +73,16 @@ def speed(runs: list) -> dict:
     return out
 
 
-def table(q: dict, s: dict) -> tuple:
+def table(q: dict, s: dict, q_old: Optional[dict] = None) -> tuple:
+    """``q_old``: the same rules at an earlier recipe, shown beside as one more column."""
     from wide.evaluate import above_chance
 
     dense, token = q["dense"], q["token"]
     rows = []
     for rule in RULES:
         row = {"routing": rule}
+        if q_old and rule in q_old and rule != "batch_shared":
+            row["old_recipe_ppl_vs_token"] = q_old[rule]["ppl"] / q_old["token"]["ppl"]
         if rule == "batch_shared":
             dec = q.get("decode_routers", {}).get("decode") or {}
             if dec:
@@ -91,9 +100,11 @@ def table(q: dict, s: dict) -> tuple:
                 if s[(src, label)][3]:
                     row.setdefault("later_run", {})[label] = s[(src, label)][3]
         rows.append(row)
+    old = q_old is not None
     lines = ["| routing | ppl | ppl / per-token | avg | above chance kept | "
+             + ("ppl / per-token, old recipe | " if old else "")
              + " | ".join(label for _, _, label in SPEED) + " |",
-             "|---|---|---|---|---|" + "---|" * len(SPEED)]
+             "|---|---|---|---|---|" + "---|" * (old + len(SPEED))]
     for row in rows:
         if row["routing"] == "batch_shared":
             q_cells = ("decode: " + ", ".join(f"B={b} {row['decode_ppl_shared'][b]:.1f}" for b in row["decode_ppl_shared"])
@@ -106,8 +117,10 @@ def table(q: dict, s: dict) -> tuple:
         sp = [(f"{row[label]:.2f}x" + "*" * row.get("later_run", {}).get(label, 0)
                + (" (= token)" if row["routing"] == "batch_shared" and label.startswith("TTFT") else ""))
               if label in row else "-" for _, _, label in SPEED]
+        if old:
+            q_cells += (f"{row['old_recipe_ppl_vs_token']:.2f}x" if "old_recipe_ppl_vs_token" in row else "-",)
         lines.append(f"| {row['routing']} | " + " | ".join(q_cells) + " | " + " | ".join(sp) + " |")
-    lines.append("| target | - | <= 1.10x | - | - | " + " | ".join(
+    lines.append("| target | - | <= 1.10x | - | - | " + ("<= 1.10x | " if old else "") + " | ".join(
         f">= {TARGETS[label]}x" if label in TARGETS else "-" for _, _, label in SPEED) + " |")
     return rows, "\n".join(lines)
 
@@ -120,7 +133,11 @@ def plot(rows: list, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = [r["routing"] for r in rows if "ppl" in r]
-    a.bar(names, [r["ppl_vs_token"] for r in rows if "ppl" in r], color="tab:blue")
+    a.bar(names, [r["ppl_vs_token"] for r in rows if "ppl" in r], color="tab:blue", label="this recipe")
+    olds = [r for r in rows if "old_recipe_ppl_vs_token" in r and "ppl" not in r]
+    if olds:
+        a.bar([f"{r['routing']}\n(old recipe)" for r in olds], [r["old_recipe_ppl_vs_token"] for r in olds],
+              color="tab:gray", label="lr 2e-3, random start")
     for rr in rows:
         if "decode_ratio" in rr:
             for bsz, v in rr["decode_ratio"].items():
@@ -151,16 +168,26 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", nargs="+", default=[str(ROOT / "bench/results/routing" / f) for f in E2E_RUNS],
                     help="e2e results in order; a later run's cell replaces an earlier one's (marked *, ** ...)")
     ap.add_argument("--tokens", type=int, default=6553600)
+    # The best per-token recipe of the quality issue (dense start, lr 1.2e-2 at batch 128); the
+    # tile rules measured only at the first recipe get a column of their own.
+    ap.add_argument("--recipe", default="dense+lr1p2e-2",
+                    help="quality_routing.sh variant of the quality rows ('': the scaling grid's recipe)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/routing"))
     a = ap.parse_args(argv)
-    q = quality(Path(a.quality), Path(a.grid), a.tokens)
-    rows, md = table(q, speed(a.e2e))
+    q = quality(Path(a.quality), Path(a.grid), a.tokens, a.recipe)
+    q_old = quality(Path(a.quality), Path(a.grid), a.tokens) if a.recipe else None
+    rows, md = table(q, speed(a.e2e), q_old)
+    if a.recipe:
+        md = (f"Quality rows: variant `{a.recipe}` of bench/quality_routing.sh (its `+tileN` runs beside it; "
+              "`-` where that rule was not trained at this recipe). The old-recipe column: the scaling grid's per-token "
+              "run (lr 2e-3, random start) and the plain `tileN` variants.\n\n" + md)
     if len(a.e2e) > 1:
         md += "\n\n" + "\n".join(f"{'*' * k}: from {Path(f).name}" for k, f in enumerate(a.e2e) if k) \
             + f" (unmarked speed cells: {Path(a.e2e[0]).name})"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "routing_tradeoff.json").write_text(json.dumps({"tokens": a.tokens, "rows": rows}, indent=1))
+    (out / "routing_tradeoff.json").write_text(json.dumps({"tokens": a.tokens, "recipe": a.recipe, "rows": rows},
+                                                          indent=1))
     (out / "routing_tradeoff.md").write_text(
         "# Routing rules: quality cost against speed (50 %)\n\nCommand: `python3 bench/routing_tradeoff.py` "
         "(reads bench/results/routing_quality, quality_scaling/quality_scaling.json and the e2e runs named below it)"
