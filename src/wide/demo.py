@@ -84,10 +84,12 @@ def explanation(records: list, run: dict) -> str:
         "The demo's routers start dense and its target rises over the first half of the steps "
         "(wide's defaults, --router-init dense --sparsity-warmup 0.5); started from random decisions, which break the model "
         "(training cross-entropy near 14 nats at the first step, against about 3.1 for dense), the same 30 steps "
-        "left held-out perplexity at 4745 instead of 261 (docs/method.md). Either way a few CPU minutes show the "
-        "loss falling, not a finished model: at 50%, held-out perplexity was 703, 111 and 61 after 1.6M, 6.6M "
-        "and 26M tokens of random-start calibration on an H200 (bench/results/quality_scaling in the "
-        "repository), minutes on a GPU and days on a laptop CPU. Use the shipped routers, or `wide calibrate "
-        "--device cuda` with millions of tokens.",
+        "left held-out perplexity at 4745 instead of 261 (docs/method.md; both with the 12 FFN groups of 128 "
+        "channels this model had before its default became 96 groups of 16, the line above). Either way "
+        "a few CPU minutes show the loss falling, not a finished model: at 50%, held-out perplexity was 703, 111 "
+        "and 61 after 1.6M, 6.6M and 26M tokens of random-start calibration on an H200, and 49 after 6.6M "
+        "tokens with a dense start, lr 1.2e-2 and 96 FFN groups (bench/results/quality_scaling and "
+        "routing_quality in the repository), minutes on a GPU and days on a laptop CPU. Use the shipped "
+        "routers, or `wide calibrate --device cuda` with millions of tokens.",
     ]
     return "\n".join(lines)
