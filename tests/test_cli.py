@@ -186,6 +186,8 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     assert (dense["loss"], dense["tokens"], dense["seed"]) == (None, 0, None)
     assert (routed["loss"], routed["tokens"], routed["seed"]) == ("ce", 2 * 2 * 16, 0)
     assert (dense["routing"], routed["routing"]) == (None, "token")  # issue 20's field, beside e2e's
+    # the tiny model: 4 heads in 2 GQA packs, intermediate 96 cut into groups of 32
+    assert "groups" not in dense and routed["groups"] == {"attn": 2, "attn_group_size": 2, "ffn": 3, "ffn_group_size": 32}
     assert run["decontamination"]["mode"] == "heldout" and run["data"]["decontaminate"] == "heldout"
     assert dense["model"] == routed["model"] == "model" and routed["training"]["steps"] == 2
     assert dense["sparsity"] == 0.0 < routed["sparsity"] and routed["ppl"] > 0 and "avg" not in routed
@@ -209,6 +211,7 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     cmp = json.loads((tmp / "cmp_out.json").read_text())
     assert [r["name"] for r in cmp["records"]] == ["dense", "wide"]
     assert [(r["loss"], r["tokens"], r["seed"]) for r in cmp["records"]] == [(None, 0, None), ("ce", 64, 0)]
+    assert cmp["records"][1]["groups"]["ffn_group_size"] == 32
     assert cmp["decontamination"]["mode"] == "heldout"
     assert cmp["settings"]["lr"] == TrainArgs().lr and cmp["settings"]["recovery_lr"] == RECOVERY_LR
     meta = json.loads((tmp / "cmp" / "wide-50" / "stage1" / "final" / "wide_config.json").read_text())

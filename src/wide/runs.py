@@ -344,6 +344,11 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
                sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0))
     if "sparsity" in ppl:
         rec["sparsity_detail"] = ppl["sparsity"]
+    state = getattr(model, "wide_state", None)
+    if state is not None:  # what the routers chose among: the default group size depends on the model
+        geo = state.geometry
+        rec["groups"] = {"attn": geo.attn_groups, "attn_group_size": geo.attn_group_size,
+                         "ffn": geo.ffn_groups, "ffn_group_size": geo.ffn_group_size}
     if getattr(args, "decode_batches", None):
         rec["decode"] = decode_perplexity(model, heldout_ids[:args.decode_windows], batch_sizes=args.decode_batches)
     if args.tasks:
