@@ -81,7 +81,7 @@ def table(q: dict, s: dict, q_old: Optional[dict] = None) -> tuple:
     rows = []
     for rule in RULES:
         row = {"routing": rule}
-        if q_old and rule in q_old and rule != "batch_shared":
+        if q_old and rule in q_old:
             row["old_recipe_ppl_vs_token"] = q_old[rule]["ppl"] / q_old["token"]["ppl"]
         if rule == "batch_shared":
             dec = q.get("decode_routers", {}).get("decode") or {}
