@@ -91,3 +91,22 @@ def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
     mod._cc_mn[(N // 4, split)](x, w, y, mn_mask.view(torch.uint8), wsp, tick, N, K, 8, 2, kc,
                                 BN=4, BK=min(bk, kc), SPLIT=split > 1, STAGES=1, num_warps=4)
     assert _rel(y, gemm_mn_reference(x, w, mn_mask, 8)) < 1e-5
+
+
+def test_tile_source_trial_is_causal_and_tile_coherent():
+    """The tile-source trial's routers read, for every token of tile k, the mean of tile k-1's
+    inputs (tile 0: its first token): the same within a tile, and never a later token's input."""
+    src = _script("tile_source_cpu").previous_tile_source
+    gen = torch.Generator().manual_seed(0)
+    x = _randn(gen, 2, 37, 8)  # a ragged last tile
+    s = src(x, 16)
+    assert s.shape == x.shape
+    torch.testing.assert_close(s[:, :16], x[:, :1].expand(-1, 16, -1))
+    torch.testing.assert_close(s[:, 16:32], x[:, :16].mean(1, keepdim=True).expand(-1, 16, -1))
+    torch.testing.assert_close(s[:, 32:], x[:, 16:32].mean(1, keepdim=True).expand(-1, 5, -1))
+    later = x.clone()
+    later[:, 20:] += 5.0  # change tokens from position 20 on
+    s2 = src(later, 16)
+    torch.testing.assert_close(s2[:, :32], s[:, :32])  # tiles 0 and 1 never read position 20+
+    assert not torch.allclose(s2[:, 32:], s[:, 32:])
+    assert torch.equal(src(x[:, :1], 16), x[:, :1])
