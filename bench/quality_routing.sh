@@ -9,6 +9,8 @@
 #               START_ARGS)
 #   tileN       --route-tile N (the tokens of a tile of N positions share the mask of the tile's
 #               first token, in training and inference)
+#   prev        --tile-source previous (with tileN: a tile's mask is decided on the mean of the
+#               previous tile's router inputs instead of its first token's)
 #   lrX         --lr X                  rankN   --router-rank N
 #   ffnN        --ffn-group-size N      attnN   --attn-group-size N (the default model has 3
 #               attention groups of 3 heads, where Llama-3.1-8B has 8; attn1 gives it 9. A variant
@@ -79,6 +81,7 @@ for v in $VARIANTS; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
             tile*) args+=" --route-tile ${part#tile}" ;;
+            prev) args+=" --tile-source previous" ;;
             lr*) args+=" --lr ${part#lr}" ;;
             rank*) args+=" --router-rank ${part#rank}" ;;
             ffn[0-9]*) args+=" --ffn-group-size ${part#ffn}" ;;

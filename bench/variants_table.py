@@ -31,7 +31,8 @@ SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("l
             ("budget", "wide_config", "budget"),
             ("input", "wide_config", "router_input"), ("rank", "wide_config", "router_rank"),
             ("tau", "wide_config", "tau_start"), ("tau end", "wide_config", "tau_end"),
-            ("tile", "wide_config", "route_tile"), ("ffn group", "wide_config", "ffn_group_size"),
+            ("tile", "wide_config", "route_tile"), ("tile source", "wide_config", "tile_source"),
+            ("ffn group", "wide_config", "ffn_group_size"),
             ("attn group", "wide_config", "attn_group_size"))
 
 

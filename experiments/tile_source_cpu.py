@@ -7,6 +7,10 @@ This trial decides tile k from the mean of tile k-1's router inputs instead (til
 first token): still causal, since no token's mask depends on its own tile or a later one, and
 an average of the recent context might suit the next 16 tokens better than one token does.
 
+The rule is in the library since: ``--tile-source previous`` (``WideConfig.tile_source``), in the
+HF path and the engine, prefill and decode; ``tests/test_experiments.py`` checks that it routes
+full sequences exactly as this script does, so the results stay reproducible either way.
+
 It runs the ``wide`` command line with the routers' input replaced, for every routed module of a
 model with ``route_tile > 1``, by each token's tile source (a function of earlier tokens only);
 the library's gather then hands every token of a tile the same decision, and offset

@@ -50,16 +50,23 @@ def test_e2e_routings_time_every_batch(tmp_path):
     # Tile routers are timed in prefill and at every decode batch, batch-shared decode at every
     # batch; each record names its rule.
     argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1,2", "--routings",
-            "token,tile4,batch_shared", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
+            "token,tile4,tile4prev,batch_shared", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
             "--out-dir", str(tmp_path)]
     assert e2e.main(argv) == 0
     meta = json.loads((tmp_path / "e2e.json").read_text())
     assert meta["errors"] == []
     got = {(r["op"], r["routing"], r.get("B")) for r in meta["records"] if r["engine"] != "dense"}
     for B in (1, 2):
-        assert {("e2e_tpot", rule, B) for rule in ("token", "tile4", "batch_shared")} <= got
-    assert ("e2e_ttft", "tile4", 1) in got and not any(op == "e2e_ttft" and rule == "batch_shared"
+        assert {("e2e_tpot", rule, B) for rule in ("token", "tile4", "tile4prev", "batch_shared")} <= got
+    assert {("e2e_ttft", "tile4", 1), ("e2e_ttft", "tile4prev", 1)} <= got and not any(op == "e2e_ttft" and rule == "batch_shared"
                                                         for op, rule, _ in got)
+
+
+def test_e2e_routing_names():
+    assert e2e.tile_routing("tile16") == (16, "first") and e2e.tile_routing("tile8prev") == (8, "previous")
+    assert all(e2e.tile_routing(r) is None for r in ("tile1", "tile", "tileprev", "tile4next", "token"))
+    with pytest.raises(SystemExit):
+        e2e.main(["--tiny", "--routings", "tile4last"])
 
 
 def test_profiles_name_their_engine_and_rule():

@@ -32,15 +32,15 @@ def ids_of(b, t, seed=3):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("tile", [4, 8])
-def test_tiled_routers_prefill_and_decode_match_masked_path(tile, backend):
+@pytest.mark.parametrize("tile,source", [(4, "first"), (8, "first"), (4, "previous"), (3, "previous")])
+def test_tiled_routers_prefill_and_decode_match_masked_path(tile, source, backend):
     # prompt of 10 tokens: decode resumes mid-tile (the stored mask) and crosses tile starts
-    model = routed(route_tile=tile)
+    model = routed(route_tile=tile, tile_source=source)
     ids = ids_of(2, 21)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     eng = wide.accelerate(model, backend=backend)
-    assert eng.routing == f"tile{tile}"
+    assert eng.routing == f"tile{tile}" + ("prev" if source == "previous" else "")
     assert rel(eng.logits(ids), ref) < 1e-5
     for B in (2, 1):
         eng.setup_cache(B, 32)
@@ -55,10 +55,11 @@ def test_tiled_routers_prefill_and_decode_match_masked_path(tile, backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_steps_inside_every_tile_skip_the_routers(backend, monkeypatch):
+@pytest.mark.parametrize("source", ["first", "previous"])
+def test_steps_inside_every_tile_skip_the_routers(backend, source, monkeypatch):
     # With the host's positions, a step where no sequence starts a tile runs on the stored masks
     # without evaluating a router, and gives the same logits as the step that evaluates them.
-    model = routed(route_tile=4)
+    model = routed(route_tile=4, tile_source=source)
     ids = ids_of(2, 21)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -97,20 +98,22 @@ def test_generate_skips_routers_inside_tiles_and_keeps_the_tokens():
     assert got == seq[len(prompt):]
 
 
-def test_tiled_prefill_right_padded_batch_continues_each_tile():
+@pytest.mark.parametrize("source", ["first", "previous"])
+def test_tiled_prefill_right_padded_batch_continues_each_tile(source):
     # two prompts of different lengths in one right-padded batch: each decodes as it would alone
-    model = routed(route_tile=4)
-    ids = ids_of(2, 16, seed=9)
+    model = routed(route_tile=4, tile_source=source)
+    ids = ids_of(2, 20, seed=9)
     eng = wide.accelerate(model, backend="triton")
     lens = torch.tensor([13, 10])
     eng.setup_cache(2, 32)
     eng.prefill(ids[:, :13], lens)
-    pos = lens.clone()
-    outs = [eng.decode(torch.stack([ids[0, 13], ids[1, 10]]), pos)]
-    for b, n in ((0, 13), (1, 10)):
-        with torch.no_grad():
-            ref = model(input_ids=ids[b:b + 1, :n + 1]).logits[0, -1]
-        assert rel(outs[0][b], ref) < 1e-5
+    with torch.no_grad():
+        refs = [model(input_ids=ids[b:b + 1]).logits[0] for b in range(2)]
+    for step in range(4):  # each crosses a tile start (16 and 12)
+        pos = lens + step
+        out = eng.decode(ids[torch.arange(2), pos], pos)
+        for b in range(2):
+            assert rel(out[b], refs[b][pos[b]]) < 1e-5, (step, b)
 
 
 def hf_shared_steps(model, ids, start: int):

@@ -58,20 +58,23 @@ def generate_positions(am):
 # ---------------------------------------------------------------- the tile rule
 
 
-@pytest.mark.parametrize("tile", [1, 4, 8])
-def test_masks_are_causal(tile):
-    model = routed(tile)
+@pytest.mark.parametrize("tile,source", [(1, "first"), (4, "first"), (8, "first"), (4, "previous"), (8, "previous")])
+def test_masks_are_causal(tile, source):
+    model = routed(tile, tile_source=source)
     ids = ids_of(2, 20)
     before = masks_of(model, input_ids=ids)
-    for t in (0, 5, 9, 16):
+    for t in (0, 5, 9, 15, 16):
         changed = ids.clone()
         changed[:, t + 1:] = ids_of(2, 20, seed=t + 1)[:, t + 1:]
         after = masks_of(model, input_ids=changed)
         for key, m in before.items():
             assert torch.equal(after[key][:, :t + 1], m[:, :t + 1]), (t, key)
-        # Later masks do move, where a tile begins after t (the tile holding t is t's).
+        # Later masks do move, where a tile begins whose decision reads a changed token: its own
+        # first token ("first"), or the tile before it ("previous": a tile starting at t + 1
+        # reads only tokens up to t, and keeps its mask).
         moved = any(not torch.equal(after[k], m) for k, m in before.items())
-        assert moved == any(p % tile == 0 for p in range(t + 1, 20)), t
+        first = t + 1 if source == "first" else t + 2
+        assert moved == any(p % tile == 0 for p in range(first, 20)), t
 
 
 @pytest.mark.parametrize("tile", [4, 8])
@@ -86,6 +89,23 @@ def test_tokens_of_a_tile_share_the_first_tokens_mask(tile):
     # positions are the per-token router's there.
     per_token = masks_of(routed(1), input_ids=ids)[(0, "attn")]
     assert torch.equal(masks[(0, "attn")], per_token[:, torch.arange(19) // tile * tile])
+
+
+def test_previous_tile_source_routes_each_tile_on_the_mean_of_the_tile_before():
+    tile = 4
+    model = routed(tile, tile_source="previous")
+    ids = ids_of(3, 18)
+    masks = masks_of(model, input_ids=ids)
+    for key, m in masks.items():
+        assert torch.equal(m, m[:, torch.arange(18) // tile * tile]), key
+    # Layer 0's attention router reads the embeddings: tile 0 decides on its first token's,
+    # tile k on the mean of tile k-1's (the ragged last tile: the full one before it).
+    emb = model.get_input_embeddings()(ids).float()
+    router = model.wide_routers[0].router("attn")
+    sources = [emb[:, 0]] + [emb[:, k - tile:k].mean(1) for k in range(tile, 18, tile)]
+    want = torch.stack([router.runs(s) for s in sources], dim=1)
+    assert torch.equal(masks[(0, "attn")][:, ::tile], want)
+    assert not torch.equal(masks[(0, "attn")], masks_of(routed(tile), input_ids=ids)[(0, "attn")])
 
 
 def test_tile_one_is_the_per_token_rule():
@@ -168,10 +188,10 @@ def test_plan_tiles_handles_padding_and_restarts():
     assert step.resumed.tolist() == [[True]] and step.weight.tolist() == [[0.0]]
 
 
-@pytest.mark.parametrize("tile", [1, 4])
+@pytest.mark.parametrize("tile,source", [(1, "first"), (4, "first"), (4, "previous"), (3, "previous")])
 @pytest.mark.parametrize("positions", [False, True])
-def test_decode_masks_equal_prefill_masks(tile, positions):
-    model = routed(tile)
+def test_decode_masks_equal_prefill_masks(tile, source, positions):
+    model = routed(tile, tile_source=source)
     ids, am = left_padded()
     pid = generate_positions(am) if positions else None
     full = masks_of(model, input_ids=ids, attention_mask=am, **({"position_ids": pid} if positions else {}))
@@ -207,8 +227,9 @@ def test_dynamic_depth_decisions_follow_tiles_too():
     assert 0 < float(full[(0, "attn")].float().mean()) < 1
 
 
-def test_generate_uses_the_prefill_rule():
-    model = routed(4)
+@pytest.mark.parametrize("source", ["first", "previous"])
+def test_generate_uses_the_prefill_rule(source):
+    model = routed(4, tile_source=source)
     ids, am = left_padded(seed=2)
     with recording_masks(model) as seen, torch.no_grad():
         out = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -229,8 +250,9 @@ def test_a_new_prefill_forgets_the_previous_sequences():
     assert all(torch.equal(masks_of(model, input_ids=other)[k], m) for k, m in fresh.items())
 
 
-def test_offsets_threshold_the_tile_first_tokens():
-    model = routed(4, target_sparsity=0.4)
+@pytest.mark.parametrize("source", ["first", "previous"])
+def test_offsets_threshold_the_tile_first_tokens(source):
+    model = routed(4, target_sparsity=0.4, tile_source=source)
     batches = [ids_of(4, 32, seed=i) for i in range(2)]
     wide.calibrate_offsets(model, batches, mode="per_module")
     with wide.track_sparsity(model) as tracker, torch.no_grad():
@@ -329,15 +351,20 @@ def test_route_tile_round_trips_and_defaults_to_one(tmp_path):
     assert WideConfig.from_dict(old).route_tile == 1
     with pytest.raises(ValueError, match="route_tile must be >= 1"):
         WideConfig(route_tile=0)
-    model = routed(4)
+    model = routed(4, tile_source="previous")
     wide.save_routers(model, tmp_path / "r")
-    assert wide.from_pretrained(tmp_path / "r", tiny_model("llama")).wide_state.config.route_tile == 4
+    loaded = wide.from_pretrained(tmp_path / "r", tiny_model("llama")).wide_state.config
+    assert (loaded.route_tile, loaded.tile_source) == (4, "previous")
+    assert WideConfig.from_dict(old).tile_source == "first"
+    with pytest.raises(ValueError, match="tile_source"):
+        WideConfig(tile_source="last")
 
 
 def test_calibrate_help_names_route_tile(capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--help"])
-    assert "--route-tile" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--route-tile" in out and "--tile-source" in out
 
 
 def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_path):
@@ -379,13 +406,14 @@ def test_fields_a_file_predates_take_what_wide_did_then():
     assert config_module.with_predating({}) == config_module.PREDATES
 
 
-@pytest.mark.parametrize("tile", [1, 4])
-def test_beam_search_reorders_the_tile_store(tile):
+@pytest.mark.parametrize("tile,source", [(1, "first"), (4, "first"), (4, "previous")])
+def test_beam_search_reorders_the_tile_store(tile, source):
     # Beam search reorders the KV cache between steps; the tile rule's stored masks (each
-    # sequence's current tile) must follow the same beams, or a beam runs another beam's groups.
-    # Each returned beam's score (length_penalty 0: its summed log-probs) must then equal those
-    # of one full forward over its text, whose masks the tile rule defines.
-    model = routed(tile)
+    # sequence's current tile, and under "previous" its inputs so far) must follow the same beams,
+    # or a beam runs another beam's groups. Each returned beam's score (length_penalty 0: its
+    # summed log-probs) must then equal those of one full forward over its text, whose masks the
+    # tile rule defines.
+    model = routed(tile, tile_source=source)
     ids = ids_of(1, 6, seed=4)
     n = 9  # crosses two tile starts after the prompt
     with torch.no_grad():

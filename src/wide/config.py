@@ -20,14 +20,23 @@ LOSS_MODES = ("flops", "groups")
 ROUTER_INPUTS = ("residual", "normed")
 ROUTER_INITS = ("random", "dense")
 BUDGETS = ("global", "layer")
+TILE_SOURCES = ("first", "previous")
 
 
 # What wide did before each of these fields existed: a file that lacks one was written then, and
 # loads or resumes with that behaviour even after the field's default changes.
-PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global"}
+PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global", "tile_source": "first"}
 # Fields that only set where training starts: routers that differ only in these compute the same
 # function, so loading or resuming them never counts these as a difference.
 START_ONLY = frozenset({"router_init"})
+
+
+def routing_name(route_tile: int = 1, tile_source: str = "first") -> str:
+    """How records and engines name a routing rule: "token", "tile<N>" (a tile's first token
+    decides) or "tile<N>prev" (the previous tile's mean input decides)."""
+    if route_tile == 1:
+        return "token"
+    return f"tile{route_tile}" + ("prev" if tile_source == "previous" else "")
 
 
 def with_predating(saved: dict) -> dict:
@@ -86,10 +95,17 @@ class WideConfig:
     tau_end: float = field(default=0.5, metadata={"help": "Gumbel temperature at the last step", "gt": 0.0})
     # Structured routing for the kernels (docs/routing_structure.md): a tile's tokens share one
     # mask, so prefill kernels can skip whole (tile, group) blocks and decode can reuse one
-    # compacted weight set for a tile's steps. Causal: the tile's first token decides.
+    # compacted weight set for a tile's steps. Causal: earlier tokens decide (tile_source).
     route_tile: int = field(default=1, metadata={
         "help": "tokens per routing tile: the tokens at positions [k*N, (k+1)*N) all run the groups the "
-                "router picks for position k*N (1 = every token decides for itself)", "min": 1})
+                "routers pick for the tile (see --tile-source; 1 = every token decides for itself)", "min": 1})
+    # Which input decides a tile: its first token's (15 of 16 tokens then run groups picked for
+    # another token), or the mean of the previous tile's router inputs, which measured 8-12 %
+    # lower perplexity on the CPU (experiments/results/tile_source_cpu). Both are causal.
+    tile_source: str = field(default="first", metadata={
+        "choices": TILE_SOURCES,
+        "help": "what the routers read to decide a tile (--route-tile > 1): its first token's input, or the mean "
+                "of the previous tile's inputs (the first tile of a text: its first token's)"})
     # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline):
     # set by wide.baselines, not a command-line option.
     tie_modules: bool = False

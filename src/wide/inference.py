@@ -332,16 +332,14 @@ class AcceleratedModel:
         delta = None  # the previous layer's FFN output, added to x inside the next norm
         for i, L in enumerate(self.layers):
             x, h = ops.norm(L.attn_norm, x, delta)
-            ma = ops.mask(i, "attn", x, h, valid)  # [B, T, groups] or None: runs dense
-            ma = rule.prefill(i, "attn", ma, valid, lens)
+            ma = rule.prefill(ops, i, "attn", x, h, valid, lens)  # [B, T, groups] or None: runs dense
             h = h.reshape(B * T, -1)
             route = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, route)
             q, k, v = ops.rope_prefill(i, L, q, kv, B, T)
             o = ops.o_proj(L, ops.attend_prefill(q, k, v, ma, lens32), ma, route)
             x, h = ops.norm(L.ffn_norm, x, o.view(B, T, -1))
-            mf = ops.mask(i, "ffn", x, h, valid, attn=ma)
-            mf = rule.prefill(i, "ffn", mf, valid, lens)
+            mf = rule.prefill(ops, i, "ffn", x, h, valid, lens, attn=ma)
             delta = ops.ffn(L, h.reshape(B * T, -1), mf).view(B, T, -1)
         if not all_logits:  # only the last prompt token's row goes on
             rows = (torch.arange(B, device=self.device), lens - 1)
@@ -366,17 +364,17 @@ class AcceleratedModel:
         # (not where the rule changes the mask after the router).
         defer = ops.defer_router() and rule.defers
         ops.row_runs = rule.decode_runs(x.shape[0])
-        route = not reuse
+        route = rule.norm_routes(reuse)
         for i, L in enumerate(self.layers):
             x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route)
-            ma = rule.decode(i, "attn", ma, pos)
+            ma = rule.decode(ops, i, "attn", ma, pos, x, h)
             index = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, index, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
             o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, index)
             x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins,
                                               route=route)
-            mf = rule.decode(i, "ffn", mf, pos)
+            mf = rule.decode(ops, i, "ffn", mf, pos, x, h, attn=ma)
             delta = ops.ffn(L, h, mf, router)
             if record is not None:
                 record += [(i, "attn", ma), (i, "ffn", mf)]

@@ -256,6 +256,9 @@ class _Tiles:
     resumed: torch.Tensor  # [B, T] the token's tile began in an earlier forward (decode)
     last: torch.Tensor  # [B] each row's last valid token, -1 for none
     weight: torch.Tensor  # [B, T] valid tokens each token decides for (0: it does not decide)
+    prev: torch.Tensor  # [B, T] the last valid token before each token, -1 for none
+    pos: torch.Tensor  # [B, T] positions
+    continuing: bool  # a decode step: the rows' tiles may have begun in an earlier forward
 
 
 NO_TILE = torch.iinfo(torch.long).min
@@ -287,7 +290,7 @@ def plan_tiles(pos: torch.Tensor, valid: torch.Tensor, tile_size: int, continuin
     lead = torch.where(valid, _last_index(start), idx)
     resumed = valid & first.gather(1, lead) & (pos.gather(1, lead) % tile_size != 0) & continuing
     weight = torch.zeros(pos.shape, device=pos.device).scatter_add_(1, lead, (valid & ~resumed).float())
-    return _Tiles(tile, lead, resumed, upto[:, -1], weight)
+    return _Tiles(tile, lead, resumed, upto[:, -1], weight, prev, pos, continuing)
 
 
 def _tiles(state: WideState, x: torch.Tensor) -> _Tiles:
@@ -297,6 +300,60 @@ def _tiles(state: WideState, x: torch.Tensor) -> _Tiles:
         pos = _positions(state, b, t, x.device)
         state.tiles = plan_tiles(pos, valid, state.config.route_tile, state.past_length > 0)
     return state.tiles
+
+
+def _tile_sources(state: WideState, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    """``tile_source="previous"``: each token's router input [B, T, H] (fp32) replaced by its
+    tile's source, the mean of the previous tile's inputs. A tile has none where its run of
+    tokens starts mid-tile (a text cut there), at a document's first tile, or after a gap in the
+    positions: then the run's first token's input decides, as under ``"first"``. Inputs of a tile
+    an earlier forward began (decode) come from the store, which keeps each row's latest tile's
+    (tile, input sum, count); the mean stays differentiable within a forward."""
+    tiles = _tiles(state, x)
+    b, t, h = x.shape
+    xf = x.float()
+    valid = _valid_tokens(state, x)
+    lead3 = tiles.lead.unsqueeze(-1).expand(b, t, h)
+    sums = torch.zeros_like(xf).scatter_add(1, lead3, xf * valid.unsqueeze(-1))  # per run, at its lead
+    counts = torch.zeros_like(valid).scatter_add(1, tiles.lead, valid)
+    key = (layer, kind, "source")
+    entry = state.tile_store.get(key)
+    fits = entry is not None and entry[1].shape == (b, h) and entry[1].device == x.device
+    first = valid.argmax(1, keepdim=True)  # each row's first valid token: the lead of any resumed run
+    if fits:
+        # A resumed run's earlier tokens: add the stored sum at its lead.
+        hit = tiles.resumed.gather(1, first).squeeze(1) & (entry[0] == tiles.tile.gather(1, first).squeeze(1))
+        sums = sums.scatter_add(1, first.unsqueeze(-1).expand(b, 1, h),
+                                torch.where(hit[:, None, None], entry[1][:, None], 0.0))
+        counts = counts.scatter_add(1, first, torch.where(hit[:, None], entry[2][:, None], 0.0))
+    n = state.config.route_tile
+    lead, prev = tiles.lead, tiles.prev.gather(1, tiles.lead)  # the token before each token's run
+    p = prev.clamp_min(0)
+    pos, tile = tiles.pos, tiles.tile
+    lead_pos, lead_tile = pos.gather(1, lead), tile.gather(1, lead)
+    at_boundary = (lead_pos % n == 0) & (lead_pos > 0)
+    before = lead.gather(1, p)  # the lead of the run before: where its sum sits
+    here = at_boundary & (prev >= 0) & (tile.gather(1, p) == lead_tile - 1) & (pos.gather(1, p) < lead_pos)
+    mean_here = sums.gather(1, before.unsqueeze(-1).expand(b, t, h)) / counts.gather(1, before).clamp_min(1).unsqueeze(-1)
+    source = torch.where(here.unsqueeze(-1), mean_here, xf.gather(1, lead3))
+    if fits and tiles.continuing:  # a tile starting this forward after one an earlier forward ended
+        stored = at_boundary & (prev < 0) & (entry[0].unsqueeze(1) == lead_tile - 1)
+        mean_stored = (entry[1] / entry[2].clamp_min(1).unsqueeze(-1)).unsqueeze(1)
+        source = torch.where(stored.unsqueeze(-1), mean_stored, source)
+    # Each row's latest tile, for the next forward: the run of its last valid token.
+    last = tiles.last.clamp_min(0).unsqueeze(1)
+    last_lead = lead.gather(1, last)
+    new = (tile.gather(1, last).squeeze(1),
+           sums.detach().gather(1, last_lead.unsqueeze(-1).expand(b, 1, h)).squeeze(1),
+           counts.gather(1, last_lead).squeeze(1))
+    none = tiles.last < 0
+    if fits:
+        new = (torch.where(none, entry[0], new[0]), torch.where(none[:, None], entry[1], new[1]),
+               torch.where(none, entry[2], new[2]))
+    else:
+        new = (new[0].masked_fill(none, NO_TILE), new[1], new[2])
+    state.tile_store[key] = new
+    return source
 
 
 def _decision_weights(state: WideState, x: torch.Tensor) -> torch.Tensor:
@@ -389,6 +446,8 @@ def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: to
 
 def _route_fp32(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
     cfg = state.config
+    if cfg.route_tile > 1 and cfg.tile_source == "previous" and not (cfg.tie_modules and kind == "ffn"):
+        x = _tile_sources(state, layer, kind, x)  # what the routers read (offset calibration too)
     for fn in state.input_observers:
         fn(layer, kind, x)
     if cfg.tie_modules and kind == "ffn":

@@ -145,6 +145,10 @@ class TorchOps:
         cfg = self.e.cfg
         return cfg.routes_attention if kind == "attn" else cfg.routes_ffn
 
+    def router_input(self, resid, normed):
+        """What the routers read, as in the HF hooks: the residual or the normed rows."""
+        return normed if self.e.cfg.router_input == "normed" else resid
+
     def mask(self, i: int, kind: str, resid, normed, valid=None, attn=None):
         """Bool mask [..., groups] of module ``kind`` in layer ``i`` on the router's input
         (the residual or the normed rows, as in the HF hooks), None if it runs dense.
@@ -154,7 +158,7 @@ class TorchOps:
         if not self.routed(kind):
             return None
         cfg, st = e.cfg, e.state
-        x = normed if cfg.router_input == "normed" else resid
+        x = self.router_input(resid, normed)
         if cfg.tie_modules and kind == "ffn":
             if attn is None:
                 return None
@@ -182,8 +186,7 @@ class TorchOps:
             return None
         if e.state.mask_fn is not None:
             raise ValueError("batch-shared decode chooses groups from router margins; a mask_fn gives none")
-        x = normed if e.cfg.router_input == "normed" else resid
-        return e.layers[i].routers[kind].margin(x.float())
+        return e.layers[i].routers[kind].margin(self.router_input(resid, normed).float())
 
     def shared_mask(self, margin):
         """One group set for the batch from margins [B, groups], as a [B, groups] mask."""

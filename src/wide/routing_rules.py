@@ -10,6 +10,9 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
   tile skips the routers altogether (its own graph, picked from the positions the host knows).
   In prefill the rows come in aligned runs of N that share a mask, which ``gemm_k`` turns into
   skipped (tile, group) blocks.
+* :class:`PreviousTileRule`: ``route_tile = N`` with ``tile_source="previous"``: tile k runs the
+  routers' decision on the mean of tile k-1's router inputs; decode keeps each tile's running
+  sum of inputs beside its mask.
 * :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
   reads the weights of that set only. Prefill routes per token.
@@ -40,18 +43,25 @@ class TokenRule:
     def decode_runs(self, batch: int) -> Optional[int]:
         return None
 
-    def prefill(self, i: int, kind: str, mask, valid, lens):
-        return mask
+    def prefill(self, ops, i: int, kind: str, resid, normed, valid, lens, attn=None):
+        """The mask [B, T, G] (or None: dense) module ``kind`` of layer ``i`` runs in a prefill of
+        rows [B, T, H] (the residual and its normed copy; ``attn``: the layer's attention mask)."""
+        return ops.mask(i, kind, resid, normed, valid, attn=attn)
 
     def reuses(self, positions) -> bool:
         """Whether a decode step at host ``positions`` (one int per sequence) can run without
         the routers: every mask it needs is one this rule already holds."""
         return False
 
+    def norm_routes(self, reuse: bool) -> bool:
+        """Whether a decode step's norm evaluates the router on the token's own input."""
+        return not reuse
+
     def begin_decode(self, pos, reuse: bool = False) -> None:
         pass
 
-    def decode(self, i: int, kind: str, mask, pos):
+    def decode(self, ops, i: int, kind: str, mask, pos, resid, normed, attn=None):
+        """The mask [B, G] a decode step runs, from what the norm's router gave (``mask``)."""
         return mask
 
 
@@ -74,7 +84,8 @@ class TileRule(TokenRule):
     def prefill_runs(self) -> Optional[int]:
         return self.tile
 
-    def prefill(self, i, kind, mask, valid, lens):
+    def prefill(self, ops, i, kind, resid, normed, valid, lens, attn=None):
+        mask = ops.mask(i, kind, resid, normed, valid, attn=attn)
         if mask is None:
             return None
         B, T, _ = mask.shape
@@ -97,7 +108,7 @@ class TileRule(TokenRule):
         self._reuse = reuse
         self._start = None if reuse else (pos % self.tile == 0)[:, None]
 
-    def decode(self, i, kind, mask, pos):
+    def decode(self, ops, i, kind, mask, pos, resid, normed, attn=None):
         if self._reuse:
             return self.store.get((i, kind))
         if mask is None:
@@ -107,11 +118,72 @@ class TileRule(TokenRule):
         return store
 
 
+class PreviousTileRule(TileRule):
+    """``tile_source="previous"``: tile k's mask is the routers' decision on the mean of tile
+    k-1's router inputs (tile 0: its first token's). Prefill routes one source row per tile;
+    decode keeps, per sequence and (layer, module), the running sum of the current tile's inputs
+    in a static buffer, and a step that starts a tile routes the finished tile's mean. Every step
+    adds its input to the sum, so the norm never runs the router itself."""
+
+    def __init__(self, tile: int):
+        super().__init__(tile)
+        self.name = f"tile{self.tile}prev"
+        self.sums: dict = {}
+
+    def setup(self, engine, batch: int) -> None:
+        super().setup(engine, batch)
+        self.sums = {key: torch.zeros(batch, engine.hidden, dtype=torch.float32, device=engine.device)
+                     for key in self.store}
+
+    def prefill(self, ops, i, kind, resid, normed, valid, lens, attn=None):
+        key = (i, kind)
+        if key not in self.store:
+            return ops.mask(i, kind, resid, normed, valid, attn=attn)  # not routed: None
+        x = ops.router_input(resid, normed).float()
+        B, T, H = x.shape
+        n = self.tile
+        k = -(-T // n)
+        pad = k * n - T
+        xs = torch.nn.functional.pad(x * valid[..., None], (0, 0, 0, pad)).view(B, k, n, H).sum(2)
+        counts = torch.nn.functional.pad(valid.float(), (0, pad)).view(B, k, n).sum(2)
+        source = torch.cat([x[:, :1], xs[:, :-1] / counts[:, :-1].clamp_min(1)[..., None]], dim=1)
+        tied = None if attn is None else attn[:, ::n]
+        mask = ops.mask(i, kind, source, source, attn=tied)  # [B, K, G]: one decision per tile
+        if mask is None:
+            return None
+        tiled = mask.repeat_interleave(n, dim=1)[:, :T] & valid[..., None]
+        rows = torch.arange(B, device=x.device)
+        last = torch.div((lens - 1).clamp_min(0), n, rounding_mode="floor")
+        self.store[key].copy_(mask[rows, last])
+        self.sums[key].copy_(xs[rows, last])  # the current tile's inputs so far
+        return tiled
+
+    def norm_routes(self, reuse: bool) -> bool:
+        return False
+
+    def decode(self, ops, i, kind, mask, pos, resid, normed, attn=None):
+        key = (i, kind)
+        store = self.store.get(key)
+        if store is None:
+            return None
+        acc = self.sums[key]
+        x = ops.router_input(resid, normed)  # summed in fp32 (acc's dtype), one launch
+        if self._reuse:  # no sequence starts a tile
+            acc.add_(x)
+            return store
+        # A step that starts a tile follows a full one: decode continues from position >= 1.
+        source = acc / self.tile
+        fresh = ops.mask(i, kind, source, source, attn=attn)
+        if fresh is not None:
+            torch.where(self._start, fresh, store, out=store)
+        torch.where(self._start, x, acc + x, out=acc)
+        return store
+
+
 class SharedRule(TokenRule):
     name = "batch_shared"
 
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self):
         self.margins, self.defers = True, False
 
     def begin_decode(self, pos, reuse: bool = False) -> None:
@@ -124,8 +196,8 @@ class SharedRule(TokenRule):
     def decode_runs(self, batch: int) -> Optional[int]:
         return batch if batch > 1 else None
 
-    def decode(self, i, kind, margin, pos):
-        return self.ops.shared_mask(margin) if self.margins and margin is not None else margin
+    def decode(self, ops, i, kind, margin, pos, resid, normed, attn=None):
+        return ops.shared_mask(margin) if self.margins and margin is not None else margin
 
 
 def make_rule(engine, batch_shared: bool) -> TokenRule:
@@ -139,8 +211,10 @@ def make_rule(engine, batch_shared: bool) -> TokenRule:
         if engine.cfg.tie_modules:
             raise ValueError("batch-shared decode needs routers with margins per module; tied (dynamic-depth) "
                              "decisions have none")
-        return SharedRule(engine.ops)
-    return TileRule(tile) if tile > 1 else TokenRule()
+        return SharedRule()
+    if tile == 1:
+        return TokenRule()
+    return PreviousTileRule(tile) if engine.cfg.tile_source == "previous" else TileRule(tile)
 
 
-__all__ = ["TokenRule", "TileRule", "SharedRule", "make_rule"]
+__all__ = ["TokenRule", "TileRule", "PreviousTileRule", "SharedRule", "make_rule"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .config import routing_name as config_routing_name
 from .data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
 from .evaluate import TASKS
 
@@ -362,10 +363,10 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
 
 
 def routing_name(meta: dict) -> str:
-    """The routing rule of saved routers, as records name it: "token", or "tile<N>" for
-    route_tile N > 1 (docs/routing_structure.md)."""
-    tile = (meta.get("wide_config") or {}).get("route_tile", 1)
-    return "token" if tile == 1 else f"tile{tile}"
+    """The routing rule of saved routers, as records name it: "token", or "tile<N>" (and
+    "tile<N>prev") for route_tile N > 1 (docs/routing_structure.md)."""
+    cfg = meta.get("wide_config") or {}
+    return config_routing_name(cfg.get("route_tile", 1), cfg.get("tile_source", "first"))
 
 
 def training_fields(meta: Optional[dict]) -> dict:

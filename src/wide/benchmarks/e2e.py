@@ -32,6 +32,7 @@ import argparse
 import datetime
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -128,6 +129,14 @@ def bytes_fraction(model, records, B: int, shared: bool = False) -> dict:
             "active_frac_per_token": statistics.mean(tok) if tok else 1.0, "dense_weight_bytes": dense}
 
 
+def tile_routing(name: str):
+    """(route_tile, tile_source) of a routing named tile<N> or tile<N>prev (N > 1), else None."""
+    m = re.fullmatch(r"tile(\d+)(prev)?", name)
+    if m is None or int(m[1]) < 2:
+        return None
+    return int(m[1]), "previous" if m[2] else "first"
+
+
 def set_offsets(model, offsets: dict) -> None:
     for key, val in offsets.items():
         layer, kind = key.split(".")
@@ -148,7 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--routings", default="token",
                     help="routing rules of the routed engine, comma-separated: token, tile<N> (routers with "
-                         "route_tile N: TTFT at every prompt length), batch_shared (one group set per decode batch); "
+                         "route_tile N: TTFT at every prompt length), tile<N>prev (the same with tile_source previous), "
+                         "batch_shared (one group set per decode batch); "
                          "TPOT of each at every batch; default: %(default)s")
     ap.add_argument("--ffn-group-size", type=int, default=None,
                     help="FFN channels per group (default: 128, 32 with --tiny); finer groups route better "
@@ -190,10 +200,9 @@ def main(argv=None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     sparsities = [float(s) for s in args.sparsities.split(",") if s]
     routings = [r.strip() for r in args.routings.split(",") if r.strip()]
-    bad = [r for r in routings if not (r in ("token", "batch_shared") or (r.startswith("tile") and r[4:].isdigit()
-                                                                            and int(r[4:]) > 1))]
+    bad = [r for r in routings if not (r in ("token", "batch_shared") or tile_routing(r))]
     if bad or not routings:
-        ap.error(f"--routings takes token, tile<N> (N > 1) and batch_shared, got {args.routings!r}")
+        ap.error(f"--routings takes token, tile<N>, tile<N>prev (N > 1) and batch_shared, got {args.routings!r}")
     prompt_lens = [int(s) for s in args.prompt_lens.split(",") if s]
     batches = [int(s) for s in args.batches.split(",") if s]
     if args.tiny:
@@ -322,7 +331,8 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
             state = model.wide_state
             kept = state.config
-            state.config = dataclasses.replace(kept, route_tile=int(r[4:]))
+            tile, source = tile_routing(r)
+            state.config = dataclasses.replace(kept, route_tile=tile, tile_source=source)
             try:
                 engines[r] = AcceleratedModel(model)
             finally:
