@@ -110,3 +110,54 @@ def test_tile_source_trial_is_causal_and_tile_coherent():
     torch.testing.assert_close(s2[:, :32], s[:, :32])  # tiles 0 and 1 never read position 20+
     assert not torch.allclose(s2[:, 32:], s[:, 32:])
     assert torch.equal(src(x[:, :1], 16), x[:, :1])
+
+
+def _tile_masks(model, ids):
+    from wide.modeling import recording_masks
+
+    with recording_masks(model) as seen, torch.no_grad():
+        model(input_ids=ids)
+    return {k: torch.cat(v, dim=1) for k, v in seen.items()}
+
+
+def _wrapped(**cfg):
+    from conftest import tiny_model
+
+    import wide
+
+    config = wide.WideConfig(ffn_group_size=16, attn_group_size=1, router_init="random", **cfg)
+    return wide.wrap(tiny_model("llama"), config, seed=0)
+
+
+def test_library_previous_tile_source_is_the_trials_rule(monkeypatch):
+    """``--tile-source previous`` in the library routes full sequences as the trial did."""
+    import wide.modeling as modeling
+
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))
+    library = _tile_masks(_wrapped(route_tile=4, tile_source="previous"), ids)
+    monkeypatch.setattr(modeling, "_route_fp32", modeling._route_fp32)  # restored after the test
+    _script("tile_source_cpu").install()
+    trial = _tile_masks(_wrapped(route_tile=4), ids)
+    assert library.keys() == trial.keys()
+    assert all(torch.equal(library[k], trial[k]) for k in library)
+
+
+@pytest.mark.parametrize("tiled", ["ffn", "attn"])
+def test_tile_modules_trial_tiles_one_kind_only(tiled, monkeypatch):
+    import wide.modeling as modeling
+
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
+    per_token = _tile_masks(_wrapped(), ids)
+    both = _tile_masks(_wrapped(route_tile=4), ids)
+    for name in ("_route_fp32", "_tiled", "_decision_weights"):
+        monkeypatch.setattr(modeling, name, getattr(modeling, name))
+    _script("tile_modules_cpu").install(tiled)
+    one = _tile_masks(_wrapped(route_tile=4), ids)
+    lead = torch.arange(13) // 4 * 4
+    # Layer 0's attention router reads the embeddings, so its mask is its rule's own; every later
+    # router reads hidden states that the other kind's rule has changed.
+    assert torch.equal(one[(0, "attn")], (both if tiled == "attn" else per_token)[(0, "attn")])
+    assert all(torch.equal(m, m[:, lead]) for (layer, kind), m in one.items() if kind == tiled)
+    assert any(not torch.equal(m, m[:, lead]) for (layer, kind), m in one.items() if kind != tiled)
+    with pytest.raises(SystemExit, match="first argument"):
+        _script("tile_modules_cpu").install("mlp")
