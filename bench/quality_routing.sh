@@ -33,7 +33,8 @@
 #   loraX       then stage 2 on those routers: `wide recover --lr X` for LORA_TOKENS (default
 #               TOKENS; another budget adds -t<LORA_TOKENS> to the name) at the same batch,
 #               evaluated like stage 1; the stage-1 run is the variant without this part
-#               (shared with it, not trained again)
+#               (shared with it, not trained again). loraXrN: the same with --lora-r N (LoRA rank;
+#               default 16)
 # (dots in a name become "p": tau2-0.2 is tagged tau2-0p2)
 # e.g. "dense+lr6e-3+s1" -> runs/records wide50-ce-6553600-s1-dense+lr6e-3;
 # "lr1.2e-2+lora1e-3" -> stage 1 wide50-ce-6553600-s0-lr1p2e-2, stage 2 ...-s0-lr1p2e-2+lora1e-3.
@@ -113,6 +114,7 @@ for v in $VARIANTS; do
     if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi
     run2="$RUNS/$name" steps=$(( lt / (BATCH * SEQ) ))
+    lrank=(); case $lora in *r*) lrank=(--lora-r "${lora##*r}"); lora=${lora%r*} ;; esac
     if [ ! -f "$run2/run.json" ]; then
         echo "== $name: stage 2, $steps steps of $BATCH x $SEQ tokens at lr $lora"
         d=$data; [ "$data" = samples ] && d="$RUNS/samples-s$seed"  # quality_scaling.sh's SAMPLES
@@ -120,7 +122,7 @@ for v in $VARIANTS; do
         # shellcheck disable=SC2086
         timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
-            --seed "$seed" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
+            --seed "$seed" "${lrank[@]}" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
     fi
     timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
         --routers "$run2/recovered" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} --out "$RESULTS/$name" \

@@ -23,7 +23,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-RULES = ("token", "tile16", "tile64", "tile128", "batch_shared")
+RULES = ("token", "tile16", "tile16prev", "tile64", "tile128", "batch_shared")  # rows with no data are left out
 SPEED = (("e2e_ttft", 4096, "TTFT 4k"), ("e2e_ttft", 16384, "TTFT 16k"), ("e2e_tpot", 1, "TPOT B=1"),
          ("e2e_tpot", 8, "TPOT B=8"), ("e2e_tpot", 32, "TPOT B=32"))
 # The first run timed every cell; the second (tile steps that skip the routers, the rolled
@@ -40,7 +40,7 @@ def _records(path: Path) -> list:
 def quality(quality_dir: Path, grid: Path, tokens: int, recipe: str = "") -> dict:
     """routing -> the quality record at ``tokens`` (ce, seed 0), plus "dense" and the decode-mode
     records ("decode_dense", "decode_routers"). ``recipe``: the bench/quality_routing.sh variant
-    whose per-token run and ``+tileN`` runs to read ("": the scaling grid's recipe, lr 2e-3 from a
+    whose per-token run and ``+tileN`` (``+tileN+prev``) runs to read ("": the scaling grid's recipe, lr 2e-3 from a
     random start, with the plain ``tileN`` variants)."""
     out = {"dense": _records(quality_dir / "dense.json")[0]}
     if recipe:
@@ -48,8 +48,9 @@ def quality(quality_dir: Path, grid: Path, tokens: int, recipe: str = "") -> dic
     else:
         out["token"] = next(r for r in _records(grid) if r.get("loss") == "ce" and r.get("tokens") == tokens
                             and r.get("seed") == 0 and r.get("routing", "token") in (None, "token"))
-    for rule in RULES[1:4]:
-        f = quality_dir / f"wide50-ce-{tokens}-s0-{recipe + '+' if recipe else ''}{rule}.json"
+    for rule in (r for r in RULES if r.startswith("tile")):
+        variant = rule.replace("prev", "+prev")  # bench/quality_routing.sh's parts: tile16+prev
+        f = quality_dir / f"wide50-ce-{tokens}-s0-{recipe + '+' if recipe else ''}{variant}.json"
         if f.is_file():
             out[rule] = _records(f)[0]
     for key, name in (("decode_dense", "decode-dense.json"), ("decode_routers", "decode-smollm2-135m-50.json")):
@@ -99,7 +100,8 @@ def table(q: dict, s: dict, q_old: Optional[dict] = None) -> tuple:
                 row[label] = s[(src, label)][2]
                 if s[(src, label)][3]:
                     row.setdefault("later_run", {})[label] = s[(src, label)][3]
-        rows.append(row)
+        if len(row) > 1:
+            rows.append(row)
     old = q_old is not None
     lines = ["| routing | ppl | ppl / per-token | avg | above chance kept | "
              + ("ppl / per-token, old recipe | " if old else "")

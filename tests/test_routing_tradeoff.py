@@ -13,7 +13,9 @@ def test_table_regenerates_from_committed_results(tmp_path):
     spec.loader.exec_module(mod)
     assert mod.main(["--out", str(tmp_path)]) == 0
     rows = {r["routing"]: r for r in json.loads((tmp_path / "routing_tradeoff.json").read_text())["rows"]}
-    assert set(rows) == set(mod.RULES)
+    # every rule with a measurement has a row (tile16prev: none committed yet), and only those
+    assert {"token", "tile16", "tile64", "tile128", "batch_shared"} <= set(rows) <= set(mod.RULES)
+    assert all(len(r) > 1 for r in rows.values())
     assert rows["token"]["ppl_vs_token"] == 1.0
     # quality at the best per-token recipe where the rule was trained there; the first recipe's beside
     assert rows["tile16"]["ppl"] > rows["token"]["ppl"] > 0
