@@ -318,7 +318,7 @@ def _tile_sources(state: WideState, layer: int, kind: str, x: torch.Tensor) -> t
     counts = torch.zeros_like(valid).scatter_add(1, tiles.lead, valid)
     key = (layer, kind, "source")
     entry = state.tile_store.get(key)
-    fits = entry is not None and entry[1].shape == (b, h) and entry[1].device == x.device
+    fits = _fits(entry, x)
     first = valid.argmax(1, keepdim=True)  # each row's first valid token: the lead of any resumed run
     if fits:
         # A resumed run's earlier tokens: add the stored sum at its lead.
@@ -341,18 +341,10 @@ def _tile_sources(state: WideState, layer: int, kind: str, x: torch.Tensor) -> t
         mean_stored = (entry[1] / entry[2].clamp_min(1).unsqueeze(-1)).unsqueeze(1)
         source = torch.where(stored.unsqueeze(-1), mean_stored, source)
     # Each row's latest tile, for the next forward: the run of its last valid token.
-    last = tiles.last.clamp_min(0).unsqueeze(1)
-    last_lead = lead.gather(1, last)
-    new = (tile.gather(1, last).squeeze(1),
-           sums.detach().gather(1, last_lead.unsqueeze(-1).expand(b, 1, h)).squeeze(1),
-           counts.gather(1, last_lead).squeeze(1))
-    none = tiles.last < 0
-    if fits:
-        new = (torch.where(none, entry[0], new[0]), torch.where(none[:, None], entry[1], new[1]),
-               torch.where(none, entry[2], new[2]))
-    else:
-        new = (new[0].masked_fill(none, NO_TILE), new[1], new[2])
-    state.tile_store[key] = new
+    last_lead = lead.gather(1, tiles.last.clamp_min(0).unsqueeze(1))
+    state.tile_store[key] = _keep_latest(entry, tiles, (
+        sums.detach().gather(1, last_lead.unsqueeze(-1).expand(b, 1, h)).squeeze(1),
+        counts.gather(1, last_lead).squeeze(1)))
     return source
 
 
@@ -394,12 +386,20 @@ def _resume(entry, tiles: _Tiles, out: torch.Tensor) -> torch.Tensor:
 def _latest_tile(entry, tiles: _Tiles, out: torch.Tensor) -> tuple:
     """Each row's last valid token's (tile, values); a row without a valid token keeps its own."""
     last = tiles.last.clamp_min(0).unsqueeze(1)
+    return _keep_latest(entry, tiles, (out.detach().gather(1, last.unsqueeze(-1).expand(-1, 1, out.shape[2])).squeeze(1),))
+
+
+def _keep_latest(entry, tiles: _Tiles, values: tuple) -> tuple:
+    """The store entry (tile [B], *values) of each row's latest tile from this forward's ``values``
+    (each [B, ...], already taken at the row's last valid token); a row without a valid token
+    keeps the earlier entry's."""
+    last = tiles.last.clamp_min(0).unsqueeze(1)
     tile = tiles.tile.gather(1, last).squeeze(1)
-    values = out.detach().gather(1, last.unsqueeze(-1).expand(-1, 1, out.shape[2])).squeeze(1)
     none = tiles.last < 0
-    if _fits(entry, out):
-        return torch.where(none, entry[0], tile), torch.where(none.unsqueeze(1), entry[1], values)
-    return tile.masked_fill(none, NO_TILE), values
+    if (entry is not None and len(entry) == 1 + len(values)
+            and all(e.shape == v.shape and e.device == v.device for e, v in zip(entry[1:], values))):
+        return tuple(torch.where(none.view(-1, *[1] * (v.dim() - 1)), e, v) for e, v in zip(entry, (tile, *values)))
+    return (tile.masked_fill(none, NO_TILE), *values)
 
 
 def _decode_step(state: WideState, x: torch.Tensor) -> bool:
