@@ -1,7 +1,7 @@
 """Fused residual + RMSNorm + router kernel against its PyTorch reference (CPU: Triton
 interpreter; bf16 too on a GPU): values, masks (random, all-run, none-run, one token), the
-cross-program reduction of the router's partial sums, and the batch-1 deferred router that the
-q and gate/up GEMVs finish."""
+cross-program reduction of the router's partial sums, the batch-1 deferred router that the
+q and gate/up GEMVs finish, and the previous-tile rule's running sums updated in the same launch."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -183,3 +183,32 @@ def test_margins_for_batch_shared_decode(B, H, normed_input):
     assert torch.equal(margin >= 0, mask)  # the same decision as the mask the kernel writes
     with pytest.raises(ValueError, match="deferred"):
         norm_route(x[:1], d[:1], w, 1e-5, router, defer=True, margins=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,H", [(1, 64), (3, 320)])
+@pytest.mark.parametrize("normed_input", [False, True])
+@pytest.mark.parametrize("delta", [True, False])
+def test_tile_sums_in_the_norm_launch(dtype, B, H, normed_input, delta):
+    # The previous-tile rule's running sums: done <- acc; acc <- row where a tile starts, else
+    # acc + row; the row being the residual or the normed input (fp32), as the router reads it.
+    x, d, w = _rows(B, H, dtype, seed=4)
+    d = d if delta else None
+    g = torch.Generator().manual_seed(5)
+    acc0 = torch.randn(B, H, generator=g).to(DEV)
+    for start in (torch.zeros(B, dtype=torch.bool), torch.ones(B, dtype=torch.bool),
+                  torch.arange(B) % 2 == 0):
+        start = start.to(DEV)
+        acc, done = acc0.clone(), torch.full((B, H), float("nan"), device=DEV)
+        resid, normed, mask, _ = norm_route(x, d, w, 1e-5, normed_input=normed_input, tile_sums=(acc, done, start[:, None]))
+        ref_resid, ref_normed, _ = norm_route_reference(x, d, w, 1e-5)
+        torch.testing.assert_close(resid, ref_resid, rtol=_tol(dtype), atol=_tol(dtype))
+        torch.testing.assert_close(normed, ref_normed, rtol=_tol(dtype), atol=_tol(dtype))
+        row = (normed if normed_input else resid).float()
+        assert mask is None
+        assert torch.equal(done, acc0)
+        torch.testing.assert_close(acc, torch.where(start[:, None], row, acc0 + row), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="fp32"):
+        norm_route(x, d, w, 1e-5, tile_sums=(acc.half(), done, start))
+    with pytest.raises(ValueError, match="start flags"):
+        norm_route(x, d, w, 1e-5, tile_sums=(acc, done, start.float()))

@@ -366,14 +366,15 @@ class AcceleratedModel:
         ops.row_runs = rule.decode_runs(x.shape[0])
         route = rule.norm_routes(reuse)
         for i, L in enumerate(self.layers):
-            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route)
+            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route,
+                                              sums=rule.norm_sums(i, "attn"))
             ma = rule.decode(ops, i, "attn", ma, pos, x, h)
             index = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, index, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
             o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, index)
             x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins,
-                                              route=route)
+                                              route=route, sums=rule.norm_sums(i, "ffn"))
             mf = rule.decode(ops, i, "ffn", mf, pos, x, h, attn=ma)
             delta = ops.ffn(L, h, mf, router)
             if record is not None:

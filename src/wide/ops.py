@@ -211,11 +211,17 @@ class TorchOps:
         return x, norm.forward(x)
 
     def norm_route(self, i: int, kind: str, x, delta, attn=None, defer: bool = False, margins: bool = False,
-                   route: bool = True):
+                   route: bool = True, sums=None):
         """Decode: (x + delta, its RMSNorm, the module's mask or None, RouterPartials or None);
         ``margins``: the router's fp32 margins in place of the mask; ``route=False``: no router
-        runs (the mask is None)."""
+        runs (the mask is None). ``sums`` ``(acc, done, start)``: the previous-tile rule's running
+        sums of router inputs, updated as :func:`wide.kernels.norm_route` does."""
         resid, normed = self.norm(self.e.layers[i].norm(kind), x, delta)
+        if sums is not None:
+            acc, done, start = sums
+            row = self.router_input(resid, normed)
+            done.copy_(acc)
+            torch.where(start, row, acc + row, out=acc)
         if not route:
             return resid, normed, None, None
         if margins:
@@ -331,11 +337,13 @@ class TritonOps(TorchOps):
             norm.variance_epsilon, chunk=triton.next_power_of_2(H))
         return resid.view(B, T, H), normed.view(B, T, H)
 
-    def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False, route=True):
+    def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False, route=True, sums=None):
         e = self.e
         norm = e.layers[i].norm(kind)
         if not route:
-            resid, normed, _, _ = norm_route(x, delta, norm.weight, norm.variance_epsilon, scratch=self._scratch)
+            resid, normed, _, _ = norm_route(x, delta, norm.weight, norm.variance_epsilon, scratch=self._scratch,
+                                             normed_input=e.cfg is not None and e.cfg.router_input == "normed",
+                                             tile_sums=sums)
             return resid, normed, None, None
         # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
         fused = self.routed(kind) and e.state.mask_fn is None and not e.cfg.tie_modules
@@ -343,7 +351,8 @@ class TritonOps(TorchOps):
         resid, normed, mask, rp = norm_route(
             x, delta, norm.weight, norm.variance_epsilon, router,
             normed_input=e.cfg is not None and e.cfg.router_input == "normed",
-            defer=defer and x.shape[0] == 1, scratch=self._scratch, margins=margins and router is not None)
+            defer=defer and x.shape[0] == 1, scratch=self._scratch, margins=margins and router is not None,
+            tile_sums=sums)
         if router is None and self.routed(kind):
             mask = (self.margins(i, kind, resid, normed) if margins
                     else self.mask(i, kind, resid, normed, attn=attn))

@@ -34,7 +34,7 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
                        HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
                        R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                        NC_PAD: tl.constexpr, G_PAD: tl.constexpr, FINAL: tl.constexpr,
-                       MARGIN: tl.constexpr = False):
+                       MARGIN: tl.constexpr, acc_ptr, done_ptr, st_ptr, stride_acc, ACC: tl.constexpr):
     # Program (token, chunk): residual add, RMSNorm (HF rounding) and the router's first
     # linear on its CHUNK columns; the last chunk program of a token to finish adds the
     # partial router sums in chunk order and writes the mask. One program per token was
@@ -68,6 +68,18 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
     n = (x.to(tl.float32) * rstd).to(x.dtype)
     y = (n.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+    if ACC:
+        # The previous-tile rule's running sum of router inputs (fp32), in this launch: done gets
+        # the sum so far (the finished tile's, on a row whose tile starts here), and the sum
+        # restarts from this row where a tile starts, else grows by it.
+        if NORMED_IN:
+            a_src = y.to(tl.float32)
+        else:
+            a_src = x.to(tl.float32)
+        a = tl.load(acc_ptr + row * stride_acc + cols, mask=ok, other=0.0)
+        tl.store(done_ptr + row * stride_acc + cols, a, mask=ok)
+        st = tl.load(st_ptr + row)
+        tl.store(acc_ptr + row * stride_acc + cols, tl.where(st != 0, a_src, a + a_src), mask=ok)
     if ROUTE:
         offs_r = tl.arange(0, R)
         if NORMED_IN:
@@ -110,7 +122,7 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
 
 def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                router=None, *, normed_input: bool = False, chunk: int = 256, defer: bool = False,
-               scratch: Optional[dict] = None, margins: bool = False):
+               scratch: Optional[dict] = None, margins: bool = False, tile_sums=None):
     """``(x + delta, RMSNorm(x + delta) * weight, mask or None, RouterPartials or None)`` for
     rows ``x [B, H]`` (``delta`` None: no residual add, the residual is ``x`` itself).
 
@@ -124,7 +136,11 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     launch can be replayed as is. The partials are overwritten by the next launch with the
     same shape: consume a deferred router's (in stream order) before that. ``margins``: the
     third result is the router's fp32 margins ``[B, groups]`` instead of its mask (a group runs
-    iff its margin is >= 0), for a decision over the whole batch (batch-shared decode)."""
+    iff its margin is >= 0), for a decision over the whole batch (batch-shared decode).
+    ``tile_sums`` ``(acc, done, start)``: fp32 ``[B, H]`` running sums of the router input (the
+    residual, or the normed row with ``normed_input``) and a bool ``[B]`` or ``[B, 1]``; in the same
+    launch ``done`` gets ``acc`` and ``acc`` becomes the row where ``start``, else ``acc`` + the row
+    (the previous-tile rule's decode, :class:`wide.routing_rules.PreviousTileRule`)."""
     B, H = x.shape
     if defer and B != 1:
         raise ValueError(f"a deferred router needs one token, got {B}")
@@ -164,11 +180,26 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
         HAS_DELTA=delta is not None, ROUTE=router is not None, NORMED_IN=normed_input,
         R=R, BLOCK=block, CHUNK=chunk, NC_PAD=max(2, triton.next_power_of_2(nchunk)),
         G_PAD=max(16, triton.next_power_of_2(G)), FINAL=not defer, MARGIN=margins,
-        num_warps=8 if block >= 4096 else 4)
+        num_warps=8 if block >= 4096 else 4, **_sums_args(tile_sums, x))
     if defer and router is not None:
         rp = RouterPartials(hp[0], router.down.bias, router.up.weight, router.up.bias, router.offset)
         return resid, normed, mask, rp
     return resid, normed, mask, None
+
+
+def _sums_args(tile_sums, x: torch.Tensor) -> dict:
+    if tile_sums is None:  # unused pointers: any tensor
+        return dict(acc_ptr=x, done_ptr=x, st_ptr=x, stride_acc=0, ACC=False)
+    B, H = x.shape
+    acc, done, start = tile_sums
+    for t in (acc, done):
+        if t.shape != (B, H) or t.dtype != torch.float32 or t.stride() != (H, 1) or t.device != x.device:
+            raise ValueError(f"tile_sums need contiguous fp32 [{B}, {H}] buffers on {x.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} {t.stride()} on {t.device}")
+    if start.numel() != B or start.dtype != torch.bool:
+        raise ValueError(f"tile_sums' start flags: {B} bools, got {tuple(start.shape)} {start.dtype}")
+    return dict(acc_ptr=acc, done_ptr=done, st_ptr=start.reshape(B).view(torch.uint8), stride_acc=acc.stride(0),
+                ACC=True)
 
 
 def norm_route_reference(x, delta, weight, eps, router=None, *, normed_input: bool = False):
