@@ -340,19 +340,18 @@ class TritonOps(TorchOps):
     def norm_route(self, i, kind, x, delta, attn=None, defer=False, margins=False, route=True, sums=None):
         e = self.e
         norm = e.layers[i].norm(kind)
+        normed_input = e.cfg is not None and e.cfg.router_input == "normed"
         if not route:
             resid, normed, _, _ = norm_route(x, delta, norm.weight, norm.variance_epsilon, scratch=self._scratch,
-                                             normed_input=e.cfg is not None and e.cfg.router_input == "normed",
-                                             tile_sums=sums)
+                                             normed_input=normed_input, tile_sums=sums)
             return resid, normed, None, None
         # Tied (dynamic-depth) decisions and custom mask_fns are evaluated in PyTorch.
         fused = self.routed(kind) and e.state.mask_fn is None and not e.cfg.tie_modules
         router = e.layers[i].routers.get(kind) if fused else None
         resid, normed, mask, rp = norm_route(
             x, delta, norm.weight, norm.variance_epsilon, router,
-            normed_input=e.cfg is not None and e.cfg.router_input == "normed",
-            defer=defer and x.shape[0] == 1, scratch=self._scratch, margins=margins and router is not None,
-            tile_sums=sums)
+            normed_input=normed_input, defer=defer and x.shape[0] == 1, scratch=self._scratch,
+            margins=margins and router is not None, tile_sums=sums)
         if router is None and self.routed(kind):
             mask = (self.margins(i, kind, resid, normed) if margins
                     else self.mask(i, kind, resid, normed, attn=attn))

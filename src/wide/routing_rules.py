@@ -139,10 +139,9 @@ class PreviousTileRule(TileRule):
 
     def setup(self, engine, batch: int) -> None:
         super().setup(engine, batch)
-        def buffer():
-            return torch.zeros(batch, engine.hidden, dtype=torch.float32, device=engine.device)
-        self.sums = {key: buffer() for key in self.store}
-        self.done = {key: buffer() for key in self.store}
+        shape = (batch, engine.hidden)
+        self.sums = {key: torch.zeros(shape, dtype=torch.float32, device=engine.device) for key in self.store}
+        self.done = {key: torch.zeros_like(acc) for key, acc in self.sums.items()}
 
     def prefill(self, ops, i, kind, resid, normed, valid, lens, attn=None):
         key = (i, kind)
