@@ -68,24 +68,21 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
     n = (x.to(tl.float32) * rstd).to(x.dtype)
     y = (n.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+    # What the router reads (its chunk, fp32): the normed row or the residual.
+    if NORMED_IN:
+        src = y.to(tl.float32)
+    else:
+        src = x.to(tl.float32)
     if ACC:
         # The previous-tile rule's running sum of router inputs (fp32), in this launch: done gets
         # the sum so far (the finished tile's, on a row whose tile starts here), and the sum
         # restarts from this row where a tile starts, else grows by it.
-        if NORMED_IN:
-            a_src = y.to(tl.float32)
-        else:
-            a_src = x.to(tl.float32)
         a = tl.load(acc_ptr + row * stride_acc + cols, mask=ok, other=0.0)
         tl.store(done_ptr + row * stride_acc + cols, a, mask=ok)
         st = tl.load(st_ptr + row)
-        tl.store(acc_ptr + row * stride_acc + cols, tl.where(st != 0, a_src, a + a_src), mask=ok)
+        tl.store(acc_ptr + row * stride_acc + cols, tl.where(st != 0, src, a + src), mask=ok)
     if ROUTE:
         offs_r = tl.arange(0, R)
-        if NORMED_IN:
-            src = y.to(tl.float32)
-        else:
-            src = x.to(tl.float32)
         w = tl.load(rdw_ptr + offs_r[:, None] * H + cols[None, :], mask=ok[None, :], other=0.0)
         part = tl.sum(w * src[None, :], axis=1)
         tl.store(hp_ptr + (row * NCHUNK + c) * R + offs_r, part)
