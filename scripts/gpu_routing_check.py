@@ -1,5 +1,7 @@
 """GPU check of the engine's routing rules (wide.routing_rules), before they are timed: a small
-random Llama (scripts/gpu_smoke.py's) with routers at 50 %, rules tile16 and batch_shared:
+random Llama (scripts/gpu_smoke.py's) with routers at 50 %, rules tile16 (first token decides),
+tile16prev (the previous tile's mean decides: decode sums kept inside the norm kernel) and
+batch_shared:
 
 * fp32 (TF32 dots in the kernels): prefill logits and 16 decode steps at batch 4 against the
   masked HF path under the same rule (route_tile, wide.modeling.batch_shared_decode), with
@@ -126,9 +128,12 @@ def main() -> int:
         model, ids = build("llama", dtype)
         ids = torch.randint(0, 512, (B, P + STEPS), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         base = model.wide_state.config
-        for rule in ("token", "tile16", "batch_shared") if dtype == torch.float32 else ("tile16", "batch_shared"):
+        rules = ("tile16", "tile16prev", "batch_shared")
+        for rule in ("token",) + rules if dtype == torch.float32 else rules:
             shared = rule == "batch_shared"
-            model.wide_state.config = dataclasses.replace(base, route_tile=16) if rule == "tile16" else base
+            model.wide_state.config = (dataclasses.replace(base, route_tile=16) if rule == "tile16" else
+                                       dataclasses.replace(base, route_tile=16, tile_source="previous")
+                                       if rule == "tile16prev" else base)
             eng = AcceleratedModel(model, batch_shared=shared)
             if dtype == torch.float32:
                 with torch.no_grad():
