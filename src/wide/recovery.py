@@ -220,7 +220,7 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
         dist.shard(model, activation_checkpointing=activation_checkpointing)
     result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
                    progress=progress, save_extra=lambda d: write_adapters(model, d),
-                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at, dist=dist, stage="recover")
+                   load_extra=lambda d: read_adapters(model, d), stop_at=stop_at, dist=dist)
     if result.get("stopped_at") is not None:
         return result
     meta = {"stage": 2, "lora": {**asdict(lora), "targets": list(lora.targets)},

@@ -288,7 +288,6 @@ def train(
     load_extra: Optional[Callable[[Path], None]] = None,
     stop_at: Optional[int] = None,
     dist=None,
-    stage: str = "calibrate",
 ) -> dict:
     """Train ``parameters`` (default: the routers) of a wrapped model on packed sequences.
 
@@ -296,7 +295,7 @@ def train(
     steps and ``out_dir/routers`` at the end; returns the history. ``save_extra`` /
     ``load_extra`` let stage 2 put its adapters in the same checkpoint. ``stop_at`` ends
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
-    ``resume=True`` call continues the same run. ``stage`` names the progress bar.
+    ``resume=True`` call continues the same run.
 
     ``dist`` (a ``wide.distributed.DistContext``) runs this loop as one rank of a data-parallel
     run: ``batch_size`` is then the global micro-batch, the sparsity loss is that of the global
@@ -410,7 +409,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
     if ids_on_device:
         train_ids = train_ids.to(device)
     bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps,
-               disable=not progress, desc=stage, dynamic_ncols=True)
+               disable=not progress, desc="calibrate", dynamic_ncols=True)
     t_last = time.perf_counter()
     for step in bar:
         state.tau = cfg.temperature(step, args.steps)
