@@ -170,3 +170,38 @@ def test_batch_shared_refusals():
         wide.accelerate(routed(route_tile=4), backend="torch", batch_shared=True)
     with pytest.raises(ValueError, match="routed-engine option"):
         wide.accelerate(routed(), backend="torch", mode="dense", batch_shared=True)
+
+
+@pytest.mark.parametrize("rule", ["token", "tile4", "tile4prev", "batch_shared"])
+def test_decode_step_survives_a_graph_captures_warm_up(rule):
+    # A CUDA-graph capture first runs the step twice eagerly (wide.graphs.warm_up), then the
+    # replay runs it once more: what the step leaves behind must be what one run leaves. The
+    # previous-tile rule's running sums grow by the step's row, so the warm-up puts them back
+    # (rule.step_state); on the H200 the graph missed that and drifted from eager by 0.65
+    # (bench/results/routing/routing_check_prev.json). Steps 10-13 cross a tile start at 12.
+    from wide.graphs import warm_up
+    tile = {"tile4": dict(route_tile=4), "tile4prev": dict(route_tile=4, tile_source="previous")}.get(rule, {})
+    model = routed(**tile)
+    ids = ids_of(2, 14)
+    engines = [wide.accelerate(model, backend="torch", batch_shared=rule == "batch_shared") for _ in range(3)]
+    for eng in engines:
+        eng.setup_cache(2, 32)
+        eng.prefill(ids[:, :10])
+    once, captured, unkept = engines
+    drift = 0.0
+    for t in range(10, 14):
+        pos = torch.full((2,), t, dtype=torch.long)
+        ref = once.decode(ids[:, t], pos).clone()
+        for eng, keep in ((captured, captured.rule.step_state()), (unkept, [])):
+            eng.pos.copy_(pos)
+            eng.tok.copy_(ids[:, t])
+            step = lambda eng=eng: eng._decode_eager(eng.tok, eng.pos)  # noqa: E731
+            with torch.no_grad():  # as decode() runs it
+                warm_up(step, keep)
+                out = step()
+            if eng is captured:
+                assert torch.equal(out, ref), t
+            else:
+                drift = max(drift, rel(out, ref))
+    # the test can tell: without the put-back, only the rule with running sums drifts
+    assert (drift > 1e-3) == (rule == "tile4prev"), drift

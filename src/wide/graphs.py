@@ -3,11 +3,23 @@ bucket): what every capture must do before and around ``torch.cuda.graph``."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["GraphCapture"]
+__all__ = ["GraphCapture", "warm_up"]
+
+
+def warm_up(step: Callable[[], torch.Tensor], keep: Sequence[torch.Tensor] = (), runs: int = 2):
+    """Run ``step`` ``runs`` times, then put the ``keep`` buffers back as they were (see
+    :class:`GraphCapture`); returns the last run's output."""
+    saved = [t.clone() for t in keep]
+    out = None
+    for _ in range(runs):
+        out = step()
+    for t, v in zip(keep, saved):
+        t.copy_(v)
+    return out
 
 
 class GraphCapture:
@@ -19,8 +31,12 @@ class GraphCapture:
         self.device = device
         self.stream = None
 
-    def __call__(self, step: Callable[[], torch.Tensor], pool=None):
-        """(CUDA graph of ``step()``, its output buffer). ``step`` reads only static buffers."""
+    def __call__(self, step: Callable[[], torch.Tensor], pool=None, keep: Sequence[torch.Tensor] = ()):
+        """(CUDA graph of ``step()``, its output buffer). ``step`` reads only static buffers.
+        ``keep``: buffers the step updates from their own values (running sums), which the
+        warm-up's extra runs would otherwise advance; they are put back before the capture, so
+        the first replay finds them as the caller left them. Every other buffer a step writes
+        must come out the same when the step runs again (k/v at a position, a stored mask)."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         stream = self.stream
@@ -35,8 +51,7 @@ class GraphCapture:
         # and per-stream scratch buffers must exist before capture. A decode step writes k/v
         # at the current positions, which the replay then overwrites.
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
+            warm_up(step, keep)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream, pool=pool):

@@ -402,7 +402,8 @@ class AcceleratedModel:
         B = tok.shape[0]
         g = self._graphs.get((B, reuse))
         if g is None:
-            g = self._capture(lambda: self._decode_eager(self.tok, self.pos, reuse=reuse))
+            g = self._capture(lambda: self._decode_eager(self.tok, self.pos, reuse=reuse),
+                              keep=self.rule.step_state())
             self._graphs[(B, reuse)] = g
         graph, out = g
         graph.replay()

@@ -68,6 +68,11 @@ class TokenRule:
         """The mask [B, G] a decode step runs, from what the norm's router gave (``mask``)."""
         return mask
 
+    def step_state(self) -> list:
+        """Buffers a decode step updates from their own values (so running it twice is not
+        running it once): a graph capture's warm-up puts them back (``GraphCapture(keep=)``)."""
+        return []
+
 
 class TileRule(TokenRule):
     defers = False
@@ -168,6 +173,10 @@ class PreviousTileRule(TileRule):
 
     def norm_routes(self, reuse: bool) -> bool:
         return False
+
+    def step_state(self) -> list:
+        # sums grow by the step's row; done, the stored masks and k/v are rewritten the same
+        return list(self.sums.values())
 
     def begin_decode(self, pos, reuse: bool = False) -> None:
         self._reuse = reuse
