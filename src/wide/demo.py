@@ -87,8 +87,9 @@ def explanation(records: list, run: dict) -> str:
         "left held-out perplexity at 4745 instead of 261 (docs/method.md; both with the 12 FFN groups of 128 "
         "channels this model had before its default became 96 groups of 16, the line above). Either way "
         "a few CPU minutes show the loss falling, not a finished model: at 50%, held-out perplexity was 703, 111 "
-        "and 61 after 1.6M, 6.6M and 26M tokens of random-start calibration on an H200, and 49 after 6.6M "
-        "tokens with a dense start, lr 1.2e-2 and 96 FFN groups (bench/results/quality_scaling and "
+        "and 61 after 1.6M, 6.6M and 26M tokens of random-start calibration on an H200, and 49 and 43 after 6.6M "
+        "and 26M tokens with a dense start, lr 1.2e-2 and 96 FFN groups (the 26M run is the shipped 50% "
+        "routers; bench/results/quality_scaling and "
         "routing_quality in the repository), minutes on a GPU and days on a laptop CPU. Use the shipped "
         "routers, or `wide calibrate --device cuda` with millions of tokens.",
     ]
