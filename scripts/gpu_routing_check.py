@@ -52,6 +52,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_smoke import build, rel  # noqa: E402
 
 B, P, STEPS = 4, 40, 16
+TILE_RULES = {"tile16": dict(route_tile=16), "tile16prev": dict(route_tile=16, tile_source="previous")}
 
 
 def hf_decode(model, ids, shared: bool, masks: Optional[list] = None):
@@ -131,9 +132,7 @@ def main() -> int:
         rules = ("tile16", "tile16prev", "batch_shared")
         for rule in ("token",) + rules if dtype == torch.float32 else rules:
             shared = rule == "batch_shared"
-            model.wide_state.config = (dataclasses.replace(base, route_tile=16) if rule == "tile16" else
-                                       dataclasses.replace(base, route_tile=16, tile_source="previous")
-                                       if rule == "tile16prev" else base)
+            model.wide_state.config = dataclasses.replace(base, **TILE_RULES.get(rule, {}))
             eng = AcceleratedModel(model, batch_shared=shared)
             if dtype == torch.float32:
                 with torch.no_grad():

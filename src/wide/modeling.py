@@ -386,7 +386,8 @@ def _resume(entry, tiles: _Tiles, out: torch.Tensor) -> torch.Tensor:
 def _latest_tile(entry, tiles: _Tiles, out: torch.Tensor) -> tuple:
     """Each row's last valid token's (tile, values); a row without a valid token keeps its own."""
     last = tiles.last.clamp_min(0).unsqueeze(1)
-    return _keep_latest(entry, tiles, (out.detach().gather(1, last.unsqueeze(-1).expand(-1, 1, out.shape[2])).squeeze(1),))
+    values = out.detach().gather(1, last.unsqueeze(-1).expand(-1, 1, out.shape[2])).squeeze(1)
+    return _keep_latest(entry, tiles, (values,))
 
 
 def _keep_latest(entry, tiles: _Tiles, values: tuple) -> tuple:
