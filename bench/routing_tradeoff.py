@@ -28,8 +28,11 @@ SPEED = (("e2e_ttft", 4096, "TTFT 4k"), ("e2e_ttft", 16384, "TTFT 16k"), ("e2e_t
          ("e2e_tpot", 8, "TPOT B=8"), ("e2e_tpot", 32, "TPOT B=32"))
 # The first run timed every cell; the second (tile steps that skip the routers, the rolled
 # batch-shared kernel) re-timed token, tile16 and batch_shared at 4k and batches 1, 8, 32; the
-# third timed the same cells again once batch-shared at batch 1 ran the per-token path.
-E2E_RUNS = ("e2e_routing.json", "e2e_reuse.json", "e2e_b1shared.json")
+# third timed the same cells again once batch-shared at batch 1 ran the per-token path; the fourth
+# timed token, tile16 and tile16prev (previous-tile source) once its CUDA-graph decode was fixed;
+# the fifth the same at 4k and batch 1 after tile16prev's prefill stopped copying its inputs to fp32.
+E2E_RUNS = ("e2e_routing.json", "e2e_reuse.json", "e2e_b1shared.json", "e2e_tileprev.json",
+            "e2e_tileprev_profile.json")
 TARGETS = {"TTFT 4k": 1.75, "TPOT B=1": 1.7, "TPOT B=8": 1.5, "TPOT B=32": 1.4}
 
 

@@ -152,14 +152,17 @@ class PreviousTileRule(TileRule):
         key = (i, kind)
         if key not in self.store:
             return ops.mask(i, kind, resid, normed, valid, attn=attn)  # not routed: None
-        x = ops.router_input(resid, normed).float()
+        x = ops.router_input(resid, normed)
         B, T, H = x.shape
         n = self.tile
         k = -(-T // n)
         pad = k * n - T
-        xs = torch.nn.functional.pad(x * valid[..., None], (0, 0, 0, pad)).view(B, k, n, H).sum(2)
+        # Masking by 0/1 is exact in x's dtype and the tile sums accumulate in fp32 as they read,
+        # so no fp32 copy of the [B, T, H] rows is made (a 4k prefill has 64 routed modules).
+        xs = torch.nn.functional.pad(x * valid[..., None].to(x.dtype), (0, 0, 0, pad)).view(B, k, n, H)
+        xs = xs.sum(2, dtype=torch.float32)
         counts = torch.nn.functional.pad(valid.float(), (0, pad)).view(B, k, n).sum(2)
-        source = torch.cat([x[:, :1], xs[:, :-1] / counts[:, :-1].clamp_min(1)[..., None]], dim=1)
+        source = torch.cat([x[:, :1].float(), xs[:, :-1] / counts[:, :-1].clamp_min(1)[..., None]], dim=1)
         tied = None if attn is None else attn[:, ::n]
         mask = ops.mask(i, kind, source, source, attn=tied)  # [B, K, G]: one decision per tile
         if mask is None:
