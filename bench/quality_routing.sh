@@ -43,6 +43,9 @@
 # decoded one token per step on the KV cache, teacher-forced), with each sequence's own masks and
 # with one mask per batch of 8 or 32 unrelated windows, for the shipped 50% routers (and the
 # dense model as the reference).
+# A stage-1 run that an earlier machine finished and whose routers ship with the package (their
+# provenance names its record) is not trained again: RUNS gets the shipped routers and the
+# committed run.json, RESULTS the committed record, so that its loraX stage 2 starts at once.
 # Records go to RESULTS (default bench/results/routing_quality); the same settings as
 # bench/quality_scaling.sh otherwise (read its header for the device set-up: assets, WIDE_CACHE_DIR,
 # RUNS, BUDGET_S, PACK_TO). VARIANTS picks and orders the runs; a call cut by BUDGET_S resumes.
@@ -65,6 +68,23 @@ mkdir -p "$RESULTS" "$RUNS"
 [ -f "$RESULTS/dense.json" ] || cp bench/results/quality_scaling/dense.json "$RESULTS/"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 left() { echo $(( END - $(date +%s) )); }
+COMMITTED=bench/results/routing_quality
+from_shipped() {  # RUN: a finished stage-1 run, rebuilt from the package if it shipped
+    local run=$1 prov d
+    [ -f "$RUNS/$run/run.json" ] && return 0
+    prov=$(grep -lF "\"results_file\": \"$COMMITTED/$run.json\"" src/wide/shipped/*/provenance.json 2>/dev/null | head -n 1 || true)
+    [ -n "$prov" ] && [ -f "$COMMITTED/runs/$run.run.json" ] || return 0
+    d=$(dirname "$prov")
+    echo "== $run: stage 1 from the shipped $(basename "$d") (not trained again)"
+    mkdir -p "$RUNS/$run/routers" "$RESULTS/runs"
+    cp "$d/routers.safetensors" "$d/wide_config.json" "$d/wide_manifest.json" "$RUNS/$run/routers/"
+    cp "$COMMITTED/runs/$run.run.json" "$RUNS/$run/run.json"
+    if [ "$(cd "$RESULTS" && pwd)" != "$(cd "$COMMITTED" && pwd)" ]; then
+        cp "$COMMITTED/$run.json" "$COMMITTED/$run.md" "$RESULTS/" 2>/dev/null || true
+        cp "$COMMITTED/runs/$run.run.json" "$RESULTS/runs/"
+        cp "$COMMITTED/runs/$run.history.json" "$RESULTS/runs/" 2>/dev/null || true
+    fi
+}
 for v in $VARIANTS; do
     if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $v"; continue; fi
     if [ "$v" = shared ]; then
@@ -100,6 +120,7 @@ for v in $VARIANTS; do
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
     done
+    from_shipped "wide$pct-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
     phases="train eval"; [ "$data" = samples ] && phases="sample $phases"
     ed=; [ "$data" = sotu ] && ed=wiki  # held-out perplexity stays wiki's (samples: quality_scaling.sh's own)
     env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PCT="$pct" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \

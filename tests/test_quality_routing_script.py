@@ -1,0 +1,76 @@
+"""bench/quality_routing.sh's plumbing, with a stand-in for python that logs what it is asked to
+run: a stage-1 run whose routers ship with the package is not trained again before its stage 2."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_RUN = "wide50-ce-26214400-s0-dense+lr1p2e-2+ffn16"  # smollm2-135m-50's run
+
+# Stands in for python3: logs its arguments, writes what the script looks for next (a
+# finished run's run.json, an eval's record).
+STUB = r'''#!/usr/bin/env bash
+echo "$*" >> "$LOG"
+if [ "$1" = -m ] && [ "$2" = wide.cli ]; then
+    out=""; prev=""
+    for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+    case $3 in
+        calibrate|recover) mkdir -p "$out/routers"; echo '{}' > "$out/run.json" ;;
+        eval) echo '{"records": []}' > "$out.json" ;;
+    esac
+fi
+exit 0
+'''
+
+
+@pytest.fixture
+def stub(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    py = tmp_path / "py"
+    py.write_text(STUB)
+    py.chmod(0o755)
+    return py
+
+
+def run_script(tmp_path, stub, variants, tokens):
+    log = tmp_path / "log"
+    log.touch()
+    env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / "runs"), RESULTS=str(tmp_path / "res"),
+               TOKENS=str(tokens), VARIANTS=variants, DEVICE="cpu")
+    p = subprocess.run(["bash", str(ROOT / "bench/quality_routing.sh")], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout, log.read_text().splitlines()
+
+
+def test_stage_two_starts_from_shipped_routers(tmp_path, stub):
+    out, calls = run_script(tmp_path, stub, "dense+lr1.2e-2+ffn16+lora1e-3", 26214400)
+    assert "from the shipped smollm2-135m-50" in out
+    assert not [c for c in calls if " calibrate " in f" {c} "], calls  # stage 1 not trained again
+    recover = [c for c in calls if "wide.cli recover" in c]
+    assert len(recover) == 1 and f"--routers {tmp_path}/runs/{SHIPPED_RUN}/routers" in recover[0]
+    routers = tmp_path / "runs" / SHIPPED_RUN / "routers"
+    shipped = ROOT / "src/wide/shipped/smollm2-135m-50"
+    assert (routers / "routers.safetensors").read_bytes() == (shipped / "routers.safetensors").read_bytes()
+    run = json.loads((tmp_path / "runs" / SHIPPED_RUN / "run.json").read_text())
+    assert run["tokens"] == 26214400
+    # its committed record comes along, so stage 1 is not evaluated again either
+    assert (tmp_path / "res" / f"{SHIPPED_RUN}.json").is_file()
+    assert not [c for c in calls if "wide.cli eval" in c and f"runs/{SHIPPED_RUN}/routers" in c]
+
+
+def test_a_run_that_did_not_ship_is_trained(tmp_path, stub):
+    _, calls = run_script(tmp_path, stub, "dense+lr1.2e-2+ffn16+s7", 26214400)
+    cal = [c for c in calls if "wide.cli calibrate" in c]
+    assert len(cal) == 1 and "--seed 7" in cal[0] and "--router-init dense" in cal[0], calls
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
