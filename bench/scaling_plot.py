@@ -71,9 +71,16 @@ def _f(v, p=3):
     return "-" if v is None else f"{v:.{p}f}"
 
 
-def kept_above_chance(records) -> dict:
-    """id(record) -> share of dense's above-chance accuracy (six tasks, BoolQ left out)."""
-    from wide.evaluate import above_chance, chance_levels
+def kept_cell(kept: dict, r) -> str:
+    """"43% ± 9": the kept share and its standard error from the documents scored, in points."""
+    k, se = kept.get(id(r), (None, None))
+    return "-" if k is None else f"{k:.0%}" + ("" if se is None else f" ± {100 * se:.0f}")
+
+
+def kept_with_error(records) -> dict:
+    """id(record) -> (share of dense's above-chance accuracy over the six tasks, BoolQ left out;
+    its standard error from the documents scored, or None)."""
+    from wide.evaluate import above_chance, above_chance_se, chance_levels
 
     dense = next((r for r in records if r.get("method") == "dense"), None)
     if dense is None:
@@ -83,7 +90,8 @@ def kept_above_chance(records) -> dict:
     except Exception as e:  # no task data here: the column is left out, not guessed
         print(f"chance levels unknown ({e}): no above-chance column", file=sys.stderr)
         return {}
-    return {id(r): above_chance(r, dense, chance=levels) for r in records}
+    return {id(r): (above_chance(r, dense, chance=levels),
+                    None if r is dense else above_chance_se(r, dense, chance=levels)) for r in records}
 
 
 def table(records) -> str:
@@ -91,15 +99,13 @@ def table(records) -> str:
             "above chance kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = [r for r in records if r.get("method") == "dense"]
-    kept = kept_above_chance(records)
+    kept = kept_with_error(records)
     for r in dense[:1] + routed(records):
         tokens = "-" if r.get("method") == "dense" else f"{r['tokens'] / 1e6:.3g}M"
         seed = "-" if r.get("seed") is None else str(r["seed"])
         ratio = r["ppl"] / dense[0]["ppl"] if dense and r.get("ppl") else None
-        k = kept.get(id(r))
         cells = [r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
-                 _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg")),
-                                                                      "-" if k is None else f"{k:.0%}"]
+                 _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg")), kept_cell(kept, r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -169,7 +175,9 @@ def main(argv=None) -> int:
     if limits:
         lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task. "
                      "\"Above chance kept\": (mean accuracy - mean chance) / (dense's mean accuracy - mean chance) over "
-                     "the six tasks other than BoolQ, where dense SmolLM2 scores below the majority rate.")
+                     "the six tasks other than BoolQ, where dense SmolLM2 scores below the majority rate; ± its standard "
+                     "error from the documents scored (wide.evaluate.above_chance_se, an upper estimate: seeds add "
+                     "their own spread).")
     (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     plot(records, out / f"{STEM}.png")
     print(table(records))

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scaling_plot import _f, kept_above_chance  # noqa: E402
+from scaling_plot import _f, kept_cell, kept_with_error  # noqa: E402
 
 NAME = re.compile(r"^wide(?P<pct>\d+)-(?P<loss>ce|kd|mix)-(?P<tokens>\d+)-s(?P<seed>\d+)(?:-(?P<variant>.+))?$")
 STEM = "variants"
@@ -86,7 +86,7 @@ def _g(v):
 
 def table(records: list) -> str:
     dense = next((r for r in records if r["name"] == "dense"), None)
-    kept = kept_above_chance(records)
+    kept = kept_with_error(records)
     routed = sorted((r for r in records if r["name"] != "dense"),
                     key=lambda r: (-r["target"], r["tokens"], r["ppl"]))
     head = ["variant", "target", "stage", "tokens", "seed", "loss", *(c for c, _, _ in SETTINGS), "ppl", "ppl / dense",
@@ -94,12 +94,11 @@ def table(records: list) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in ([dense] if dense else []) + routed:
         s = r.get("settings", {})
-        k = kept.get(id(r))
         ratio = r["ppl"] / dense["ppl"] if dense else None
         cells = [r.get("variant", "(dense model)"), "-" if r is dense else f"{r['target']:.0%}", _g(r.get("stage")),
                  "-" if r is dense else f"{r['tokens'] / 1e6:.3g}M",
                  _g(r.get("seed")), r.get("loss") or "-", *(_g(s.get(c)) for c, _, _ in SETTINGS),
-                 _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), "-" if k is None else f"{k:.0%}"]
+                 _f(r["ppl"], 2), _f(ratio, 2), _f(r.get("avg")), kept_cell(kept, r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,7 +112,10 @@ def main(argv=None) -> int:
         print(f"no wide<pct>-<loss>-<tokens>-s<seed>[-<variant>].json records in {args.folder}", file=sys.stderr)
         return 1
     md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
-          f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n")
+          f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n\n"
+          "Above chance kept: the share of dense's above-chance accuracy over the six tasks other than BoolQ, "
+          "± its standard error from the documents scored (wide.evaluate.above_chance_se; an upper estimate, "
+          "seeds add their own spread).\n")
     (args.folder / f"{STEM}.md").write_text(md)
     keep = ("name", "variant", "target", "stage", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
     (args.folder / f"{STEM}.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in records], indent=1))

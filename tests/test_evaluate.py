@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide.evaluate import Request, above_chance, build_requests, loglikelihoods, perplexity, score
+from wide.evaluate import (ABOVE_CHANCE_TASKS, Request, above_chance, above_chance_se, build_requests, loglikelihoods,
+                           perplexity, score)
 
 
 class CharTokenizer:
@@ -69,6 +70,28 @@ def test_chance_and_above_chance_by_hand():
     assert above_chance(with_detail, dense, tasks) == pytest.approx(0.5)
     assert above_chance({"arc_easy": 0.3}, dense, tasks, chance) is None  # a task missing
     assert above_chance(half, {"arc_easy": 0.2, "winogrande": 0.4}, tasks, chance) is None  # dense not above chance
+
+
+def test_above_chance_standard_error_matches_resampled_documents():
+    # Documents drawn again and again: the spread of the kept share is what the formula says.
+    chance = dict(zip(ABOVE_CHANCE_TASKS, (0.25, 0.25, 0.5, 0.5, 0.25, 0.25)))
+    dense_p = dict(zip(ABOVE_CHANCE_TASKS, (0.41, 0.31, 0.51, 0.66, 0.31, 0.44)))
+    routed_p = dict(zip(ABOVE_CHANCE_TASKS, (0.31, 0.24, 0.49, 0.58, 0.27, 0.39)))
+    n = dict(zip(ABOVE_CHANCE_TASKS, (500, 299, 500, 500, 500, 500)))
+    g = torch.Generator().manual_seed(0)
+
+    def draw(p):
+        return {t: float(torch.binomial(torch.tensor(float(n[t])), torch.tensor(p[t]), generator=g)) / n[t]
+                for t in ABOVE_CHANCE_TASKS}
+
+    kept = torch.tensor([above_chance(draw(routed_p), draw(dense_p), chance=chance) for _ in range(4000)])
+    detail = {t: {"n": n[t]} for t in ABOVE_CHANCE_TASKS}
+    se = above_chance_se({**routed_p, "tasks_detail": detail}, {**dense_p, "tasks_detail": detail}, chance=chance)
+    assert 0.05 < se < 0.15  # about +-9 points at 500 documents a task
+    assert float(kept.std()) == pytest.approx(se, rel=0.1)
+    # n from the record's limit where no task detail says otherwise; None without either
+    assert above_chance_se({**routed_p, "limit": 500}, {**dense_p, "limit": 500}, chance=chance) < se
+    assert above_chance_se(routed_p, dense_p, chance=chance) is None
 
 
 def test_loglikelihoods_match_single_sequence_scoring():

@@ -47,7 +47,8 @@ def test_table_summary_and_plot(tmp_path):
                                                     ["| kd", "26.2M"]]
     assert "26.2M tokens, seed 0: kd perplexity 0.800x of ce, average +0.020" in md
     # Above chance kept, six tasks pooled (BoolQ out): chance 1/3 on average; dense 0.434.
-    kept = [r.split(" | ")[-1].rstrip(" |") for r in rows]
+    kept = [r.split(" | ")[-1].rstrip(" |").split(" ± ")[0] for r in rows]  # (± its standard error)
+    assert all(" ± " in r.split(" | ")[-1] for r in rows[1:])
     c = (4 * 0.25 + 2 * 0.5) / 6
     assert kept == ["100%"] + [f"{(0.38 - c) / (0.434 - c):.0%}"] * 3 + [f"{(0.40 - c) / (0.434 - c):.0%}"] * 3
     assert [r.split(" | ")[5] for r in rows][:2] == ["1.00", f"{95 / 22.5:.2f}"]  # ppl / dense

@@ -215,6 +215,35 @@ def above_chance(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance: Op
     return None if d <= c else (m - c) / (d - c)
 
 
+def above_chance_se(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance: Optional[dict] = None) -> Optional[float]:
+    """Standard error of :func:`above_chance` from the sampling of documents alone (how much it
+    would move on other documents of the same tasks; seeds add their own spread). Each task's
+    metric is a mean of n 0/1 scores (``tasks_detail``'s n, else the record's ``limit``), so its
+    variance is p(1 - p)/n; the ratio's comes from the delta method, with the routed and the dense
+    model's scores taken as independent. They are scored on the same documents, so the true
+    error of the ratio is somewhat smaller: read this as an upper estimate. None where
+    :func:`above_chance` is None or a task's n is unknown."""
+    kept = above_chance(record, dense, tasks, chance)
+    if kept is None:
+        return None
+    levels = chance or chance_levels([dense, record], tasks)
+
+    def mean_var(r: dict) -> Optional[float]:
+        total = 0.0
+        for t in tasks:
+            n = (r.get("tasks_detail") or {}).get(t, {}).get("n") or r.get("limit")
+            if not n:
+                return None
+            total += r[t] * (1 - r[t]) / n
+        return total / len(tasks) ** 2
+
+    vm, vd = mean_var(record), mean_var(dense)
+    if vm is None or vd is None:
+        return None
+    margin = sum(dense[t] - levels[t] for t in tasks) / len(tasks)
+    return math.sqrt(vm + kept ** 2 * vd) / margin
+
+
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor, *, batch_size: int = 8, bytes_per_token: Optional[float] = None,
                progress: bool = True) -> dict:
