@@ -116,6 +116,28 @@ def test_tiled_prefill_right_padded_batch_continues_each_tile(source):
             assert rel(out[b], refs[b][pos[b]]) < 1e-5, (step, b)
 
 
+@pytest.mark.parametrize("rule", ["token", "tile4", "tile4prev", "tile3prev"])
+def test_prefill_without_lengths_is_prefill_with_full_lengths(rule):
+    # Without lens the rules leave out their padding ops (the host-bound eager 4k prefill of
+    # tile16prev, bench/results/routing); what they hand on to decode must not change. 10 tokens:
+    # the last tile is partial for tiles of 4 and 3.
+    tile = {"tile4": dict(route_tile=4), "tile4prev": dict(route_tile=4, tile_source="previous"),
+            "tile3prev": dict(route_tile=3, tile_source="previous")}.get(rule, {})
+    model = routed(**tile)
+    ids = ids_of(2, 10)
+    a, b = (wide.accelerate(model, backend="torch") for _ in range(2))
+    for eng in (a, b):
+        eng.setup_cache(2, 32)
+    out_a = a.prefill(ids).clone()
+    out_b = b.prefill(ids, torch.full((2,), 10, dtype=torch.long))
+    assert torch.equal(out_a, out_b)
+    for attr in ("store", "sums"):
+        sa, sb = getattr(a.rule, attr, {}), getattr(b.rule, attr, {})
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), attr
+    pos = torch.full((2,), 10, dtype=torch.long)
+    assert torch.equal(a.decode(ids[:, 0], pos), b.decode(ids[:, 0], pos))
+
+
 def hf_shared_steps(model, ids, start: int):
     """(t, logits [B, V]) of the masked HF path decoding ids[:, t] for t >= start under the
     batch-shared rule, after a prefill of ids[:, :start]."""

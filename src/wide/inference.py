@@ -321,11 +321,15 @@ class AcceleratedModel:
                        all_logits: bool = False) -> torch.Tensor:
         ops = self.ops
         B, T = ids.shape
+        # Without lens every row is a prompt token: valid is None and the rules skip their
+        # masking ops, which an eager long prefill issues one launch at a time per module.
+        valid = None
         if lens is None:
             lens = torch.full((B,), T, dtype=torch.long, device=self.device)
-        lens = lens.to(self.device)
+        else:
+            lens = lens.to(self.device)
+            valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
         lens32 = lens.to(torch.int32)
-        valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]
         rule = self.rule
         ops.row_runs = rule.prefill_runs()
         x = self.embed(ids)
@@ -437,6 +441,7 @@ class AcceleratedModel:
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        same = bool((lens == T).all())  # on the host: no padding, so prefill needs no lengths
         ids, lens = ids.to(self.device), lens.to(self.device)
         gen = None
         if seed is not None:
@@ -445,7 +450,7 @@ class AcceleratedModel:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        logits = self.prefill(ids, lens)
+        logits = self.prefill(ids, None if same else lens)
         tok = sample_logits(logits, temperature, top_k, top_p, gen)
         sync()
         t1 = time.perf_counter()

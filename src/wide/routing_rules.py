@@ -45,7 +45,8 @@ class TokenRule:
 
     def prefill(self, ops, i: int, kind: str, resid, normed, valid, lens, attn=None):
         """The mask [B, T, G] (or None: dense) module ``kind`` of layer ``i`` runs in a prefill of
-        rows [B, T, H] (the residual and its normed copy; ``attn``: the layer's attention mask)."""
+        rows [B, T, H] (the residual and its normed copy; ``attn``: the layer's attention mask;
+        ``valid`` [B, T] marks prompt tokens, None when every row is one)."""
         return ops.mask(i, kind, resid, normed, valid, attn=attn)
 
     def reuses(self, positions) -> bool:
@@ -102,8 +103,12 @@ class TileRule(TokenRule):
         if lead is None:
             lead = torch.div(torch.arange(T, device=mask.device), self.tile, rounding_mode="floor") * self.tile
             self._lead[(T, mask.device)] = lead
-        tiled = mask.index_select(1, lead) & valid[..., None]
+        tiled = mask.index_select(1, lead)
         # each sequence's current tile, for the decode steps that continue it
+        if valid is None:
+            self.store[(i, kind)].copy_(tiled[:, T - 1])
+            return tiled
+        tiled = tiled & valid[..., None]
         last = (lens - 1).clamp_min(0)
         self.store[(i, kind)].copy_(tiled[torch.arange(B, device=mask.device), last])
         return tiled
@@ -158,20 +163,33 @@ class PreviousTileRule(TileRule):
         k = -(-T // n)
         pad = k * n - T
         # Masking by 0/1 is exact in x's dtype and the tile sums accumulate in fp32 as they read,
-        # so no fp32 copy of the [B, T, H] rows is made (a 4k prefill has 64 routed modules).
-        xs = torch.nn.functional.pad(x * valid[..., None].to(x.dtype), (0, 0, 0, pad)).view(B, k, n, H)
-        xs = xs.sum(2, dtype=torch.float32)
-        counts = torch.nn.functional.pad(valid.float(), (0, pad)).view(B, k, n).sum(2)
-        source = torch.cat([x[:, :1].float(), xs[:, :-1] / counts[:, :-1].clamp_min(1)[..., None]], dim=1)
+        # so no fp32 copy of the [B, T, H] rows is made. Without padding (valid None) every op
+        # that only handles padding is left out: an eager 4k prefill issues them one launch at a
+        # time for each of its 64 routed modules, which made it host-bound.
+        xs = x if valid is None else x * valid[..., None].to(x.dtype)
+        if pad:
+            xs = torch.nn.functional.pad(xs, (0, 0, 0, pad))
+        xs = xs.view(B, k, n, H).sum(2, dtype=torch.float32)
+        if valid is None:  # every tile before the last is full
+            means = xs[:, :-1] / n
+        else:
+            counts = torch.nn.functional.pad(valid.float(), (0, pad)).view(B, k, n).sum(2)
+            means = xs[:, :-1] / counts[:, :-1].clamp_min(1)[..., None]
+        source = torch.cat([x[:, :1].float(), means], dim=1)
         tied = None if attn is None else attn[:, ::n]
         mask = ops.mask(i, kind, source, source, attn=tied)  # [B, K, G]: one decision per tile
         if mask is None:
             return None
-        tiled = mask.repeat_interleave(n, dim=1)[:, :T] & valid[..., None]
+        tiled = mask.repeat_interleave(n, dim=1)[:, :T]
+        if valid is None:  # every sequence's current tile is the last one
+            self.store[key].copy_(mask[:, -1])
+            self.sums[key].copy_(xs[:, -1])  # the current tile's inputs so far
+            return tiled
+        tiled = tiled & valid[..., None]
         rows = torch.arange(B, device=x.device)
         last = torch.div((lens - 1).clamp_min(0), n, rounding_mode="floor")
         self.store[key].copy_(mask[rows, last])
-        self.sums[key].copy_(xs[rows, last])  # the current tile's inputs so far
+        self.sums[key].copy_(xs[rows, last])
         return tiled
 
     def norm_routes(self, reuse: bool) -> bool:
