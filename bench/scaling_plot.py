@@ -176,8 +176,8 @@ def main(argv=None) -> int:
         lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task. "
                      "\"Above chance kept\": (mean accuracy - mean chance) / (dense's mean accuracy - mean chance) over "
                      "the six tasks other than BoolQ, where dense SmolLM2 scores below the majority rate; ± its standard "
-                     "error from the documents scored (wide.evaluate.above_chance_se, an upper estimate: seeds add "
-                     "their own spread).")
+                     "error from the documents scored (wide.evaluate.above_chance_se: paired with dense's where both "
+                     "records carry per-document scores, else an upper estimate; seeds add their own spread).")
     (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     plot(records, out / f"{STEM}.png")
     print(table(records))

@@ -114,8 +114,9 @@ def main(argv=None) -> int:
     md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
           f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n\n"
           "Above chance kept: the share of dense's above-chance accuracy over the six tasks other than BoolQ, "
-          "± its standard error from the documents scored (wide.evaluate.above_chance_se; an upper estimate, "
-          "seeds add their own spread).\n")
+          "± its standard error from the documents scored (wide.evaluate.above_chance_se: document by document "
+          "against dense where both records carry per-document scores, else an upper estimate; seeds add their "
+          "own spread).\n")
     (args.folder / f"{STEM}.md").write_text(md)
     keep = ("name", "variant", "target", "stage", "tokens", "seed", "loss", "settings", "ppl", "avg", "sparsity")
     (args.folder / f"{STEM}.json").write_text(json.dumps([{k: r.get(k) for k in keep} for r in records], indent=1))

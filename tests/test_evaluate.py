@@ -58,6 +58,10 @@ def test_chance_and_above_chance_by_hand():
     # Two documents, with 4 and 2 choices: a uniform guess scores (1/4 + 1/2) / 2.
     reqs = [Request(0, "c", f" {x}", 1) for x in "abcd"] + [Request(1, "c", f" {x}", 1) for x in "ab"]
     assert score("piqa", reqs, [0, 1], [0.0] * 6)["chance"] == pytest.approx(0.375)
+    # per-document scores of the headline metric, in document order (doc 1 right, doc 0 wrong)
+    lls = [-5.0, -1.0, -6.0, -7.0, -1.0, -3.0]  # doc 0 picks choice 1 (gold 0), doc 1 choice 0 (gold 1)
+    assert score("arc_easy", reqs, [0, 1], lls)["correct"] == "00"
+    assert score("arc_easy", reqs, [1, 0], lls)["correct"] == "11"
     tasks = ("arc_easy", "winogrande")
     chance = {"arc_easy": 0.25, "winogrande": 0.5}
     dense = {"arc_easy": 0.45, "winogrande": 0.60}  # pooled margin: 0.525 - 0.375 = 0.15
@@ -92,6 +96,36 @@ def test_above_chance_standard_error_matches_resampled_documents():
     # n from the record's limit where no task detail says otherwise; None without either
     assert above_chance_se({**routed_p, "limit": 500}, {**dense_p, "limit": 500}, chance=chance) < se
     assert above_chance_se(routed_p, dense_p, chance=chance) is None
+
+
+def test_above_chance_standard_error_pairs_documents():
+    # The routed model mostly agrees with dense document by document: its kept share moves with
+    # dense's when the documents change, so the paired error (bootstrap over documents) is far
+    # under the unpaired one, and the formula gives it.
+    g = torch.Generator().manual_seed(1)
+    chance = dict(zip(ABOVE_CHANCE_TASKS, (0.25, 0.25, 0.5, 0.5, 0.25, 0.25)))
+    n = 400
+    rec, dense = {"tasks_detail": {}}, {"tasks_detail": {}}
+    for t, p in zip(ABOVE_CHANCE_TASKS, (0.41, 0.31, 0.51, 0.66, 0.31, 0.44)):
+        y = (torch.rand(n, generator=g) < p).long()
+        x = torch.where(torch.rand(n, generator=g) < 0.75, y, (torch.rand(n, generator=g) < chance[t]).long())
+        for r, v in ((rec, x), (dense, y)):
+            r[t] = float(v.float().mean())
+            r["tasks_detail"][t] = {"n": n, "correct": "".join(map(str, v.tolist()))}
+    se = above_chance_se(rec, dense, chance=chance)
+    apart = above_chance_se({k: v for k, v in rec.items() if k != "tasks_detail"} | {"limit": n},
+                            {k: v for k, v in dense.items() if k != "tasks_detail"} | {"limit": n}, chance=chance)
+    assert se < 0.6 * apart
+    boot = []
+    for _ in range(2000):
+        idx = torch.randint(0, n, (n,), generator=g)
+        r2, d2 = {}, {}
+        for t in ABOVE_CHANCE_TASKS:
+            x = torch.tensor([int(b) for b in rec["tasks_detail"][t]["correct"]])[idx]
+            y = torch.tensor([int(b) for b in dense["tasks_detail"][t]["correct"]])[idx]
+            r2[t], d2[t] = float(x.float().mean()), float(y.float().mean())
+        boot.append(above_chance(r2, d2, chance=chance))
+    assert float(torch.tensor(boot).std()) == pytest.approx(se, rel=0.12)
 
 
 def test_loglikelihoods_match_single_sequence_scoring():

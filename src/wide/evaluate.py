@@ -128,18 +128,22 @@ def score(task: str, requests: list[Request], gold: list[int], lls: list[float])
     by_doc: dict[int, list] = {}
     for r, ll in zip(requests, lls):
         by_doc.setdefault(r.doc, []).append((ll, r.choice_len))
-    acc = acc_norm = 0
-    for d, scores in by_doc.items():
+    hits, hits_norm = [], []
+    for d in sorted(by_doc):
+        scores = by_doc[d]
         lls_d = [s[0] for s in scores]
         norm = [s[0] / max(s[1], 1) for s in scores]
-        acc += int(max(range(len(lls_d)), key=lls_d.__getitem__) == gold[d])
-        acc_norm += int(max(range(len(norm)), key=norm.__getitem__) == gold[d])
+        hits.append(int(max(range(len(lls_d)), key=lls_d.__getitem__) == gold[d]))
+        hits_norm.append(int(max(range(len(norm)), key=norm.__getitem__) == gold[d]))
     n = len(by_doc)
     # What a uniform guess scores on these documents: the floor that "above chance" starts from.
-    res = {"acc": acc / n, "n": n, "chance": sum(1 / len(scores) for scores in by_doc.values()) / n}
+    res = {"acc": sum(hits) / n, "n": n, "chance": sum(1 / len(scores) for scores in by_doc.values()) / n}
     if task in NORM_TASKS:
-        res["acc_norm"] = acc_norm / n
+        res["acc_norm"] = sum(hits_norm) / n
     res["metric"] = res.get("acc_norm", res["acc"])  # the number tables report
+    # The headline metric per document, in document order: two records scored on the same
+    # documents can then be compared pair by pair (above_chance_se), far more tightly than apart.
+    res["correct"] = "".join(map(str, hits_norm if task in NORM_TASKS else hits))
     return res
 
 
@@ -215,18 +219,33 @@ def above_chance(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance: Op
     return None if d <= c else (m - c) / (d - c)
 
 
+def _per_document(record: dict, task: str) -> Optional[list]:
+    bits = ((record.get("tasks_detail") or {}).get(task) or {}).get("correct")
+    return None if bits is None else [int(b) for b in bits]
+
+
 def above_chance_se(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance: Optional[dict] = None) -> Optional[float]:
     """Standard error of :func:`above_chance` from the sampling of documents alone (how much it
-    would move on other documents of the same tasks; seeds add their own spread). Each task's
-    metric is a mean of n 0/1 scores (``tasks_detail``'s n, else the record's ``limit``), so its
-    variance is p(1 - p)/n; the ratio's comes from the delta method, with the routed and the dense
-    model's scores taken as independent. They are scored on the same documents, so the true
-    error of the ratio is somewhat smaller: read this as an upper estimate. None where
-    :func:`above_chance` is None or a task's n is unknown."""
+    would move on other documents of the same tasks; seeds add their own spread), by the delta
+    method. Where both records carry each task's per-document scores (``tasks_detail[t]
+    ["correct"]``, written since 2026-12-05) on the same documents, the pairs are used: the kept
+    share r = (M - c) / (D - c) then has variance sum_t var_i(x_ti - r y_ti) / n_t / (T (D - c))^2,
+    which counts how the two models' scores move together. Otherwise each task's metric is taken
+    as a mean of n independent 0/1 scores (``tasks_detail``'s n, else the record's ``limit``),
+    variance p(1 - p)/n, the two models apart: an upper estimate. None where :func:`above_chance`
+    is None or a task's n is unknown."""
     kept = above_chance(record, dense, tasks, chance)
     if kept is None:
         return None
     levels = chance or chance_levels([dense, record], tasks)
+    margin = sum(dense[t] - levels[t] for t in tasks) / len(tasks)
+    pairs = [(_per_document(record, t), _per_document(dense, t)) for t in tasks]
+    if all(x is not None and y is not None and len(x) == len(y) > 1 for x, y in pairs):
+        total = 0.0
+        for x, y in pairs:
+            z = torch.tensor(x, dtype=torch.float64) - kept * torch.tensor(y, dtype=torch.float64)
+            total += float(z.var(unbiased=False)) / len(x)
+        return math.sqrt(total) / len(tasks) / margin
 
     def mean_var(r: dict) -> Optional[float]:
         total = 0.0
@@ -240,7 +259,6 @@ def above_chance_se(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance:
     vm, vd = mean_var(record), mean_var(dense)
     if vm is None or vd is None:
         return None
-    margin = sum(dense[t] - levels[t] for t in tasks) / len(tasks)
     return math.sqrt(vm + kept ** 2 * vd) / margin
 
 
