@@ -39,11 +39,12 @@ def stub(tmp_path):
     return py
 
 
-def run_script(tmp_path, stub, variants, tokens):
+def run_script(tmp_path, stub, variants, tokens, **env_extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "log"
     log.touch()
     env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / "runs"), RESULTS=str(tmp_path / "res"),
-               TOKENS=str(tokens), VARIANTS=variants, DEVICE="cpu")
+               TOKENS=str(tokens), VARIANTS=variants, DEVICE="cpu", **env_extra)
     p = subprocess.run(["bash", str(ROOT / "bench/quality_routing.sh")], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -70,6 +71,15 @@ def test_a_run_that_did_not_ship_is_trained(tmp_path, stub):
     _, calls = run_script(tmp_path, stub, "dense+lr1.2e-2+ffn16+s7", 26214400)
     cal = [c for c in calls if "wide.cli calibrate" in c]
     assert len(cal) == 1 and "--seed 7" in cal[0] and "--router-init dense" in cal[0], calls
+
+
+def test_dense_reference_copied_or_measured_again(tmp_path, stub):
+    _, calls = run_script(tmp_path / "a", stub, "dense+s7", 6553600)
+    assert (tmp_path / "a/res/dense.json").read_text() == (ROOT / "bench/results/quality_scaling/dense.json").read_text()
+    assert not [c for c in calls if c.endswith("/res/dense")]
+    _, calls = run_script(tmp_path / "b", stub, "dense+s7", 6553600, DENSE="eval")
+    dense = [c for c in calls if "wide.cli eval" in c and c.endswith(f"--out {tmp_path}/b/res/dense")]
+    assert len(dense) == 1 and "--routers" not in dense[0], calls
 
 
 if __name__ == "__main__":
