@@ -161,3 +161,31 @@ def test_tile_modules_trial_tiles_one_kind_only(tiled, monkeypatch):
     assert any(not torch.equal(m, m[:, lead]) for (layer, kind), m in one.items() if kind != tiled)
     with pytest.raises(SystemExit, match="first argument"):
         _script("tile_modules_cpu").install("mlp")
+
+
+def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
+    """The union trial's proxy is mean_g 1 - (1 - f_g)^k over the modules' training masks, and
+    its penalty is the library's plus coef x that (over the sparsity coefficient train.py puts
+    on the whole penalty); it pulls the masks toward shared groups."""
+    import wide.train as train
+    from wide.modeling import forward_sparsity, get_state, router_parameters, sparsity_penalty
+
+    trial = _script("union_penalty_cpu")
+    model = _wrapped()
+    model.train()
+    get_state(model).tau = 1.0
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids)
+    masks = {k: m for k, m in get_state(model).masks.items() if m is not None}
+    want = torch.stack([(1 - (1 - m.float().flatten(0, -2).mean(0)).pow(8)).mean() for m in masks.values()]).mean()
+    assert torch.allclose(trial.union_proxy(model, 8), want)
+    assert 0.0 < float(want) < 1.0
+    monkeypatch.setattr(train, "forward_sparsity", forward_sparsity)  # restored after the test
+    monkeypatch.setattr(train, "sparsity_penalty", sparsity_penalty)
+    trial.install(2.0, 8)
+    config = get_state(model).config
+    sp = train.forward_sparsity(model)
+    got = train.sparsity_penalty(sp, config)
+    assert torch.allclose(got, sparsity_penalty(sp, config) + 2.0 / config.sparsity_coef * want)
+    got.backward()  # the union term reaches the routers
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in router_parameters(model))
