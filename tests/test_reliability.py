@@ -31,9 +31,30 @@ SAVED = re.compile(r"^saved (\d+)$", re.M)
 START = re.compile(r"^(?:resumed from \S+ at step (\d+)/\d+|no checkpoint in \S+: starting a new run)$", re.M)
 
 
+def _own_progress_lock() -> None:
+    """tqdm writes under a multiprocessing lock that forked children share with this process: a
+    child killed inside a progress-bar write leaves it held for good, and every later bar, in
+    the next child and in the test process (the tests after this one), waits on it forever
+    (seen in CI). Each child takes a lock of its own instead."""
+    import threading
+
+    _set_progress_lock(threading.RLock())
+
+
+def _set_progress_lock(lock) -> None:
+    import tqdm.std
+
+    classes = [tqdm.std.tqdm]
+    while classes:  # tqdm.auto's class and others may hold one of their own
+        cls = classes.pop()
+        cls.set_lock(lock)
+        classes += cls.__subclasses__()
+
+
 def _child(argv: list, log: str, slow: bool) -> None:
     """One ``wide calibrate`` in this forked process; logs each checkpoint once its save has
     returned, so the log is a lower bound of what is on disk."""
+    _own_progress_lock()
     if slow:
         os.environ[serialization.SLOW_WRITE_ENV] = str(PAUSE_S)
     else:
@@ -114,3 +135,34 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path, monkeypatch):
     assert whole.keys() == killed.keys()
     for k in whole:
         assert torch.equal(whole[k], killed[k]), k
+
+
+def _hold_progress_lock_and_die(own: bool) -> None:
+    from tqdm import tqdm
+
+    if own:
+        _own_progress_lock()
+    tqdm.get_lock().acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_child_killed_inside_a_progress_bar_write_leaves_no_lock_behind():
+    from tqdm.std import TqdmDefaultWriteLock, tqdm
+
+    ctx = multiprocessing.get_context("fork")
+    try:
+        for own in (True, False):
+            tqdm.get_lock()  # the shared lock exists before the fork, as after any bar here
+            p = ctx.Process(target=_hold_progress_lock_and_die, args=(own,))
+            p.start()
+            p.join()
+            shared = TqdmDefaultWriteLock.mp_lock
+            got = shared.acquire(timeout=2)
+            if got:
+                shared.release()
+            # With its own lock the child's death leaves ours free; sharing tqdm's, it would
+            # hang every later bar: the test checks that it can tell.
+            assert got == own, own
+    finally:  # a fresh shared lock for the tests after this one
+        TqdmDefaultWriteLock.mp_lock = multiprocessing.RLock()
+        _set_progress_lock(TqdmDefaultWriteLock())
