@@ -66,11 +66,11 @@ def measure(routers: list, windows: int = 32, draws: int = 200) -> list:
     from wide.data import fetch_default_model, load_documents, pack_documents
 
     tok = AutoTokenizer.from_pretrained(fetch_default_model())
+    ids = pack_documents(load_documents("wiki", split="heldout"), tok, 256)[:windows]
     out = []
     for path in routers:
         model = wide.from_pretrained(path)
         model.eval()
-        ids = pack_documents(load_documents("wiki", split="heldout"), tok, 256)[:windows]
         masks = collect_masks(model, [ids[i:i + 8] for i in range(0, len(ids), 8)])
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
