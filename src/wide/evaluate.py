@@ -234,10 +234,12 @@ def above_chance_se(record: dict, dense: dict, tasks=ABOVE_CHANCE_TASKS, chance:
     as a mean of n independent 0/1 scores (``tasks_detail``'s n, else the record's ``limit``),
     variance p(1 - p)/n, the two models apart: an upper estimate. None where :func:`above_chance`
     is None or a task's n is unknown."""
-    kept = above_chance(record, dense, tasks, chance)
-    if kept is None:
+    if any(r.get(t) is None for r in (record, dense) for t in tasks):
         return None
     levels = chance or chance_levels([dense, record], tasks)
+    kept = above_chance(record, dense, tasks, levels)
+    if kept is None:
+        return None
     margin = sum(dense[t] - levels[t] for t in tasks) / len(tasks)
     pairs = [(_per_document(record, t), _per_document(dense, t)) for t in tasks]
     if all(x is not None and y is not None and len(x) == len(y) > 1 for x, y in pairs):
