@@ -189,3 +189,135 @@ def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     assert torch.allclose(got, sparsity_penalty(sp, config) + 2.0 / config.sparsity_coef * want)
     got.backward()  # the union term reaches the routers
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in router_parameters(model))
+
+
+def test_oracle_trial_choices_keep_the_budget():
+    """The oracle trial's masks: the routers' count per row (or per tile, or in total), the
+    groups of largest contribution ||h_g W_g^T||, computed through Gram matrices."""
+    trial = _script("oracle_masks_cpu")
+    gen = torch.Generator().manual_seed(4)
+    B, T, G, cols, out = 2, 21, 6, 4, 5
+    h = _randn(gen, B, T, G * cols)
+    w = _randn(gen, out, G * cols)
+    gram = trial.contribution_gram(w, G)
+    brute = torch.stack([(h[..., g * cols:(g + 1) * cols] @ w[:, g * cols:(g + 1) * cols].T).square().sum(-1)
+                         for g in range(G)], -1)
+    torch.testing.assert_close(trial.contribution_sq(h, gram), brute, rtol=1e-4, atol=1e-5)
+    routed = torch.rand(B, T, G, generator=gen) < 0.5
+    count = routed.sum(-1)
+    for mode in ("router", "random", "oracle", "oracle-act"):
+        m = trial.choose(mode, 0, h, gram, routed.float(), gen)
+        assert torch.equal(m.sum(-1), count), mode
+    best = trial.choose("oracle", 0, h, gram, routed.float(), gen)
+    # every kept group outweighs every dropped one of its row
+    low = brute.masked_fill(~best, float("inf")).amin(-1)
+    high = brute.masked_fill(best, -float("inf")).amax(-1)
+    assert (low >= high).all()
+    assert torch.equal(trial.choose("oracle-pool", 0, h, gram, routed.float(), gen).sum(), count.sum())
+    flat = trial.choose("oracle-flat", 0, h, gram, routed.float(), gen).sum(-1)
+    assert (flat == round(float(count.float().mean()))).all()
+    tiled = trial.choose("oracle-tile", 8, h, gram, routed.float(), gen)
+    lead = torch.arange(T) // 8 * 8
+    assert torch.equal(tiled, tiled[:, lead])  # one mask per tile, the ragged last one included
+    assert torch.equal(tiled[:, 16].sum(-1), count[:, 16:].float().mean(-1).round().long())
+    assert trial.parse_mode("oracle-tile16:ffn") == ("oracle-tile", 16, ("ffn",))
+    for bad in ("oracle-tile", "oracle:mlp", "best"):
+        with pytest.raises(SystemExit):
+            trial.parse_mode(bad)
+
+
+@pytest.mark.parametrize("mode", ["oracle-ce", "oracle-kl"])
+def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
+    """The first-order modes' gain of a group is minus the slope of their loss in that group's
+    contribution: checked by central differences on the last layer's FFN (no router after it to
+    change its mind), every group of every token scaled by 1 +- eps."""
+    import torch.nn.functional as F
+
+    from wide.modeling import get_state
+
+    trial = _script("oracle_masks_cpu")
+    model = _wrapped().double()  # more digits for the differences (HF's RMSNorm still runs in fp32)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+    policy = trial.MaskPolicy(model, mode, kinds=("ffn",))
+    policy.prepare(ids)
+    last = len(policy.first_order) - 1
+    gain, _ = policy.first_order[(last, "ffn")]
+    routed = get_state(model).masks[(last, "ffn")]
+    policy.remove()
+    from wide.modeling import routing_disabled
+
+    with torch.no_grad(), routing_disabled(model):
+        dense = F.log_softmax(model(input_ids=ids).logits.float(), -1)
+    proj = policy.projs[(last, "ffn")]
+    cols = get_state(model).geometry.columns("ffn")
+
+    def loss(g, scale):
+        def pre(mod, args):
+            h = args[0].clone()
+            h[..., g * cols:(g + 1) * cols] *= scale
+            return (h,)
+        handle = proj.register_forward_pre_hook(pre)  # after wide's mask: scales what runs
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits.double()
+        finally:
+            handle.remove()
+        if mode == "oracle-kl":
+            return float(F.kl_div(F.log_softmax(logits, -1), dense.double(), log_target=True, reduction="sum"))
+        return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"))
+
+    eps = 1e-2
+    for g in range(gain.shape[-1]):
+        slope = (loss(g, 1 + eps) - loss(g, 1 - eps)) / (2 * eps)
+        want = -float((gain[..., g] * routed[..., g]).sum())  # only the tokens that run g move
+        assert abs(want) > 1e-8 and abs(slope - want) <= 2e-2 * abs(want), (g, slope, want)
+
+
+def test_oracle_trial_probes_recover_a_linear_target():
+    """The probes' least squares with a full-rank bias: a target exactly linear in the input
+    comes back at full rank; at rank R the weight has rank R and is the best rank-R fit (no
+    worse than the rank-R truncation of the true weight); fitted on the tiny model, every
+    module gets one."""
+    trial = _script("oracle_masks_cpu")
+    gen = torch.Generator().manual_seed(7)
+    N, H, G = 400, 12, 6
+    x = _randn(gen, N, H) * 3 + 1
+    a, c = _randn(gen, H, G), _randn(gen, G)
+    y = x @ a + c
+    stats = [0, 0.0, 0.0, 0.0, 0.0]
+    trial.accumulate(stats, x[:150], y[:150])
+    trial.accumulate(stats, x[150:], y[150:])  # streamed in parts
+    fits = trial.solve(stats, [0, 2])
+    w, b = fits[0]
+    torch.testing.assert_close(x @ w + b, y, rtol=1e-3, atol=1e-3)
+    w2, b2 = fits[2]
+    assert int(torch.linalg.matrix_rank(w2)) == 2
+    u, s, vh = torch.linalg.svd(a)
+    naive = (u[:, :2] * s[:2]) @ vh[:2]
+    err = lambda w_, b_: float((x @ w_ + b_ - y).square().mean())  # noqa: E731
+    assert err(w2, b2) <= err(naive, (y - x @ naive).mean(0)) + 1e-4
+
+    model = _wrapped()
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(6))
+    pairs = []
+    trial.capture_pairs(model, ids, lambda key, x_, y_: pairs.append((key, x_, y_)), kinds=("ffn",))
+    layers = len(pairs)
+    assert layers > 1 and [k for k, _, _ in pairs] == [(i, "ffn") for i in range(layers)]
+    torch.testing.assert_close(pairs[0][2].mean(-1), torch.zeros(64, dtype=torch.float64))  # rows centred
+    probes = trial.fit_probes(model, ids, [0, 2], kinds=("ffn",))
+    assert set(probes[0]) == set(probes[2]) == {(i, "ffn") for i in range(layers)}
+    for key, x_, y_ in pairs[:2]:  # the full-rank probe beats predicting nothing
+        assert (probes[0][key](x_) - y_).square().mean() < y_.square().mean()
+    mlp = trial.fit_mlp_probes(model, ids, [8], kinds=("ffn",), steps=200)
+    for key, x_, y_ in pairs[:2]:
+        assert (mlp[8][key](x_) - y_).square().mean() < 0.8 * y_.square().mean()
+
+
+def test_oracle_trial_paired_se():
+    trial = _script("oracle_masks_cpu")
+    base = [10.0, 12.0, 11.0, 9.0]
+    assert trial.paired_se(base, base, 5) == 0.0  # the same losses: no spread
+    shifted = [b + 5.0 for b in base]  # every window 1 nat per token worse: a sure shift
+    assert trial.paired_se(shifted, base, 5) == 0.0
+    noisy = [b + d for b, d in zip(base, (1.0, -1.0, 1.0, -1.0))]
+    assert abs(trial.paired_se(noisy, base, 5) - (4 / 3) ** 0.5 / 5 / 2) < 1e-12
