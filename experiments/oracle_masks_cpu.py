@@ -41,6 +41,12 @@ as the routers chose on that token, unless the mode says otherwise.
                     windows of the calibration text with the routers' masks. The routers
                     themselves are linear maps of rank 16 (wide.routers), so probe16 is in their
                     function class: if it gets near the oracle, a router could too
+    gate            FFN only: the routers' count, the groups of largest ||SiLU(gate)_g||. Realisable
+                    without an oracle: run gate_proj densely first, then up and down on the
+                    chosen groups only (gated-activation sparsity, as CATS does with a threshold)
+    gate-flops      as gate, with as many groups skipped as spends the routers' FLOPs although
+                    gate runs in full: a skipped group then saves 2 of its 3 projections, so
+                    1.5x the routers' skipped groups per token (FLOP sparsity counts it so)
     mlpR            as probeR with Linear(H, R) -> SiLU -> Linear(R, G) trained by Adam on the same
                     data: a router of rank R with a nonlinearity between its two linears
 
@@ -81,7 +87,9 @@ from tqdm.auto import tqdm
 from wide import arch
 from wide.modeling import KINDS, get_state, routing_disabled
 
-MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "oracle-flat", "oracle-pool")
+MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "oracle-flat", "oracle-pool",
+         "gate", "gate-flops")
+GATED = ("gate", "gate-flops")  # FFN only: what the module's gate projection says, after it ran
 FIRST_ORDER = ("oracle-kl", "oracle-ce")
 PROBES = ("probe", "mlp")
 
@@ -108,6 +116,10 @@ def parse_mode(text: str) -> tuple:
         if not digits.isdigit() or int(digits) < 1:
             raise SystemExit(f"mode {text!r}: oracle-tileN needs a tile size N >= 1")
         name, tile = "oracle-tile", int(digits)
+    elif name in GATED:
+        if kind == "attn":
+            raise SystemExit(f"mode {text!r}: the gate modes choose FFN groups only")
+        kinds = ("ffn",)
     elif name not in MODES and name != "dense":
         raise SystemExit(f"unknown mode {text!r}; modes: dense, {', '.join(MODES)}, oracle-tileN")
     return name, tile, kinds
@@ -179,6 +191,7 @@ class MaskPolicy:
         self.model = model
         self.probes = probes  # probe modes: (layer, kind) -> predictor of scores [.., G] from the router input
         self.inputs = {}  # probe mode: this forward's router inputs
+        self.gates = {}  # gate modes: layer -> SiLU(gate_proj(x)) of this forward
         self.state = get_state(model)
         self.mode, self.tile, self.kinds = mode, tile, tuple(kinds)
         self.gen = torch.Generator().manual_seed(seed)
@@ -200,6 +213,10 @@ class MaskPolicy:
                 gram = contribution_gram(proj.weight, geo.groups(kind)) if kind in self.kinds else None
                 self.handles.append(proj.register_forward_pre_hook(
                     lambda mod, args, i=i, kind=kind, gram=gram: self._hook(i, kind, gram, args[0]), prepend=True))
+                if mode in GATED and kind == "ffn":
+                    gate = arch.projection(layer, spec, "gate")
+                    self.handles.append(gate.register_forward_hook(
+                        lambda mod, args, out, i=i: self.gates.__setitem__(i, F.silu(out.float()))))
                 if mode in PROBES and kind in self.kinds:
                     self.handles.append(router_input_hook(arch.module_norm(layer, spec, kind), normed,
                                                           lambda x, key=(i, kind): self.inputs.__setitem__(key, x)))
@@ -216,6 +233,13 @@ class MaskPolicy:
             if self.mode in FIRST_ORDER:
                 score, count = self.first_order[(layer, kind)]
                 mask = top_by_count(score, count)
+            elif self.mode in GATED:
+                count = routed.bool().sum(-1)
+                groups = routed.shape[-1]
+                if self.mode == "gate-flops":
+                    count = (groups - ((groups - count) * 3 + 1) // 2).clamp_min(0)
+                g = self.gates.pop(layer)
+                mask = top_by_count(g.view(*g.shape[:-1], groups, -1).square().sum(-1), count)
             elif self.mode in PROBES:
                 predict = self.probes[(layer, kind)]
                 mask = top_by_count(predict(self.inputs.pop((layer, kind))), routed.bool().sum(-1))
@@ -230,7 +254,10 @@ class MaskPolicy:
             share = (sq * mask).sum(-1) / (sq * best).sum(-1).clamp_min(1e-30)
             self.energy += float(share[runs].sum())
             self.energy_rows += int(runs.sum())
-        self.kept[kind] += float(mask.sum())
+        kept = float(mask.sum())
+        if self.mode in GATED and kind == "ffn":  # gate_proj ran for every group: 1 of 3 projections
+            kept += (mask.numel() - kept) / 3
+        self.kept[kind] += kept
         self.slots[kind] += mask.numel()
 
     def prepare(self, ids: torch.Tensor) -> None:

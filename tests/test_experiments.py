@@ -321,3 +321,49 @@ def test_oracle_trial_paired_se():
     assert trial.paired_se(shifted, base, 5) == 0.0
     noisy = [b + d for b, d in zip(base, (1.0, -1.0, 1.0, -1.0))]
     assert abs(trial.paired_se(noisy, base, 5) - (4 / 3) ** 0.5 / 5 / 2) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["gate", "gate-flops"])
+def test_oracle_trial_gate_modes(mode):
+    """The gate modes keep, per token, the FFN groups of largest ||SiLU(gate)_g||: as many as the
+    routers chose (gate) or 1.5x as many skipped (gate-flops, rounded up), and count the gate
+    projection as run for every group; attention keeps the routers' masks."""
+    import torch.nn.functional as F
+
+    from wide import arch
+    from wide.modeling import get_state, recording_masks
+
+    trial = _script("oracle_masks_cpu")
+    model = _wrapped()
+    state = get_state(model)
+    spec = arch.spec_for(model)
+    gates, hooks = {}, []
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        hooks.append(arch.projection(layer, spec, "gate").register_forward_hook(
+            lambda m, a, out, i=i: gates.__setitem__(i, F.silu(out.float()))))
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(8))
+    name, tile, kinds = trial.parse_mode(mode)
+    assert kinds == ("ffn",)
+    policy = trial.MaskPolicy(model, name, tile, kinds)
+    with recording_masks(model) as routed, torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    policy.remove()
+    G = state.geometry.ffn_groups
+    kept_ffn = 0
+    for (layer, kind), masks in routed.items():
+        final = state.masks[(layer, kind)].bool()
+        if kind == "attn":
+            assert torch.equal(final, masks[0])
+            continue
+        k = masks[0].sum(-1)
+        want = k if mode == "gate" else (G - ((G - k) * 3 + 1) // 2).clamp_min(0)
+        assert torch.equal(final.sum(-1), want)
+        norms = gates[layer].view(2, 11, G, -1).square().sum(-1)
+        assert torch.equal(final, trial.top_by_count(norms, want))
+        kept_ffn += float(final.sum())
+    slots = 2 * 11 * G * len(arch.decoder_layers(model))
+    assert policy.kept["ffn"] == pytest.approx(kept_ffn + (slots - kept_ffn) / 3)
+    with pytest.raises(SystemExit, match="FFN groups only"):
+        trial.parse_mode("gate:attn")
