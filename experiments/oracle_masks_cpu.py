@@ -57,7 +57,8 @@ oracle's (1.0 for the oracle, by construction). Per token, because a few tokens 
 window, among others) carry FFN outputs a hundred times the others' and would outweigh the rest.
 
 A ``:attn`` or ``:ffn`` suffix applies the mode to that kind only; the other keeps the
-routers' masks (``oracle:ffn`` says how much of the gap is the FFN routers').
+routers' masks (``oracle:ffn`` says how much of the gap is the FFN routers'); ``@FIRST-LAST``
+after that applies it to those decoder layers only (``oracle:ffn@0-9``).
 
     python experiments/oracle_masks_cpu.py --routers smollm2-135m-50 \\
         --modes router,random,oracle,oracle-act,oracle-flat,oracle-pool,oracle:attn,oracle:ffn,oracle-tile16 \\
@@ -92,6 +93,17 @@ MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "
 GATED = ("gate", "gate-flops")  # FFN only: what the module's gate projection says, after it ran
 FIRST_ORDER = ("oracle-kl", "oracle-ce")
 PROBES = ("probe", "mlp")
+
+
+def split_layers(text: str) -> tuple:
+    """'oracle:ffn@10-19' -> ('oracle:ffn', range(10, 20)); without '@', (text, None)."""
+    core, at, span = text.partition("@")
+    if not at:
+        return text, None
+    lo, dash, hi = span.partition("-")
+    if not (lo.isdigit() and dash and hi.isdigit()) or int(hi) < int(lo):
+        raise SystemExit(f"mode {text!r}: '@FIRST-LAST' names a layer range, e.g. @0-9")
+    return core, range(int(lo), int(hi) + 1)
 
 
 def parse_mode(text: str) -> tuple:
@@ -187,8 +199,9 @@ class MaskPolicy:
     ``state.masks``), that replace the routers' mask by the mode's and count what it keeps."""
 
     def __init__(self, model, mode: str, tile: int = 0, kinds=KINDS, seed: int = 0, probes=None,
-                 normed: bool = False):
+                 normed: bool = False, layers=None):
         self.model = model
+        self.layers = layers  # None: every layer
         self.probes = probes  # probe modes: (layer, kind) -> predictor of scores [.., G] from the router input
         self.inputs = {}  # probe mode: this forward's router inputs
         self.gates = {}  # gate modes: layer -> SiLU(gate_proj(x)) of this forward
@@ -229,7 +242,7 @@ class MaskPolicy:
             self.capture[(layer, kind)] = (h.detach(), routed.bool().sum(-1))
             return
         mask = routed.bool()
-        if kind in self.kinds:
+        if kind in self.kinds and (self.layers is None or layer in self.layers):
             if self.mode in FIRST_ORDER:
                 score, count = self.first_order[(layer, kind)]
                 mask = top_by_count(score, count)
@@ -481,15 +494,17 @@ def run(routers: str, modes: list, windows: int, batch_size: int = 8, seed: int 
     ids = heldout_windows(tok, windows).to(device)
     model = wide.from_pretrained(routers).to(device)
     model.eval()
-    parsed = [parse_mode(m) for m in modes]
+    parsed = [parse_mode(split_layers(m)[0]) for m in modes]
     ranks = sorted({tile for mode, tile, _ in parsed if mode == "probe"})
     widths = sorted({tile for mode, tile, _ in parsed if mode == "mlp"})
     fit_ids = calibration_windows(tok, probe_windows).to(device) if ranks or widths else None
-    probes = {"probe": fit_probes(model, fit_ids, ranks, normed, batch_size) if ranks else {},
-              "mlp": fit_mlp_probes(model, fit_ids, widths, normed, batch_size, seed=seed) if widths else {}}
+    fit_kinds = tuple(k for k in KINDS if any(k in kinds for mode, _, kinds in parsed if mode in PROBES))
+    probes = {"probe": fit_probes(model, fit_ids, ranks, normed, batch_size, fit_kinds) if ranks else {},
+              "mlp": fit_mlp_probes(model, fit_ids, widths, normed, batch_size, fit_kinds, seed=seed) if widths else {}}
     rows = []
     for text in ["dense"] + [m for m in modes if m != "dense"]:
-        mode, tile, kinds = parse_mode(text)
+        core, layers = split_layers(text)
+        mode, tile, kinds = parse_mode(core)
         t0 = time.perf_counter()
         if mode == "dense":
             with routing_disabled(model):
@@ -497,7 +512,7 @@ def run(routers: str, modes: list, windows: int, batch_size: int = 8, seed: int 
             sparsity = 0.0
             agree = energy = None
         else:
-            policy = MaskPolicy(model, mode, tile, kinds, seed, probes.get(mode, {}).get(tile), normed)
+            policy = MaskPolicy(model, mode, tile, kinds, seed, probes.get(mode, {}).get(tile), normed, layers)
             try:
                 res = perplexity(model, ids, batch_size, policy)
             finally:
@@ -589,7 +604,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        parse_mode(m)  # refuse a typo before the model loads
+        parse_mode(split_layers(m)[0])  # refuse a typo before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args.routers, modes, args.windows, args.batch_size, args.seed, args.probe_windows,

@@ -367,3 +367,25 @@ def test_oracle_trial_gate_modes(mode):
     assert policy.kept["ffn"] == pytest.approx(kept_ffn + (slots - kept_ffn) / 3)
     with pytest.raises(SystemExit, match="FFN groups only"):
         trial.parse_mode("gate:attn")
+
+
+def test_oracle_trial_layer_range():
+    """``@FIRST-LAST`` applies a mode to those layers only; the others keep the routers' masks."""
+    from wide.modeling import get_state, recording_masks
+
+    trial = _script("oracle_masks_cpu")
+    assert trial.split_layers("oracle:ffn@1-2") == ("oracle:ffn", range(1, 3))
+    assert trial.split_layers("oracle") == ("oracle", None)
+    for bad in ("oracle@3", "oracle@2-1", "oracle@a-b"):
+        with pytest.raises(SystemExit, match="layer range"):
+            trial.split_layers(bad)
+    model = _wrapped()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(9))
+    policy = trial.MaskPolicy(model, "random", 0, ("ffn",), layers=range(1, 2))
+    with recording_masks(model) as routed, torch.no_grad():
+        model(input_ids=ids)
+    policy.remove()
+    final = get_state(model).masks
+    assert torch.equal(final[(0, "ffn")].bool(), routed[(0, "ffn")][0])
+    assert not torch.equal(final[(1, "ffn")].bool(), routed[(1, "ffn")][0])  # random groups there
+    assert torch.equal(final[(1, "ffn")].sum(-1), routed[(1, "ffn")][0].sum(-1).float())
