@@ -133,7 +133,7 @@ def parse_mode(text: str) -> tuple:
             raise SystemExit(f"mode {text!r}: the gate modes choose FFN groups only")
         kinds = ("ffn",)
     elif name not in MODES and name != "dense":
-        raise SystemExit(f"unknown mode {text!r}; modes: dense, {', '.join(MODES)}, oracle-tileN")
+        raise SystemExit(f"unknown mode {text!r}; modes: dense, {', '.join(MODES)}, oracle-tileN, probeR, mlpR")
     return name, tile, kinds
 
 
@@ -185,8 +185,8 @@ def choose(mode: str, tile: int, h: torch.Tensor, gram: torch.Tensor, routed: to
         b, t, g = score.shape
         n = -(-t // tile)
         pad = n * tile - t
-        s = torch.nn.functional.pad(score, (0, 0, 0, pad)).view(b, n, tile, g).sum(2)
-        c = torch.nn.functional.pad(count.float(), (0, pad)).view(b, n, tile).sum(2)
+        s = F.pad(score, (0, 0, 0, pad)).view(b, n, tile, g).sum(2)
+        c = F.pad(count.float(), (0, pad)).view(b, n, tile).sum(2)
         sizes = torch.full((n,), float(tile))
         sizes[-1] = tile - pad
         k = (c / sizes.to(c.device)).round().long()
