@@ -157,10 +157,11 @@ def contribution_sq(h: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...gc,gcd,...gd->...g", hg, gram, hg).clamp_min(0)
 
 
-def choose(mode: str, tile: int, h: torch.Tensor, gram: torch.Tensor, routed: torch.Tensor,
+def choose(mode: str, tile: int, h: torch.Tensor, score: torch.Tensor, routed: torch.Tensor,
            gen: torch.Generator) -> torch.Tensor:
-    """The mode's bool mask [B, T, G] from the projection input ``h`` [B, T, G*cols] and the
-    routers' mask ``routed`` [B, T, G] (whose per-token counts are the budget)."""
+    """The mode's bool mask [B, T, G] from the projection input ``h`` [B, T, G*cols], its
+    groups' :func:`contribution_sq` ``score`` [B, T, G] and the routers' mask ``routed``
+    [B, T, G] (whose per-token counts are the budget)."""
     count = routed.bool().sum(-1)
     if mode == "router":
         return routed.bool()
@@ -169,7 +170,6 @@ def choose(mode: str, tile: int, h: torch.Tensor, gram: torch.Tensor, routed: to
     if mode == "oracle-act":
         hg = h.float().view(*h.shape[:-1], routed.shape[-1], -1)
         return top_by_count(hg.square().sum(-1), count)
-    score = contribution_sq(h, gram)
     if mode == "oracle":
         return top_by_count(score, count)
     if mode == "oracle-flat":
@@ -243,6 +243,7 @@ class MaskPolicy:
             return
         mask = routed.bool()
         if kind in self.kinds and (self.layers is None or layer in self.layers):
+            sq = contribution_sq(h, gram)  # the oracle's scores: chosen by, or compared with
             if self.mode in FIRST_ORDER:
                 score, count = self.first_order[(layer, kind)]
                 mask = top_by_count(score, count)
@@ -257,9 +258,8 @@ class MaskPolicy:
                 predict = self.probes[(layer, kind)]
                 mask = top_by_count(predict(self.inputs.pop((layer, kind))), routed.bool().sum(-1))
             else:
-                mask = choose(self.mode, self.tile, h, gram, routed, self.gen)
+                mask = choose(self.mode, self.tile, h, sq, routed, self.gen)
             self.state.masks[(layer, kind)] = mask.to(routed.dtype)
-            sq = contribution_sq(h, gram)
             best = top_by_count(sq, mask.sum(-1))
             self.agreed += float((best & mask).sum())
             self.counted += float(mask.sum())

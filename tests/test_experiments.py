@@ -205,18 +205,19 @@ def test_oracle_trial_choices_keep_the_budget():
     torch.testing.assert_close(trial.contribution_sq(h, gram), brute, rtol=1e-4, atol=1e-5)
     routed = torch.rand(B, T, G, generator=gen) < 0.5
     count = routed.sum(-1)
+    score = trial.contribution_sq(h, gram)
     for mode in ("router", "random", "oracle", "oracle-act"):
-        m = trial.choose(mode, 0, h, gram, routed.float(), gen)
+        m = trial.choose(mode, 0, h, score, routed.float(), gen)
         assert torch.equal(m.sum(-1), count), mode
-    best = trial.choose("oracle", 0, h, gram, routed.float(), gen)
+    best = trial.choose("oracle", 0, h, score, routed.float(), gen)
     # every kept group outweighs every dropped one of its row
     low = brute.masked_fill(~best, float("inf")).amin(-1)
     high = brute.masked_fill(best, -float("inf")).amax(-1)
     assert (low >= high).all()
-    assert torch.equal(trial.choose("oracle-pool", 0, h, gram, routed.float(), gen).sum(), count.sum())
-    flat = trial.choose("oracle-flat", 0, h, gram, routed.float(), gen).sum(-1)
+    assert torch.equal(trial.choose("oracle-pool", 0, h, score, routed.float(), gen).sum(), count.sum())
+    flat = trial.choose("oracle-flat", 0, h, score, routed.float(), gen).sum(-1)
     assert (flat == round(float(count.float().mean()))).all()
-    tiled = trial.choose("oracle-tile", 8, h, gram, routed.float(), gen)
+    tiled = trial.choose("oracle-tile", 8, h, score, routed.float(), gen)
     lead = torch.arange(T) // 8 * 8
     assert torch.equal(tiled, tiled[:, lead])  # one mask per tile, the ragged last one included
     assert torch.equal(tiled[:, 16].sum(-1), count[:, 16:].float().mean(-1).round().long())
