@@ -27,6 +27,9 @@
 #               sample about once, batches of SAMPLE_BATCH, default 2048; sampled once into
 #               RUNS/samples-s<seed>, resumable shard by shard) instead of the 600k-token wiki corpus
 #               (which 6.55M tokens repeat 11 times); perplexity is still held-out wiki
+#   comp        every wide command of the run goes through experiments/skip_compensation_cpu.py: each
+#               routed module also learns, per group, what to add when a token skips it (a trial,
+#               not in the library)
 #   sotu        both stages calibrate on the 233 State of the Union addresses (`--data sotu`, 1.58M
 #               tokens after decontamination, 2.8x wiki's 0.57M: 6.55M tokens repeat it 4 times);
 #               perplexity is still held-out wiki
@@ -100,7 +103,7 @@ for v in $VARIANTS; do
         done
         continue
     fi
-    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki pct=50
+    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki pct=50 wide="$PY -m wide.cli"
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -119,6 +122,7 @@ for v in $VARIANTS; do
             kd|mix) loss=$part; continue ;;
             samples) data=samples ;;
             sotu) data=sotu ;;
+            comp) wide="$PY experiments/skip_compensation_cpu.py" ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix
@@ -128,7 +132,7 @@ for v in $VARIANTS; do
     ed=; [ "$data" = sotu ] && ed=wiki  # held-out perplexity stays wiki's (samples: quality_scaling.sh's own)
     env RESULTS="$RESULTS" RUNS="$RUNS" TOKENS="$TOKENS" LOSSES="$loss" PCT="$pct" PHASES="$phases" LIMIT="$LIMIT" SEED="$seed" \
         DATA="$data" EVAL_DATA="$ed" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
-        DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" \
+        DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" WIDE="$wide" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
     [ -n "$lora" ] || continue
     s1="wide$pct-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
@@ -144,11 +148,11 @@ for v in $VARIANTS; do
         d=$data; [ "$data" = samples ] && d="$RUNS/samples-s$seed"  # quality_scaling.sh's SAMPLES
         [ "$data" = wiki ] || d+=" --eval-data wiki"
         # shellcheck disable=SC2086
-        timeout $(( $(left) - 10 )) $PY -m wide.cli recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
+        timeout $(( $(left) - 10 )) $wide recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
             --seed "$seed" "${lrank[@]}" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
     fi
-    timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
+    timeout $(( $(left) - 10 )) $wide eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
         --routers "$run2/recovered" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} --out "$RESULTS/$name" \
         || { echo "eval $name: exit $?"; continue; }
     mkdir -p "$RESULTS/runs"

@@ -44,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
-WIDE="$PY -m wide.cli"
+WIDE=${WIDE:-"$PY -m wide.cli"}  # a trial that patches wide and runs its CLI may stand in
 RESULTS=${RESULTS:-${OUT:-bench/results/quality_scaling}}
 RUNS=${RUNS:-runs/scaling}
 TOKENS=${TOKENS:-"1638400 6553600 26214400"}

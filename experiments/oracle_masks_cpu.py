@@ -384,9 +384,15 @@ def capture_pairs(model, ids: torch.Tensor, sink, normed: bool = False, batch_si
                 y = (y + 1e-6 * y.mean(-1, keepdim=True) + 1e-30).log()
                 sink(key, current.pop(key).flatten(0, -2), y - y.mean(-1, keepdim=True))
             hooks.append(proj.register_forward_pre_hook(add, prepend=True))
+    run_with_hooks(model, ids, batch_size, hooks, "probe data")
+
+
+@torch.no_grad()
+def run_with_hooks(model, ids: torch.Tensor, batch_size: int, hooks: list, desc: str) -> None:
+    """Runs ``ids`` through the model in batches (eval mode) for what ``hooks`` collect, then removes them."""
     model.eval()
     try:
-        for i in tqdm(range(0, ids.shape[0], batch_size), desc="probe data", leave=False):
+        for i in tqdm(range(0, ids.shape[0], batch_size), desc=desc, leave=False):
             model(input_ids=ids[i:i + batch_size])
     finally:
         for h in hooks:
@@ -529,14 +535,37 @@ def run(routers: str, modes: list, windows: int, batch_size: int = 8, seed: int 
             row.update(probe_windows=probe_windows, probe_input="normed" if normed else "residual")
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "window_nll"}), flush=True)
+    return add_ratios(rows, ids.shape[1] - 1)
+
+
+def add_ratios(rows: list, tokens_per_window: int) -> list:
+    """Each row's perplexity over the first row's (dense) and over the ``router`` row's, the
+    latter with its paired standard error over windows."""
     dense = rows[0]
     routed = next((r for r in rows if r["mode"] == "router"), None)
-    per = ids.shape[1] - 1
     for r in rows:
         r["vs_dense"] = r["ppl"] / dense["ppl"]
         r["vs_router"] = r["ppl"] / routed["ppl"] if routed else None
-        r["vs_router_se"] = paired_se(r["window_nll"], routed["window_nll"], per) if routed else None
+        r["vs_router_se"] = paired_se(r["window_nll"], routed["window_nll"], tokens_per_window) if routed else None
     return rows
+
+
+def vs_router_cell(r: dict, digits: int = 2) -> str:
+    """'1.13x ± 0.02' (the SE of log(ratio) is the ratio's relative SE); '-' without routers."""
+    if not r["vs_router"]:
+        return "-"
+    se = f" ± {r['vs_router'] * r['vs_router_se']:.{digits}f}" if r["mode"] != "router" else ""
+    return f"{r['vs_router']:.{digits}f}x{se}"
+
+
+def write_results(out: str, argv: list, script: str, rows: list, markdown) -> None:
+    """OUT.json (the command and every row) and OUT.md (``markdown(rows, command)``), printed too."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = f"python experiments/{script} " + " ".join(argv)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(rows, command))
+    print(markdown(rows, command))
 
 
 def markdown(rows: list, command: str) -> str:
@@ -545,11 +574,7 @@ def markdown(rows: list, command: str) -> str:
              "| mode | ppl | vs dense | vs routers (± SE) | FLOP sparsity | agree | energy |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        vr = "-"
-        if r["vs_router"]:
-            # the SE of log(ratio) is the ratio's relative SE
-            se = f" ± {r['vs_router'] * r['vs_router_se']:.2f}" if r["mode"] != "router" else ""
-            vr = f"{r['vs_router']:.2f}x{se}"
+        vr = vs_router_cell(r)
         agree, energy = (f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("agree_with_oracle", "energy_vs_oracle"))
         lines.append(f"| {r['mode']} | {r['ppl']:.2f} | {r['vs_dense']:.2f}x | {vr} | {r['flop_sparsity']:.3f} "
                      f"| {agree} | {energy} |")
@@ -609,12 +634,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args.routers, modes, args.windows, args.batch_size, args.seed, args.probe_windows,
                args.probe_input == "normed", args.device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/oracle_masks_cpu.py " + " ".join(argv)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, command))
-    print(markdown(rows, command))
+    write_results(args.out, argv, "oracle_masks_cpu.py", rows, markdown)
     return 0
 
 

@@ -390,3 +390,111 @@ def test_oracle_trial_layer_range():
     assert torch.equal(final[(0, "ffn")].bool(), routed[(0, "ffn")][0])
     assert not torch.equal(final[(1, "ffn")].bool(), routed[(1, "ffn")][0])  # random groups there
     assert torch.equal(final[(1, "ffn")].sum(-1), routed[(1, "ffn")][0].sum(-1).float())
+
+
+def _compensation_trial(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))  # it imports the oracle trial's helpers
+    return _script("skip_compensation_cpu")
+
+
+@pytest.mark.parametrize("conditional", [True, False])
+def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional):
+    """C_g is the mean of h_g W_g^T over the tokens that skip g (or over all), first position
+    left out, computed by brute force from the projections' unmasked inputs and the masks."""
+    from wide import arch
+    from wide.modeling import get_state
+
+    trial = _compensation_trial(monkeypatch)
+    model = _wrapped()
+    ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(3))
+    means = trial.fit(model, ids, batch_size=2, conditional=conditional)
+    state, spec = get_state(model), arch.spec_for(model)
+    seen, hooks = {}, []
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        for kind in ("attn", "ffn"):
+            proj = arch.reduction_projection(layer, spec, kind)
+            hooks.append(proj.register_forward_pre_hook(
+                lambda mod, args, key=(i, kind): seen.setdefault(key, []).append(
+                    (args[0].detach().clone(), state.masks[key].detach().clone(), mod.weight.detach())),
+                prepend=True))
+    with torch.no_grad():
+        for b in range(0, 4, 2):
+            model(input_ids=ids[b:b + 2])
+    for h in hooks:
+        h.remove()
+    assert set(means) == set(seen)
+    for key, parts in seen.items():
+        w = parts[0][2]
+        G = parts[0][1].shape[-1]
+        cols = w.shape[1] // G
+        want = torch.zeros(G, w.shape[0])
+        for g in range(G):
+            rows = []
+            for h, m, _ in parts:
+                c = h[:, 1:, g * cols:(g + 1) * cols] @ w[:, g * cols:(g + 1) * cols].T  # [B, T-1, out]
+                keep = (m[:, 1:, g] == 0) if conditional else torch.ones_like(m[:, 1:, g], dtype=torch.bool)
+                rows.append(c[keep])
+            rows = torch.cat(rows)
+            if len(rows):
+                want[g] = rows.mean(0)
+        torch.testing.assert_close(means[key], want, rtol=1e-4, atol=1e-5)
+
+
+def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
+    """The hook adds (1 - m) @ C to the projection's output and nothing else; C = 0 changes nothing."""
+    from wide import arch
+    from wide.modeling import get_state
+
+    trial = _compensation_trial(monkeypatch)
+    model = _wrapped()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    last = len(arch.decoder_layers(model)) - 1
+    proj = arch.reduction_projection(arch.decoder_layers(model)[last], arch.spec_for(model), "ffn")
+    outs = []
+    handle = proj.register_forward_hook(lambda mod, args, out: outs.append(out.detach().clone()))
+    state = get_state(model)
+    G = state.geometry.ffn_groups
+    c = torch.randn(G, proj.weight.shape[0], generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        zero = trial.Compensation(model, {(last, "ffn"): torch.zeros_like(c)})
+        torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=0, atol=0)
+        zero.remove()
+        comp = trial.Compensation(model, {(last, "ffn"): c})
+        model(input_ids=ids)
+        comp.remove()
+    handle.remove()
+    mask = state.masks[(last, "ffn")]
+    assert 0 < float(mask.sum()) < mask.numel()  # some groups skipped, some run
+    # outs: plain, zero, comp (the hook above sees the output before the compensation's hook)
+    torch.testing.assert_close(outs[2], outs[0])
+    with torch.no_grad():
+        comp = trial.Compensation(model, {(last, "ffn"): c})
+        after = []
+        h2 = proj.register_forward_hook(lambda mod, args, out: after.append(out.detach().clone()))
+        model(input_ids=ids)
+        h2.remove()
+        comp.remove()
+    torch.testing.assert_close(after[0], outs[0] + (1 - mask.float()) @ c, rtol=1e-5, atol=1e-5)
+
+
+def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
+    """``calibrate``'s C: zeros at the start (the model's output unchanged), among the routers'
+    parameters (trained, saved and loaded with them), and reached by the loss's gradient."""
+    import wide.modeling as modeling
+    from wide.modeling import router_parameters
+
+    monkeypatch.setattr(modeling, "install_hooks", modeling.install_hooks)  # restored after the test
+    trial = _compensation_trial(monkeypatch)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        plain = _wrapped()(input_ids=ids).logits
+    trial.install_trainable()
+    model = _wrapped()
+    comp = [p for n, p in model.wide_routers.named_parameters() if ".comp." in n]
+    assert len(comp) == 2 * len(model.wide_routers)
+    assert all(float(p.detach().abs().sum()) == 0 for p in comp)
+    assert {id(p) for p in comp} <= {id(p) for p in router_parameters(model)}
+    torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=0, atol=0)
+    model(input_ids=ids).logits.square().mean().backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in comp)

@@ -17,10 +17,13 @@ SHIPPED_RUN = "wide50-ce-26214400-s0-dense+lr1p2e-2+ffn16"  # smollm2-135m-50's 
 # finished run's run.json, an eval's record).
 STUB = r'''#!/usr/bin/env bash
 echo "$*" >> "$LOG"
-if [ "$1" = -m ] && [ "$2" = wide.cli ]; then
+sub=""
+if [ "$1" = -m ] && [ "$2" = wide.cli ]; then sub=$3; fi
+case $1 in *skip_compensation_cpu.py) sub=$2 ;; esac  # the trial that runs wide's CLI patched
+if [ -n "$sub" ]; then
     out=""; prev=""
     for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
-    case $3 in
+    case $sub in
         calibrate|recover) mkdir -p "$out/routers"; echo '{}' > "$out/run.json" ;;
         eval) echo '{"records": []}' > "$out.json" ;;
     esac
@@ -80,6 +83,16 @@ def test_dense_reference_copied_or_measured_again(tmp_path, stub):
     _, calls = run_script(tmp_path / "b", stub, "dense+s7", 6553600, DENSE="eval")
     dense = [c for c in calls if "wide.cli eval" in c and c.endswith(f"--out {tmp_path}/b/res/dense")]
     assert len(dense) == 1 and "--routers" not in dense[0], calls
+
+
+def test_comp_runs_every_stage_through_the_trial(tmp_path, stub):
+    """The part ``comp``: stage 1, stage 2 and both evaluations run the compensation trial's
+    patched CLI, none the plain one (the dense reference is copied)."""
+    _, calls = run_script(tmp_path, stub, "dense+ffn16+comp+lora1e-3", 6553600)
+    trial = [c for c in calls if c.startswith("experiments/skip_compensation_cpu.py ")]
+    assert [c.split()[1] for c in trial] == ["calibrate", "eval", "recover", "eval"], calls
+    assert not [c for c in calls if "wide.cli" in c], calls
+    assert any("-dense+ffn16+comp/routers" in c for c in trial if c.split()[1] == "recover")
 
 
 if __name__ == "__main__":
