@@ -86,19 +86,29 @@ def fit(model, ids: torch.Tensor, batch_size: int = 8, conditional: bool = True,
                     return
                 h = args[0].float()
                 groups = mask.shape[-1]
-                weight = (1 - mask.float()) if conditional else torch.ones_like(mask, dtype=torch.float)
+                counted = (1 - mask.float()) if conditional else torch.ones_like(mask, dtype=torch.float)
                 if skip_first:
-                    weight = weight.clone()
-                    weight[:, 0] = 0
+                    counted = counted.clone()
+                    counted[:, 0] = 0
                 hg = h.view(*h.shape[:-1], groups, -1)
                 acc = sums.setdefault(key, [torch.zeros(groups, hg.shape[-1], dtype=torch.float64, device=h.device),
                                             torch.zeros(groups, dtype=torch.float64, device=h.device), mod.weight])
-                acc[0] += torch.einsum("btg,btgc->gc", weight, hg).double()
-                acc[1] += weight.sum((0, 1)).double()
+                acc[0] += torch.einsum("btg,btgc->gc", counted, hg).double()
+                acc[1] += counted.sum((0, 1)).double()
             # prepend: before wide's own pre-hook multiplies h by the mask, so skipped groups' h is there
             hooks.append(proj.register_forward_pre_hook(add, prepend=True))
     run_with_hooks(model, ids, batch_size, hooks, "fit")
     return {key: group_means(h_sum, count, weight) for key, (h_sum, count, weight) in sums.items()}
+
+
+def adds_skipped(state, key: tuple, c: torch.Tensor):
+    """A forward hook for the projection of ``key`` that adds (1 - m) @ ``c`` [G, out] to its output."""
+    def add(mod, args, out):
+        mask = state.masks.get(key)
+        if mask is None:  # a dense forward
+            return out
+        return out + ((1 - mask.float()) @ c.to(mask.device)).to(out.dtype)
+    return add
 
 
 def install_trainable() -> None:
@@ -121,13 +131,8 @@ def install_trainable() -> None:
                     kind: torch.nn.Parameter(torch.zeros(state.geometry.groups(kind), proj.weight.shape[0], device=device))
                     for kind, proj in projs.items()})
             for kind, proj in projs.items():
-                def add(mod, args, out, key=(i, kind), c=routers.comp[kind]):
-                    mask = state.masks.get(key)
-                    if mask is None:
-                        return out
-                    return out + ((1 - mask.float()) @ c).to(out.dtype)
                 # in state.handles: removed and added again with wide's own hooks
-                state.handles.append(proj.register_forward_hook(add))
+                state.handles.append(proj.register_forward_hook(adds_skipped(state, (i, kind), routers.comp[kind])))
 
     modeling.install_hooks = install_hooks
 
@@ -144,13 +149,7 @@ class Compensation:
                 if (i, kind) not in means:
                     continue
                 proj = arch.reduction_projection(layer, spec, kind)
-
-                def add(mod, args, out, key=(i, kind), c=means[(i, kind)]):
-                    mask = state.masks.get(key)
-                    if mask is None:
-                        return out
-                    return out + ((1 - mask.float()) @ c.to(mask.device)).to(out.dtype)
-                self.handles.append(proj.register_forward_hook(add))
+                self.handles.append(proj.register_forward_hook(adds_skipped(state, (i, kind), means[(i, kind)])))
 
     def remove(self) -> None:
         for h in self.handles:
