@@ -167,13 +167,9 @@ def run(routers: str, modes: list, windows: int, fit_windows: int, batch_size: i
     ids = heldout_windows(tok, windows).to(device)
     model = wide.from_pretrained(routers).to(device)
     model.eval()
-    parsed = [parse_mode(m) for m in modes]
-    fit_ids = calibration_windows(tok, fit_windows).to(device)
-    means = {}
-    if any(name == "comp" for name, _ in parsed):
-        means["comp"] = fit(model, fit_ids, batch_size, conditional=True)
-    if any(name == "comp-all" for name, _ in parsed):
-        means["comp-all"] = fit(model, fit_ids, batch_size, conditional=False)
+    fitted = {name for name, _ in map(parse_mode, modes)} & {"comp", "comp-all"}
+    fit_ids = calibration_windows(tok, fit_windows).to(device) if fitted else None
+    means = {name: fit(model, fit_ids, batch_size, conditional=name == "comp") for name in sorted(fitted)}
     rows = []
     for text in ["dense"] + [m for m in modes if m != "dense"]:
         name, kinds = parse_mode(text)
