@@ -69,10 +69,12 @@ mkdir -p "$RESULTS" "$RUNS"
 # BUDGET_S: seconds this call may use. Each command gets what is left minus a reserve for the
 # packing at the end; a command cut short resumes from its checkpoint in the next call.
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
-bounded() {
-    local left=$(( END - $(date +%s) - ${RESERVE_S:-25} ))
+bounded() {  # and how long each command took, so that the next call's plan can count on it
+    local left=$(( END - $(date +%s) - ${RESERVE_S:-25} )) t0=$SECONDS rc=0
     if [ "$left" -lt 20 ]; then echo "skipped (time is up): $*"; return 1; fi
-    timeout "$left" "$@"
+    timeout "$left" "$@" || rc=$?
+    echo "[$(( SECONDS - t0 )) s, exit $rc] ${*:1:4} ... ${*: -1}"
+    return $rc
 }
 has() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 

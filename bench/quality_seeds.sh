@@ -6,6 +6,17 @@
 #   SEEDS="0 1 2" METHODS="dense wide dynamic_depth" TARGETS="0.25 0.5" \
 #       bash bench/quality_seeds.sh --steps 400 --batch-size 32 --amp bf16
 #
+# The headline at the recipe (issue 19: 3 seeds of WIDE and dynamic depth at 25 % and 50 %, then
+# every method at both stages on the first seed, the paper re-test), on the GPU machine with the
+# assets unpacked into /root/wc (bench/results/routing_quality/README.md says how), one call at a
+# time until it prints the summary; each call resumes where the last one stopped:
+#   env WIDE_CACHE_DIR=/root/wc RUNS=/root/q/seeds RESULTS=bench/results/quality_seeds BUDGET_S=540 \
+#       CACHE_TO=bench/results/quality_seeds METHODS_FIRST=all bash bench/quality_seeds.sh \
+#       --steps 200 --batch-size 128 --amp bf16 --router-init dense --sparsity-warmup 0.5 --lr 1.2e-2 \
+#       --ffn-group-size 16 --recovery-lr 1e-3
+# and return RESULTS (tar) with $OUT. ~7 min per seed of three methods on an H100 (four trainings
+# of 6.55M tokens, five evaluations), ~20 more for the other methods of the first seed.
+#
 # The seeds run one after the other: run as three processes at once on one H200 (beside a fourth
 # training run) they were far slower than in turn (none finished a 400-step stage 1 in 7 minutes,
 # ~1 minute alone; the fourth ran at 47k tokens/s against 128k alone): the GPU time-slices
@@ -16,6 +27,14 @@
 # DEVICE (default cuda), RUNS (run directories, default runs/seeds), RESULTS (default
 # bench/results/quality_seeds), PY. On the offline GPU machine unpack the assets first
 # (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
+# METHODS_FIRST: after every seed has run METHODS, the first seed runs these (all: every method of
+#   `wide compare`, both stages) and its results file is rewritten with them.
+# BUDGET_S: seconds this call may use; a `wide compare` cut by it resumes from its checkpoints in
+#   the next call on the same machine, and the summary waits for a call that finishes.
+# CACHE_TO: a directory that keeps each seed's evaluation cache (evals_seedK.json, the records of
+#   every finished method): restored into a fresh RUNS, so that a later machine (another device
+#   session) re-evaluates and retrains nothing finished. The cache keys hold every setting that
+#   changes a number, the model's path included: keep WIDE_CACHE_DIR the same.
 # CPU smoke test (minutes): DEVICE=cpu SEEDS="0 1" METHODS="dense wide" TARGETS=0.5 LIMIT=2 \
 #   bash bench/quality_seeds.sh --steps 2 --batch-size 2 --seq-len 64 --max-eval-sequences 4 --tasks arc_easy
 set -euo pipefail
@@ -28,10 +47,26 @@ TARGETS=${TARGETS:-"0.25 0.5"}
 RUNS=${RUNS:-runs/seeds}
 RESULTS=${RESULTS:-bench/results/quality_seeds}
 mkdir -p "$RESULTS"
-one_seed() {
+ALL="dense wide wide_lora dynamic_depth dynamic_depth_lora module_skip module_skip_lora static_width static_width_lora"
+END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
+complete=1
+one_seed() {  # SEED METHODS [compare arguments...]
+    local left=$(( END - $(date +%s) - 20 )) rc=0 seed=$1 methods=$2
+    [ "$methods" = all ] && methods=$ALL
+    mkdir -p "$RUNS/seed$seed"
+    if [ -n "${CACHE_TO:-}" ] && [ ! -f "$RUNS/seed$seed/evals.json" ] && [ -f "$CACHE_TO/evals_seed$seed.json" ]; then
+        cp "$CACHE_TO/evals_seed$seed.json" "$RUNS/seed$seed/evals.json"
+    fi
+    if [ "$left" -lt 60 ]; then echo "incomplete: seed $seed ($methods) skipped, time is up"; complete=0; return 0; fi
     # shellcheck disable=SC2086
-    $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$1" \
-        --methods $METHODS --targets $TARGETS --runs "$RUNS/seed$1" --out "$RESULTS/seed$1" "${@:2}"
+    timeout "$left" $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$seed" \
+        --methods $methods --targets $TARGETS --runs "$RUNS/seed$seed" --out "$RESULTS/seed$seed" "${@:3}" || rc=$?
+    if [ -n "${CACHE_TO:-}" ] && [ -f "$RUNS/seed$seed/evals.json" ]; then
+        mkdir -p "$CACHE_TO"
+        cp "$RUNS/seed$seed/evals.json" "$CACHE_TO/evals_seed$seed.json"
+    fi
+    if [ "$rc" -ne 0 ]; then echo "incomplete: seed $seed ($methods) exit $rc (rerun to resume)"; complete=0; fi
+    return 0
 }
 inputs=()
 seeds=($SEEDS)
@@ -44,15 +79,18 @@ if [ ${#gpus[@]} -gt 1 ]; then
         (
             for k in "${!seeds[@]}"; do
                 [ $(( k % ${#gpus[@]} )) -eq "$i" ] || continue
-                CUDA_VISIBLE_DEVICES=${gpus[i]} one_seed "${seeds[k]}" "$@" > "$RESULTS/seed${seeds[k]}.log" 2>&1 \
-                    || echo "seed ${seeds[k]} on GPU ${gpus[i]}: exit $? (log: $RESULTS/seed${seeds[k]}.log)"
+                CUDA_VISIBLE_DEVICES=${gpus[i]} one_seed "${seeds[k]}" "$METHODS" "$@" > "$RESULTS/seed${seeds[k]}.log" 2>&1
+                grep "^incomplete:" "$RESULTS/seed${seeds[k]}.log" && exit 1
             done
+            exit 0
         ) &
         pids+=($!)
     done
-    wait "${pids[@]}"
+    for p in "${pids[@]}"; do wait "$p" || complete=0; done
 else
-    for s in "${seeds[@]}"; do one_seed "$s" "$@"; done
+    for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "$@"; done
 fi
+if [ -n "${METHODS_FIRST:-}" ]; then one_seed "${seeds[0]}" "$METHODS_FIRST" "$@"; fi
+if [ "$complete" != 1 ]; then echo "not every seed finished: no summary yet"; exit 0; fi
 for s in "${seeds[@]}"; do inputs+=("$RESULTS/seed$s.json"); done
 $PY bench/seeds_summary.py "${inputs[@]}" --out "$RESULTS/quality_smollm2_seeds"

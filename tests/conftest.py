@@ -77,3 +77,16 @@ def write_tiny_run(root, documents: int = 24) -> list:
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     return ["--model", str(model_dir), "--data", str(root / "docs.jsonl"), "--seq-len", "16",
             "--heldout-fraction", "0.25", "--decontaminate", "heldout", "--device", "cpu"]
+
+
+def python_stub(tmp_path, script: str):
+    """An executable stand-in for python3 (bash ``script``), for the tests of the bench/ shell
+    scripts, which take their interpreter from $PY; skips where there is no bash."""
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    py = tmp_path / "py"
+    py.write_text(script)
+    py.chmod(0o755)
+    return py

@@ -226,6 +226,58 @@ def test_offsets_sit_mid_gap():
     assert float(m.abs().min()) > 1e-6
 
 
+def _mid_gap_brute(v: torch.Tensor, thr: float) -> float:
+    below, above = v[v < thr], v[v >= thr]
+    if above.numel() == 0:
+        return thr
+    if below.numel() == 0:
+        return float(above.min()) - max(1.0, abs(float(above.min())))
+    lo, hi = float(below.max()), float(above.min())
+    mid = float(torch.tensor((lo + hi) / 2, dtype=torch.float32))
+    return mid if lo < mid <= hi else thr
+
+
+def test_offset_search_on_sorted_margins_matches_brute_force():
+    # Offset calibration sorts each module's margins once and binary-searches them, instead of
+    # comparing every margin at each bisection step: the same shares, gaps and quantiles.
+    from wide.modeling import _mid_gap_sorted, _set_offsets, _skipped_share
+    g = torch.Generator().manual_seed(3)
+    # rounded so that many margins tie, at the thresholds tried too
+    chunks = [torch.round(torch.randn(n, generator=g) * 8) / 8 for n in (1, 7, 500, 2048)]
+    union = torch.cat(chunks)
+    srt = [c.sort().values for c in chunks]
+    for thr in [-9.0, -0.25, 0.0, 0.1, 0.125, 1.0, 9.0] + union[::97].tolist():
+        assert _mid_gap_sorted(srt, thr) == _mid_gap_brute(union, thr)
+        for c, v in zip(chunks, srt):
+            assert _skipped_share(v, -thr) * c.numel() == pytest.approx(int((c + -thr < 0).sum()), abs=1e-9)
+
+    class R:
+        def __init__(self):
+            self.offset = torch.zeros(())
+
+    class Routers:
+        def __init__(self):
+            self.r = R()
+
+        def router(self, kind):
+            return self.r
+
+    class Model:
+        wide_routers = [Routers() for _ in chunks]
+
+    for target in (0.0, 0.3, 0.5, 0.999):
+        margins = {(i, "ffn"): v for i, v in enumerate(srt)}
+        _set_offsets(Model, None, margins, [], target, "per_module")
+        for i, c in enumerate(chunks):
+            q = _mid_gap_brute(c, float(torch.quantile(c, target)))
+            assert float(Model.wide_routers[i].r.offset) == pytest.approx(-q, abs=1e-6)
+    # more margins than torch.quantile takes (2**24): a GPU run's 262k tokens x 96 groups
+    big = torch.arange(2 ** 24 + 3, dtype=torch.float32)
+    _set_offsets(Model, None, {(0, "ffn"): big}, [], 0.5, "per_module")
+    # the interpolated median lands on a margin, whose neighbours are adjacent fp32 numbers
+    assert float(Model.wide_routers[0].r.offset) == -_mid_gap_brute(big, 2.0 ** 23 + 1)
+
+
 def test_prefill_kernels_match_torch_backend_across_token_blocks():
     # Prefill RoPE/cache (32-token blocks), per-row norm and dense SiLU*up kernels against the
     # PyTorch backend of the same engine: two right-padded prompts longer than one block, a

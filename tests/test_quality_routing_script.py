@@ -3,12 +3,12 @@ run: a stage-1 run whose routers ship with the package is not trained again befo
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import python_stub
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_RUN = "wide50-ce-26214400-s0-dense+lr1p2e-2+ffn16"  # smollm2-135m-50's run
@@ -34,12 +34,7 @@ exit 0
 
 @pytest.fixture
 def stub(tmp_path):
-    if shutil.which("bash") is None:
-        pytest.skip("needs bash")
-    py = tmp_path / "py"
-    py.write_text(STUB)
-    py.chmod(0o755)
-    return py
+    return python_stub(tmp_path, STUB)
 
 
 def run_script(tmp_path, stub, variants, tokens, **env_extra):

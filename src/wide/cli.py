@@ -95,10 +95,7 @@ def cmd_calibrate(args) -> dict:
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
         return {"stopped_at": result["stopped_at"], "wall_s": wall}
-    offsets = None
-    if args.offsets != "none":
-        n = args.offset_batches * args.batch_size
-        offsets = modeling.calibrate_offsets(model, train_ids[:n].split(args.batch_size), mode=args.offsets)
+    offsets = runs.calibrate_offsets(model, args, train_ids)
     hist = result["history"]
     run = {
         "command": runs.command(),
@@ -484,9 +481,8 @@ def cmd_recover(args) -> dict:
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
         return {"stopped_at": result["stopped_at"], "wall_s": wall}
     model.eval()
-    if args.offsets != "none" and static is None:
-        n = args.offset_batches * args.batch_size
-        modeling.calibrate_offsets(model, train_ids[:n].split(args.batch_size), mode=args.offsets)
+    if static is None:
+        runs.calibrate_offsets(model, args, train_ids)
     stage1 = runs.training_fields(meta)
     stage2_tokens = args.steps * targs.sequences_per_step * train_ids.shape[1]
     run = {"command": runs.command(), "model": model_path, "train_args": vars(targs),

@@ -123,12 +123,7 @@ class Comparison:
     # ------------------------------------------------------------ building methods
 
     def _offsets(self, model) -> None:
-        from .modeling import calibrate_offsets
-
-        if self.args.offsets == "none":
-            return
-        n = self.args.offset_batches * self.args.batch_size
-        calibrate_offsets(model, self.train_ids[:n].split(self.args.batch_size), mode=self.args.offsets)
+        runs.calibrate_offsets(model, self.args, self.train_ids)
 
     def _check_final(self, final: Path, settings: dict) -> bool:
         from .serialization import read_meta

@@ -362,6 +362,22 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
     return rec
 
 
+def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
+    """Router offsets set so that the inference masks hit the target exactly on the first
+    ``--offset-batches`` batches of the calibration text (nothing with ``--offsets none``),
+    with the time it took printed, so that a run's log shows where its time went."""
+    if args.offsets == "none":
+        return None
+    from .modeling import calibrate_offsets as calibrate
+
+    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+    t0 = time.perf_counter()
+    offsets = calibrate(model, batches, mode=args.offsets)
+    print(f"offsets ({args.offsets}) calibrated on {sum(len(b) for b in batches)} sequences in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return offsets
+
+
 def routing_name(meta: dict) -> str:
     """The routing rule of saved routers, as records name it: "token", or "tile<N>" (and
     "tile<N>prev") for route_tile N > 1 (docs/routing_structure.md)."""
@@ -426,5 +442,5 @@ def write_results(args, records) -> None:
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "check_model", "check_data", "check_out", "check_routers", "run_settings", "prepare_run", "start_run",
-           "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields",
+           "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
            "heldout", "evaluate_one", "command", "machine", "write_results", "default_device"]
