@@ -7,7 +7,11 @@ with ``op == "quality"``; every routed record must carry ``loss``, ``tokens`` an
 writes DIR/quality_scaling.json (the records and a kd-vs-ce summary per budget),
 DIR/quality_scaling.md and DIR/quality_scaling.png into the first folder (or --out).
 
-    python3 bench/scaling_plot.py OUT [MORE_DIRS ...] [--out DIR]
+    python3 bench/scaling_plot.py OUT [MORE_DIRS ...] [--out DIR] [--series "LABEL=FILE,FILE,..." ...]
+
+--series adds the records of those results files as one more line, named LABEL (another recipe,
+another target, or stage 2, whose tokens count both stages); the grid's kd-vs-ce summary leaves
+them out.
 """
 
 from __future__ import annotations
@@ -23,38 +27,59 @@ TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa
 STEM = "quality_scaling"
 
 
-def collect(folders) -> list:
-    """Quality records of every results file in ``folders`` (this script's own output skipped);
-    a routed record without loss, tokens or seed is refused, naming its file."""
+def read_records(f: Path, series: str = None) -> list:
+    """The quality records of one results file (none if it is not one); a routed record without
+    loss, tokens or seed is refused, naming the file."""
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for r in doc.get("records", []) if isinstance(doc, dict) else []:
+        if r.get("op") != "quality" or (series and r.get("method") == "dense"):
+            continue
+        if r.get("method") != "dense":
+            missing = [k for k in ("loss", "tokens", "seed") if r.get(k) is None]
+            if missing:
+                raise ValueError(f"{f}: a {r.get('method')} record lacks {', '.join(missing)} "
+                                 "(made by a wide older than --loss? evaluate the routers again)")
+        out.append({**r, "file": f.name, **({"series": series} if series else {})})
+    return out
+
+
+def collect(folders, series=()) -> list:
+    """Quality records of every results file in ``folders`` (this script's own output skipped),
+    then those of each ``series`` ("LABEL=FILE,FILE,...": its files named one by one, which must
+    exist), marked with their label."""
     out = []
     for folder in folders:
         for f in sorted(Path(folder).glob("*.json")):
-            if f.stem == STEM:
-                continue
-            try:
-                doc = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            for r in doc.get("records", []) if isinstance(doc, dict) else []:
-                if r.get("op") != "quality":
-                    continue
-                if r.get("method") != "dense":
-                    missing = [k for k in ("loss", "tokens", "seed") if r.get(k) is None]
-                    if missing:
-                        raise ValueError(f"{f}: a {r.get('method')} record lacks {', '.join(missing)} "
-                                         "(made by a wide older than --loss? evaluate the routers again)")
-                out.append({**r, "file": f.name})
+            if f.stem != STEM:
+                out += read_records(f)
+    for spec in series:
+        label, sep, files = spec.partition("=")
+        if not sep or not label or not files:
+            raise ValueError(f"--series {spec!r}: expected LABEL=FILE[,FILE...]")
+        for name in files.split(","):
+            if not Path(name).is_file():
+                raise ValueError(f"--series {label}: no results file {name}")
+            out += read_records(Path(name), label)
     return out
+
+
+def line_of(r) -> str:
+    """The plot line and table label a routed record belongs to: its series, else its loss."""
+    return r.get("series") or r["loss"]
 
 
 def routed(records) -> list:
     return sorted((r for r in records if r.get("method") != "dense"),
-                  key=lambda r: (r["loss"], r["tokens"], r["seed"], r.get("stage", 1)))
+                  key=lambda r: ("series" in r, line_of(r), r["tokens"], r["seed"], r.get("stage", 1)))
 
 
 def summary(records) -> list:
     """Per budget (and seed) where both ran: kd against ce (perplexity ratio, average difference)."""
-    by = {(r["loss"], r["tokens"], r["seed"]): r for r in routed(records)}
+    by = {(r["loss"], r["tokens"], r["seed"]): r for r in routed(records) if "series" not in r}
     rows = []
     for (loss, tokens, seed), kd in sorted(by.items(), key=lambda kv: kv[0][1]):
         ce = by.get(("ce", tokens, seed))
@@ -104,7 +129,7 @@ def table(records) -> str:
         tokens = "-" if r.get("method") == "dense" else f"{r['tokens'] / 1e6:.3g}M"
         seed = "-" if r.get("seed") is None else str(r["seed"])
         ratio = r["ppl"] / dense[0]["ppl"] if dense and r.get("ppl") else None
-        cells = [r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
+        cells = [r.get("series") or r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
                  _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg")), kept_cell(kept, r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -119,12 +144,13 @@ def plot(records, path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     rows = routed(records)
-    for loss in sorted({r["loss"] for r in rows}):
-        pts = sorted((r for r in rows if r["loss"] == loss), key=lambda r: r["tokens"])
+    for line in dict.fromkeys(line_of(r) for r in rows):
+        pts = sorted((r for r in rows if line_of(r) == line), key=lambda r: r["tokens"])
         xs = [r["tokens"] / 1e6 for r in pts]
-        ax1.plot(xs, [r["ppl"] for r in pts], marker="o", label=loss)
+        style = {"marker": "o", "label": line, "ls": "--" if "series" in pts[0] else "-"}
+        ax1.plot(xs, [r["ppl"] for r in pts], **style)
         if all(r.get("avg") is not None for r in pts):
-            ax2.plot(xs, [r["avg"] for r in pts], marker="o", label=loss)
+            ax2.plot(xs, [r["avg"] for r in pts], **style)
     dense = next((r for r in records if r.get("method") == "dense"), None)
     if dense is not None:
         ax1.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="dense")
@@ -144,10 +170,11 @@ def plot(records, path) -> None:
     ax1.yaxis.set_minor_formatter(NullFormatter())
     ax1.set_ylabel("held-out perplexity")
     ax2.set_ylabel("seven-task average accuracy")
-    sp = [r.get("sparsity") for r in rows if r.get("sparsity") is not None]
+    sp = [r.get("sparsity") for r in rows if r.get("sparsity") is not None and "series" not in r]
     target = f"{sum(sp) / len(sp):.0%} realised FLOP sparsity" if sp else ""
     model = records[0].get("model", "") if records else ""
-    fig.suptitle(f"{model}: WIDE stage 1 against the calibration budget ({target})")
+    more = "; dashed: the series their labels name" if any("series" in r for r in rows) else ""
+    fig.suptitle(f"{model}: WIDE against the calibration budget (grid: stage 1, {target}{more})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -157,8 +184,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", help="folders holding wide eval results (*.json)")
     ap.add_argument("--out", default=None, help="where the outputs go (default: the first folder)")
+    ap.add_argument("--series", action="append", default=[], metavar="LABEL=FILE,FILE,...",
+                    help="one more line from these results files (tokens: both stages for stage 2)")
     a = ap.parse_args(argv)
-    records = collect(a.folders)
+    records = collect(a.folders, a.series)
     if not routed(records):
         print(f"no routed quality records in {', '.join(a.folders)}", file=sys.stderr)
         return 1
@@ -166,7 +195,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summ = summary(records)
     (out / f"{STEM}.json").write_text(json.dumps({"records": records, "kd_vs_ce": summ}, indent=2))
-    lines = [f"# {STEM}", "", table(records), ""]
+    cmd = "python3 bench/scaling_plot.py " + " ".join(f'"{x}"' if " " in x else x for x in (argv or sys.argv[1:]))
+    lines = [f"# {STEM}", "", f"Made by `{cmd}`.", "", table(records), ""]
     for s in summ:
         d = f", average {s['avg_minus_ce']:+.3f}" if "avg_minus_ce" in s else ""
         lines.append(f"- {s['tokens'] / 1e6:.3g}M tokens, seed {s['seed']}: {s['loss']} perplexity "

@@ -69,3 +69,30 @@ def test_records_without_loss_tokens_or_seed_are_refused(tmp_path):
     (tmp_path / "old.json").unlink()
     _write(tmp_path, "dense", [_record("dense", 22.5, 0.43)])
     assert sp.main([str(tmp_path)]) == 1  # nothing routed to plot
+
+
+def test_series_from_named_files_are_their_own_lines(tmp_path):
+    sp = _mod()
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    _write(grid, "dense", [_record("dense", 22.5, 0.434, loss=None, tokens=0, seed=None)])
+    for tokens, ppl in ((1_638_400, 95.0), (6_553_600, 60.0)):
+        _write(grid, f"ce-{tokens}", [_record("wide", ppl, 0.38, loss="ce", tokens=tokens, seed=0)])
+    other = tmp_path / "other"
+    other.mkdir()
+    _write(other, "s1-6m", [_record("wide", 49.4, 0.397, loss="ce", tokens=6_553_600, seed=0)])
+    _write(other, "s2-13m", [_record("wide", 39.4, 0.412, loss="ce", tokens=13_107_200, seed=0, stage=2),
+                             _record("dense", 22.5, 0.434, loss=None, tokens=0, seed=None)])  # dense: not again
+    files = f"{other / 's1-6m.json'},{other / 's2-13m.json'}"
+    assert sp.main([str(grid), "--series", f"recipe 50%={files}"]) == 0
+    md = (grid / "quality_scaling.md").read_text()
+    rows = [line.split(" | ")[0:3] for line in md.splitlines() if line.startswith("| ") and "loss" not in line]
+    assert rows == [["| dense", "-", "-"], ["| ce", "1.64M", "0"], ["| ce", "6.55M", "0"],
+                    ["| recipe 50%", "6.55M", "0"], ["| recipe 50%", "13.1M", "0"]]
+    assert f'--series "recipe 50%={files}"' in md  # the command that made it
+    doc = json.loads((grid / "quality_scaling.json").read_text())
+    assert doc["kd_vs_ce"] == [] and sum(r.get("series") == "recipe 50%" for r in doc["records"]) == 2
+    with pytest.raises(ValueError, match="no results file"):
+        sp.main([str(grid), "--series", f"x={other / 'missing.json'}"])
+    with pytest.raises(ValueError, match="expected LABEL=FILE"):
+        sp.main([str(grid), "--series", "no-files"])
