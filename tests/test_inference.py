@@ -271,6 +271,8 @@ def test_offset_search_on_sorted_margins_matches_brute_force():
         for i, c in enumerate(chunks):
             q = _mid_gap_brute(c, float(torch.quantile(c, target)))
             assert float(Model.wide_routers[i].r.offset) == pytest.approx(-q, abs=1e-6)
+    with pytest.raises(ValueError, match="no router decision"):
+        _set_offsets(Model, None, {(0, "ffn"): torch.zeros(0)}, [], 0.5, "per_module")
     # more margins than torch.quantile takes (2**24): a GPU run's 262k tokens x 96 groups
     big = torch.arange(2 ** 24 + 3, dtype=torch.float32)
     _set_offsets(Model, None, {(0, "ffn"): big}, [], 0.5, "per_module")

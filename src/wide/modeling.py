@@ -907,11 +907,15 @@ def _mid_gap_sorted(sorted_values: list, thr: float) -> float:
 def _skipped_share(sorted_margins: torch.Tensor, shift: float) -> float:
     """The share of (token, group) decisions that skip (margin + shift < 0) at ``shift``."""
     thr = torch.tensor([-shift], dtype=sorted_margins.dtype, device=sorted_margins.device)
-    return int(torch.searchsorted(sorted_margins, thr)) / max(sorted_margins.numel(), 1)
+    return int(torch.searchsorted(sorted_margins, thr)) / sorted_margins.numel()
 
 
 def _set_offsets(model, state, margins, routers, target, mode) -> None:
-    """margins: (layer, kind) -> that module's margins, flattened and sorted ascending."""
+    """margins: (layer, kind) -> that module's margins, flattened and sorted ascending. A module
+    that decided for no token keeps its offset."""
+    margins = {k: v for k, v in margins.items() if v.numel()}
+    if not margins:
+        raise ValueError("offset calibration saw no router decision: are the batches empty?")
     if mode == "per_module":
         for (layer, kind), v in margins.items():
             # offset = -threshold: a group runs iff margin + offset >= 0; the quantile as
