@@ -49,7 +49,7 @@ RESULTS=${RESULTS:-bench/results/quality_seeds}
 mkdir -p "$RESULTS"
 ALL="dense wide wide_lora dynamic_depth dynamic_depth_lora module_skip module_skip_lora static_width static_width_lora"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
-complete=1
+complete=1 failed=0
 one_seed() {  # SEED METHODS [compare arguments...]
     local left=$(( END - $(date +%s) - 20 )) rc=0 seed=$1 methods=$2
     [ "$methods" = all ] && methods=$ALL
@@ -65,7 +65,11 @@ one_seed() {  # SEED METHODS [compare arguments...]
         mkdir -p "$CACHE_TO"
         cp "$RUNS/seed$seed/evals.json" "$CACHE_TO/evals_seed$seed.json"
     fi
-    if [ "$rc" -ne 0 ]; then echo "incomplete: seed $seed ($methods) exit $rc (rerun to resume)"; complete=0; fi
+    case $rc in
+        0) ;;
+        124|137) echo "incomplete: seed $seed ($methods) stopped by the time limit (rerun to resume)"; complete=0 ;;
+        *) echo "failed: seed $seed ($methods) exit $rc"; failed=1 ;;  # an error, not the clock: rerunning won't help
+    esac
     return 0
 }
 inputs=()
@@ -80,17 +84,21 @@ if [ ${#gpus[@]} -gt 1 ]; then
             for k in "${!seeds[@]}"; do
                 [ $(( k % ${#gpus[@]} )) -eq "$i" ] || continue
                 CUDA_VISIBLE_DEVICES=${gpus[i]} one_seed "${seeds[k]}" "$METHODS" "$@" > "$RESULTS/seed${seeds[k]}.log" 2>&1
-                grep "^incomplete:" "$RESULTS/seed${seeds[k]}.log" && exit 1
             done
-            exit 0
         ) &
         pids+=($!)
     done
-    for p in "${pids[@]}"; do wait "$p" || complete=0; done
+    wait "${pids[@]}" || true  # what each seed left is in its log, read next
+    # each queue ran in a subshell, whose variables stay there
+    for s in "${seeds[@]}"; do
+        grep "^incomplete:" "$RESULTS/seed$s.log" && complete=0
+        grep "^failed:" "$RESULTS/seed$s.log" && failed=1
+    done
 else
     for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "$@"; done
 fi
 if [ -n "${METHODS_FIRST:-}" ]; then one_seed "${seeds[0]}" "$METHODS_FIRST" "$@"; fi
+if [ "$failed" = 1 ]; then echo "a comparison failed (above): no summary"; exit 1; fi
 if [ "$complete" != 1 ]; then echo "not every seed finished: no summary yet"; exit 0; fi
 for s in "${seeds[@]}"; do inputs+=("$RESULTS/seed$s.json"); done
 $PY bench/seeds_summary.py "${inputs[@]}" --out "$RESULTS/quality_smollm2_seeds"

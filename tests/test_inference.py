@@ -271,6 +271,14 @@ def test_offset_search_on_sorted_margins_matches_brute_force():
         for i, c in enumerate(chunks):
             q = _mid_gap_brute(c, float(torch.quantile(c, target)))
             assert float(Model.wide_routers[i].r.offset) == pytest.approx(-q, abs=1e-6)
+    # torch.quantile's own rounding (rank and weight in fp32), where a rank computed in float64
+    # would land one margin over, e.g. 46 values at 0.6
+    for n in range(2, 60):
+        v = torch.arange(n, dtype=torch.float32) + 1
+        for target in (0.1, 0.25, 0.3, 0.6, 0.7, 0.9):
+            _set_offsets(Model, None, {(0, "ffn"): v}, [], target, "per_module")
+            q = _mid_gap_brute(v, float(torch.quantile(v, target)))
+            assert float(Model.wide_routers[0].r.offset) == -q, (n, target)
     with pytest.raises(ValueError, match="no router decision"):
         _set_offsets(Model, None, {(0, "ffn"): torch.zeros(0)}, [], 0.5, "per_module")
     # more margins than torch.quantile takes (2**24): a GPU run's 262k tokens x 96 groups

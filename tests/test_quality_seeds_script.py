@@ -21,7 +21,7 @@ if [ "$3" = compare ]; then
         case $prev in --out) out=$a ;; --runs) runs=$a ;; --seed) seed=$a ;; esac
         prev=$a
     done
-    [ "$seed" = "${FAIL_SEED:-}" ] && exit 124
+    [ "$seed" = "${FAIL_SEED:-}" ] && exit "${FAIL_RC:-124}"
     echo "{\"seed\": $seed, \"had\": $(cat "$runs/evals.json" 2>/dev/null || echo null)}" > "$runs/evals.json.new"
     mv "$runs/evals.json.new" "$runs/evals.json"
     echo '{"records": []}' > "$out.json"
@@ -37,14 +37,14 @@ def stub(tmp_path):
     return python_stub(tmp_path, STUB)
 
 
-def run_script(tmp_path, stub, runs, **env_extra):
+def run_script(tmp_path, stub, runs, rc=0, **env_extra):
     log = tmp_path / "log"
     log.write_text("")
     env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / runs), RESULTS=str(tmp_path / "res"),
-               CACHE_TO=str(tmp_path / "cache"), DEVICE="cpu", SEEDS="0 1", TARGETS="0.5", **env_extra)
+               CACHE_TO=str(tmp_path / "cache"), DEVICE="cpu", TARGETS="0.5", **{"SEEDS": "0 1", **env_extra})
     p = subprocess.run(["bash", str(ROOT / "bench/quality_seeds.sh"), "--steps", "2"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == rc, p.stdout + p.stderr
     return p.stdout, log.read_text().splitlines()
 
 
@@ -73,3 +73,21 @@ def test_a_cut_seed_leaves_no_summary_and_a_new_machine_resumes_from_the_cache(t
 def test_no_time_left_skips_every_seed(tmp_path, stub):
     out, calls = run_script(tmp_path, stub, "runs", BUDGET_S="30")
     assert out.count("incomplete:") == 2 and not [c for c in calls if " compare " in c]
+
+
+def test_an_error_is_not_taken_for_the_time_limit(tmp_path, stub):
+    out, calls = run_script(tmp_path, stub, "runs", rc=1, FAIL_SEED="0", FAIL_RC="2")
+    assert "failed: seed 0" in out and "no summary" in out
+    assert [c for c in calls if "--seed 1" in c]  # the other seeds still ran
+
+
+def test_seeds_side_by_side_on_gpus(tmp_path, stub):
+    # seed 0 stops at the time limit on GPU 0's queue: seed 2, queued behind it, still runs
+    out, calls = run_script(tmp_path, stub, "runs", SEEDS="0 1 2", GPUS="0 1", FAIL_SEED="0")
+    assert sorted(c.split("--seed ")[1].split()[0] for c in calls if " compare " in c) == ["0", "1", "2"]
+    assert "incomplete: seed 0" in out and "no summary yet" in out
+    assert "incomplete:" not in (tmp_path / "res" / "seed2.log").read_text()
+    out, calls = run_script(tmp_path, stub, "runs", rc=1, SEEDS="0 1 2", GPUS="0 1", FAIL_SEED="1", FAIL_RC="3")
+    assert "failed: seed 1" in out and not [c for c in calls if "seeds_summary" in c]
+    out, calls = run_script(tmp_path, stub, "runs", SEEDS="0 1 2", GPUS="0 1")
+    assert [c for c in calls if "seeds_summary" in c]

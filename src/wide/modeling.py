@@ -871,8 +871,8 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     # Offsets change the routing of early layers and so the inputs of later routers: a
     # second pass with the first pass's offsets in place settles that.
     for _round in range(rounds):
-        margins = collect()
-        _set_offsets(model, state, margins, routers, target, mode)
+        # not held in a name: one round's margins (GBs on a GPU run) are freed before the next
+        _set_offsets(model, state, collect(), routers, target, mode)
     return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
 
 
@@ -919,14 +919,13 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
     if mode == "per_module":
         for (layer, kind), v in margins.items():
             # offset = -threshold: a group runs iff margin + offset >= 0; the quantile as
-            # torch.quantile interpolates it, which refuses more than 16M values (262k tokens x
-            # 96 groups is 25M)
-            pos = target * (v.numel() - 1)
-            i = min(int(pos), v.numel() - 1)
-            j = min(i + 1, v.numel() - 1)
-            q = float(v[i]) + (float(v[j]) - float(v[i])) * (pos - i)
-            q = _mid_gap_sorted([v], float(torch.tensor(q, dtype=torch.float32)))
-            model.wide_routers[layer].router(kind).offset.fill_(-q)
+            # torch.quantile interpolates it (rank and weight in the margins' fp32), which it
+            # refuses to do past 16M values (262k tokens x 96 groups is 25M)
+            rank = torch.tensor(target, dtype=v.dtype) * (v.numel() - 1)
+            i = min(int(rank.floor()), v.numel() - 1)
+            j = min(int(rank.ceil()), v.numel() - 1)
+            q = float(torch.lerp(v[i], v[j], (rank - i).to(v.device)))
+            model.wide_routers[layer].router(kind).offset.fill_(-_mid_gap_sorted([v], q))
     else:
         cfg = state.config
 
