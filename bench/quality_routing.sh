@@ -52,6 +52,9 @@
 # Records go to RESULTS (default bench/results/routing_quality); the same settings as
 # bench/quality_scaling.sh otherwise (read its header for the device set-up: assets, WIDE_CACHE_DIR,
 # RUNS, BUDGET_S, PACK_TO). VARIANTS picks and orders the runs; a call cut by BUDGET_S resumes.
+# GPUS="0 1 2 3" (a machine of several GPUs) runs the variants in one queue per GPU, side by side,
+# each queue's output in RUNS/gpuN.log: a variant and its loraX stage 2 share a queue, and so do
+# all variants with `samples`. The device's time counts per machine, not per GPU.
 #   env $S VARIANTS="dense tile16 tile64" BUDGET_S=540 bash bench/quality_routing.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,8 +94,9 @@ from_shipped() {  # RUN: a finished stage-1 run, rebuilt from the package if it 
         cp "$COMMITTED/runs/$run.history.json" "$RESULTS/runs/" 2>/dev/null || true
     fi
 }
-for v in $VARIANTS; do
-    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $v"; continue; fi
+one_variant() {  # VARIANT
+    local v=$1
+    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $v"; return 0; fi
     if [ "$v" = shared ]; then
         for r in dense smollm2-135m-50; do
             [ -f "$RESULTS/decode-$r.json" ] && continue
@@ -101,9 +105,10 @@ for v in $VARIANTS; do
                 --tasks --batch-size 64 --decode-batches 8 32 --decode-windows "${DECODE_WINDOWS:-64}" \
                 --out "$RESULTS/decode-$r" || echo "decode eval $r: exit $?"
         done
-        continue
+        return 0
     fi
-    args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki pct=50 wide="$PY -m wide.cli"
+    local args="" seed=${SEED:-0} tag="" lora="" loss=ce data=wiki pct=50 wide="$PY -m wide.cli"
+    local part r rt t s1 name lt run2 steps lrank d ed phases
     for part in ${v//+/ }; do
         case $part in
             dense) args+=" --router-init dense --sparsity-warmup 0.5" ;;
@@ -134,13 +139,13 @@ for v in $VARIANTS; do
         DATA="$data" EVAL_DATA="$ed" SAMPLE_TOKENS="${SAMPLE_TOKENS:-$(( 2 * TOKENS ))}" SAMPLE_BATCH="${SAMPLE_BATCH:-2048}" \
         DEVICE="$DEVICE" BATCH="$BATCH" SEQ="$SEQ" AMP="$AMP" CAL_ARGS="$args" TAG="${tag:+-${tag#+}}" WIDE="$wide" \
         BUDGET_S="$(left)" PACK_TO= bash bench/quality_scaling.sh
-    [ -n "$lora" ] || continue
+    [ -n "$lora" ] || return 0
     s1="wide$pct-$loss-$TOKENS-s$seed${tag:+-${tag#+}}"
     name="wide$pct-$loss-$TOKENS-s$seed-${tag#+}${tag:++}lora${lora//./p}"
     lt=${LORA_TOKENS:-$TOKENS}; [ "$lt" = "$TOKENS" ] || name+="-t$lt"  # stage 2's own budget
-    [ -f "$RESULTS/$name.json" ] && continue
-    if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; continue; fi
-    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; continue; fi
+    [ -f "$RESULTS/$name.json" ] && return 0
+    if [ ! -f "$RUNS/$s1/run.json" ]; then echo "stage 2 $name: stage 1 ($s1) not finished"; return 0; fi
+    if [ "$(left)" -lt 60 ]; then echo "skipped (time is up): $name"; return 0; fi
     run2="$RUNS/$name" steps=$(( lt / (BATCH * SEQ) ))
     lrank=(); case $lora in *r*) lrank=(--lora-r "${lora##*r}"); lora=${lora%r*} ;; esac
     if [ ! -f "$run2/run.json" ]; then
@@ -150,15 +155,44 @@ for v in $VARIANTS; do
         # shellcheck disable=SC2086
         timeout $(( $(left) - 10 )) $wide recover --device "$DEVICE" --data $d --seq-len "$SEQ" \
             --routers "$RUNS/$s1/routers" --steps "$steps" --batch-size "$BATCH" --amp "$AMP" --lr "$lora" --loss "$loss" \
-            --seed "$seed" "${lrank[@]}" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; continue; }
+            --seed "$seed" "${lrank[@]}" --eval-every 0 --save-every 50 --out "$run2" --resume || { echo "recover $name: exit $?"; return 0; }
     fi
     timeout $(( $(left) - 10 )) $wide eval --device "$DEVICE" --data wiki --seq-len "$SEQ" \
         --routers "$run2/recovered" --limit "$LIMIT" --batch-size 64 ${EVAL_ARGS:-} --out "$RESULTS/$name" \
-        || { echo "eval $name: exit $?"; continue; }
+        || { echo "eval $name: exit $?"; return 0; }
     mkdir -p "$RESULTS/runs"
     cp "$run2/run.json" "$RESULTS/runs/$name.run.json"
     cp "$run2/history.json" "$RESULTS/runs/$name.history.json" 2>/dev/null || true
-done
+}
+# The stage-1 run a variant trains or reads: the variant without its loraX part
+stage1_of() { local v="+$1+" p; for p in ${1//+/ }; do case $p in lora*) v=${v/+$p+/+} ;; esac; done; v=${v#+}; echo "${v%+}"; }
+gpus=(${GPUS:-})
+if [ ${#gpus[@]} -gt 1 ]; then
+    # One queue of variants per GPU, the queues side by side (never two runs on one GPU: they
+    # time-slice, bench/quality_seeds.sh). Variants that share a stage-1 run share a queue, and so
+    # do all that sample text (one sample directory per seed): nothing is trained twice at once.
+    declare -A home=()
+    queues=()
+    n=0
+    for v in $VARIANTS; do
+        case "+$v+" in *+samples+*) key=samples ;; *) key=$(stage1_of "$v") ;; esac
+        if [ -z "${home[$key]+x}" ]; then home[$key]=$(( n % ${#gpus[@]} )); n=$(( n + 1 )); fi
+        queues[${home[$key]}]+=" $v"
+    done
+    pids=()
+    for i in "${!gpus[@]}"; do
+        [ -n "${queues[i]:-}" ] || continue
+        echo "GPU ${gpus[i]}:${queues[i]} (log: $RUNS/gpu${gpus[i]}.log)"
+        ( for v in ${queues[i]}; do CUDA_VISIBLE_DEVICES=${gpus[i]} one_variant "$v"; done ) > "$RUNS/gpu${gpus[i]}.log" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    for i in "${!gpus[@]}"; do
+        [ -f "$RUNS/gpu${gpus[i]}.log" ] && grep -a "^| wide\|exit\|skipped\|not finished" "$RUNS/gpu${gpus[i]}.log" | sed "s/^/[GPU ${gpus[i]}] /"
+    done
+else
+    for v in $VARIANTS; do one_variant "$v"; done
+fi
 # every run so far in one table, each beside the settings its run.json holds
 $PY bench/variants_table.py "$RESULTS" > /dev/null || echo "variants_table: exit $?"
 if [ -n "${PACK_TO:-}" ]; then

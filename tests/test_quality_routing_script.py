@@ -17,6 +17,7 @@ SHIPPED_RUN = "wide50-ce-26214400-s0-dense+lr1p2e-2+ffn16"  # smollm2-135m-50's 
 # finished run's run.json, an eval's record).
 STUB = r'''#!/usr/bin/env bash
 echo "$*" >> "$LOG"
+echo "${CUDA_VISIBLE_DEVICES:--} $*" >> "$LOG.gpu"
 sub=""
 if [ "$1" = -m ] && [ "$2" = wide.cli ]; then sub=$3; fi
 case $1 in *skip_compensation_cpu.py) sub=$2 ;; esac  # the trial that runs wide's CLI patched
@@ -26,6 +27,7 @@ if [ -n "$sub" ]; then
     case $sub in
         calibrate|recover) mkdir -p "$out/routers"; echo '{}' > "$out/run.json" ;;
         eval) echo '{"records": []}' > "$out.json" ;;
+        sample-data) mkdir -p "$out"; echo '{}' > "$out/manifest.json" ;;
     esac
 fi
 exit 0
@@ -88,6 +90,28 @@ def test_comp_runs_every_stage_through_the_trial(tmp_path, stub):
     assert [c.split()[1] for c in trial] == ["calibrate", "eval", "recover", "eval"], calls
     assert not [c for c in calls if "wide.cli" in c], calls
     assert any("-dense+ffn16+comp/routers" in c for c in trial if c.split()[1] == "recover")
+
+
+
+def test_variants_side_by_side_on_gpus(tmp_path, stub):
+    """GPUS: one queue per GPU; a stage 2 runs on the GPU of its stage 1, after it, and the
+    variants that sample text share one queue (one sample directory per seed)."""
+    variants = "dense+s7 dense+s7+lora1e-3 dense+s8 dense+s9+samples dense+s10+samples"
+    out, _ = run_script(tmp_path, stub, variants, 6553600, GPUS="0 1")
+    calls = [line.split(" ", 1) for line in (tmp_path / "log.gpu").read_text().splitlines()]
+    gpu_of = {}
+    for gpu, c in calls:
+        for run in ("-s7-dense ", "-s7-dense+lora1e-3", "-s8-dense ", "samples-s9", "samples-s10"):
+            if run in c + " ":
+                gpu_of.setdefault(run, set()).add(gpu)
+    assert all(len(g) == 1 for g in gpu_of.values()), gpu_of  # every run on one GPU
+    assert gpu_of["-s7-dense "] == gpu_of["-s7-dense+lora1e-3"] == gpu_of["samples-s9"] == gpu_of["samples-s10"]
+    assert gpu_of["-s8-dense "] != gpu_of["-s7-dense "]
+    on_s7 = [c for gpu, c in calls if gpu in gpu_of["-s7-dense "]]
+    cal = next(i for i, c in enumerate(on_s7) if "calibrate" in c and "-s7-dense " in c + " ")
+    rec = next(i for i, c in enumerate(on_s7) if " recover " in c)
+    assert cal < rec
+    assert "GPU 0: dense+s7 dense+s7+lora1e-3 dense+s9+samples dense+s10+samples" in out
 
 
 if __name__ == "__main__":
