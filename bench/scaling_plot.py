@@ -67,9 +67,10 @@ def collect(folders, series=()) -> list:
     return out
 
 
-def line_of(r) -> str:
-    """The plot line and table label a routed record belongs to: its series, else its loss."""
-    return r.get("series") or r["loss"]
+def line_of(r):
+    """The plot line and table label a record belongs to: its series, else its loss (None for
+    the dense model)."""
+    return r.get("series") or r.get("loss")
 
 
 def routed(records) -> list:
@@ -129,7 +130,7 @@ def table(records) -> str:
         tokens = "-" if r.get("method") == "dense" else f"{r['tokens'] / 1e6:.3g}M"
         seed = "-" if r.get("seed") is None else str(r["seed"])
         ratio = r["ppl"] / dense[0]["ppl"] if dense and r.get("ppl") else None
-        cells = [r.get("series") or r.get("loss") or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
+        cells = [line_of(r) or "dense", tokens, seed, _f(r.get("sparsity")), _f(r.get("ppl"), 2), _f(ratio, 2),
                  _f(r.get("bpb"))] + [_f(r.get(t)) for t in TASKS] + [_f(r.get("avg")), kept_cell(kept, r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
