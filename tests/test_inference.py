@@ -208,9 +208,9 @@ def test_offsets_sit_mid_gap():
     # summation order cannot flip a calibration token, and the realised rate stays exact.
     from wide.modeling import _mid_gap
     v = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    assert _mid_gap(v, 2.0) == 1.5 and _mid_gap(v, 1.2) == 1.5
-    assert _mid_gap(v, 5.0) == 5.0  # above every margin already
-    assert _mid_gap(v, 0.0) == -1.0 and _mid_gap(v + 10, 10.0) == 0.0  # all run: clear below
+    assert _mid_gap([v], 2.0) == 1.5 and _mid_gap([v], 1.2) == 1.5
+    assert _mid_gap([v], 5.0) == 5.0  # above every margin already
+    assert _mid_gap([v], 0.0) == -1.0 and _mid_gap([v + 10], 10.0) == 0.0  # all run: clear below
     model = routed()
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     margins = []
@@ -240,14 +240,14 @@ def _mid_gap_brute(v: torch.Tensor, thr: float) -> float:
 def test_offset_search_on_sorted_margins_matches_brute_force():
     # Offset calibration sorts each module's margins once and binary-searches them, instead of
     # comparing every margin at each bisection step: the same shares, gaps and quantiles.
-    from wide.modeling import _mid_gap_sorted, _set_offsets, _skipped_share
+    from wide.modeling import _mid_gap, _set_offsets, _skipped_share
     g = torch.Generator().manual_seed(3)
     # rounded so that many margins tie, at the thresholds tried too
     chunks = [torch.round(torch.randn(n, generator=g) * 8) / 8 for n in (1, 7, 500, 2048)]
     union = torch.cat(chunks)
     srt = [c.sort().values for c in chunks]
     for thr in [-9.0, -0.25, 0.0, 0.1, 0.125, 1.0, 9.0] + union[::97].tolist():
-        assert _mid_gap_sorted(srt, thr) == _mid_gap_brute(union, thr)
+        assert _mid_gap(srt, thr) == _mid_gap_brute(union, thr)
         for c, v in zip(chunks, srt):
             assert _skipped_share(v, -thr) * c.numel() == pytest.approx(int((c + -thr < 0).sum()), abs=1e-9)
 

@@ -876,17 +876,12 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
 
 
-def _mid_gap(values: torch.Tensor, thr: float) -> float:
-    """A threshold splitting ``values`` exactly as ``thr`` does (runs iff value >= thr), moved
-    to the middle of the gap between the largest value below it and the smallest at or above
-    it. A threshold sitting on a calibration margin would flip that decision under any
-    change of summation order (a fused kernel, another GPU); mid-gap it takes half a gap
-    (nothing helps when the two neighbours are adjacent fp32 numbers)."""
-    return _mid_gap_sorted([values.flatten().float().sort().values], thr)
-
-
-def _mid_gap_sorted(sorted_values: list, thr: float) -> float:
-    """:func:`_mid_gap` over the union of ascending 1-D tensors, without concatenating them."""
+def _mid_gap(sorted_values: list, thr: float) -> float:
+    """A threshold splitting the union of ``sorted_values`` (ascending 1-D tensors) exactly as
+    ``thr`` does (runs iff value >= thr), moved to the middle of the gap between the largest
+    value below it and the smallest at or above it. A threshold sitting on a calibration margin
+    would flip that decision under any change of summation order (a fused kernel, another GPU);
+    mid-gap it takes half a gap (nothing helps when the two neighbours are adjacent fp32 numbers)."""
     below, above = [], []
     for v in sorted_values:
         i = int(torch.searchsorted(v, torch.tensor([thr], dtype=v.dtype, device=v.device)))
@@ -925,7 +920,7 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
             i = min(int(rank.floor()), v.numel() - 1)
             j = min(int(rank.ceil()), v.numel() - 1)
             q = float(torch.lerp(v[i], v[j], (rank - i).to(v.device)))
-            model.wide_routers[layer].router(kind).offset.fill_(-_mid_gap_sorted([v], q))
+            model.wide_routers[layer].router(kind).offset.fill_(-_mid_gap([v], q))
     else:
         cfg = state.config
 
@@ -948,7 +943,7 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
                 lo = mid
             else:
                 hi = mid
-        shift = -_mid_gap_sorted(list(margins.values()), -hi)
+        shift = -_mid_gap(list(margins.values()), -hi)
         for _, _, r in routers:
             r.offset.fill_(shift)
 
