@@ -28,7 +28,7 @@
 # bench/results/quality_seeds), PY. On the offline GPU machine unpack the assets first
 # (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
 # METHODS_FIRST: after every seed has run METHODS, the first seed runs these (all: every method of
-#   `wide compare`, both stages) and its results file is rewritten with them.
+#   `wide compare`, both stages) into RESULTS/seedK_all.*, which the summary reads in place of seedK.
 # BUDGET_S: seconds this call may use; a `wide compare` cut by it resumes from its checkpoints in
 #   the next call on the same machine, and the summary waits for a call that finishes.
 # CACHE_TO: a directory that keeps each seed's evaluation cache (evals_seedK.json, the records of
@@ -50,8 +50,8 @@ mkdir -p "$RESULTS"
 ALL="dense wide wide_lora dynamic_depth dynamic_depth_lora module_skip module_skip_lora static_width static_width_lora"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 complete=1 failed=0
-one_seed() {  # SEED METHODS [compare arguments...]
-    local left=$(( END - $(date +%s) - 20 )) rc=0 seed=$1 methods=$2
+one_seed() {  # SEED METHODS OUT [compare arguments...]
+    local left=$(( END - $(date +%s) - 20 )) rc=0 seed=$1 methods=$2 out=$3
     [ "$methods" = all ] && methods=$ALL
     mkdir -p "$RUNS/seed$seed"
     if [ -n "${CACHE_TO:-}" ] && [ ! -f "$RUNS/seed$seed/evals.json" ] && [ -f "$CACHE_TO/evals_seed$seed.json" ]; then
@@ -60,7 +60,7 @@ one_seed() {  # SEED METHODS [compare arguments...]
     if [ "$left" -lt 60 ]; then echo "incomplete: seed $seed ($methods) skipped, time is up"; complete=0; return 0; fi
     # shellcheck disable=SC2086
     timeout "$left" $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$seed" \
-        --methods $methods --targets $TARGETS --runs "$RUNS/seed$seed" --out "$RESULTS/seed$seed" "${@:3}" || rc=$?
+        --methods $methods --targets $TARGETS --runs "$RUNS/seed$seed" --out "$RESULTS/$out" "${@:4}" || rc=$?
     if [ -n "${CACHE_TO:-}" ] && [ -f "$RUNS/seed$seed/evals.json" ]; then
         mkdir -p "$CACHE_TO"
         cp "$RUNS/seed$seed/evals.json" "$CACHE_TO/evals_seed$seed.json"
@@ -83,7 +83,7 @@ if [ ${#gpus[@]} -gt 1 ]; then
         (
             for k in "${!seeds[@]}"; do
                 [ $(( k % ${#gpus[@]} )) -eq "$i" ] || continue
-                CUDA_VISIBLE_DEVICES=${gpus[i]} one_seed "${seeds[k]}" "$METHODS" "$@" > "$RESULTS/seed${seeds[k]}.log" 2>&1
+                CUDA_VISIBLE_DEVICES=${gpus[i]} one_seed "${seeds[k]}" "$METHODS" "seed${seeds[k]}" "$@" > "$RESULTS/seed${seeds[k]}.log" 2>&1
             done
         ) &
         pids+=($!)
@@ -95,10 +95,14 @@ if [ ${#gpus[@]} -gt 1 ]; then
         grep "^failed:" "$RESULTS/seed$s.log" && failed=1
     done
 else
-    for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "$@"; done
+    for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "seed$s" "$@"; done
 fi
-if [ -n "${METHODS_FIRST:-}" ]; then one_seed "${seeds[0]}" "$METHODS_FIRST" "$@"; fi
+# Its own results file: `wide compare` rewrites its file after every method, so a call cut
+# half-way through the wider set would otherwise leave the first seed's file without the rows
+# that the headline methods had (the same run directory keeps their trainings and evaluations).
+if [ -n "${METHODS_FIRST:-}" ]; then one_seed "${seeds[0]}" "$METHODS_FIRST" "seed${seeds[0]}_all" "$@"; fi
 if [ "$failed" = 1 ]; then echo "a comparison failed (above): no summary"; exit 1; fi
 if [ "$complete" != 1 ]; then echo "not every seed finished: no summary yet"; exit 0; fi
 for s in "${seeds[@]}"; do inputs+=("$RESULTS/seed$s.json"); done
+if [ -n "${METHODS_FIRST:-}" ]; then inputs[0]="$RESULTS/seed${seeds[0]}_all.json"; fi  # a superset of seedK
 $PY bench/seeds_summary.py "${inputs[@]}" --out "$RESULTS/quality_smollm2_seeds"

@@ -43,7 +43,8 @@ def test_mean_and_range_over_seeds(tmp_path):
     assert len(doc["records"]) == 9 and [i["seed"] for i in doc["inputs"]] == [0, 1, 2]
     wide = next(r for r in doc["aggregated"] if r["name"] == "wide")
     assert wide["seeds"] == [0, 1, 2] and wide["n"] == 3
-    assert (wide["ppl"], wide["ppl_min"], wide["ppl_max"]) == (75.0, 60.0, 90.0)
+    # perplexity pools as the mean cross-entropy: exp(mean(log ppl)), not the arithmetic 75
+    assert wide["ppl"] == pytest.approx((60.0 * 90.0 * 75.0) ** (1 / 3)) and (wide["ppl_min"], wide["ppl_max"]) == (60.0, 90.0)
     assert wide["avg"] == pytest.approx(0.40)
     c = (4 * 0.25 + 2 * 0.5) / 6  # mean chance over the six tasks without BoolQ
     kept = [(a - c) / (0.45 - c) for a in (0.40, 0.38, 0.42)]
@@ -52,7 +53,7 @@ def test_mean_and_range_over_seeds(tmp_path):
     dense = next(r for r in doc["aggregated"] if r["name"] == "dense")
     assert dense["seeds"] is None and dense["ppl"] == 22.5 and dense["above_chance_kept"] == pytest.approx(1.0)
     md = (tmp_path / "out" / "q.md").read_text()
-    assert "| wide | 1 | 50% | 0,1,2 | 0.500 | 75.0 (60.0-90.0) | 0.400 (0.380-0.420) |" in md
+    assert "| wide | 1 | 50% | 0,1,2 | 0.500 | 74.0 (60.0-90.0) | 0.400 (0.380-0.420) |" in md
     assert "| dense | 0 | - | - | 0.000 | 22.5 | 0.450 | 100% |" in md  # no range where all seeds agree
     assert (tmp_path / "out" / "q.png").stat().st_size > 1000
 
