@@ -49,6 +49,11 @@ as the routers chose on that token, unless the mode says otherwise.
                     1.5x the routers' skipped groups per token (FLOP sparsity counts it so)
     mlpR            as probeR with Linear(H, R) -> SiLU -> Linear(R, G) trained by Adam on the same
                     data: a router of rank R with a nonlinearity between its two linears
+    lowrankR        FFN only: the routers' count, the groups of largest ||c_g|| computed from a
+                    rank-R copy of the module (truncated SVD of gate_proj and up_proj, down_proj
+                    exact): SiLU(x G_R) * (x U_R) in place of h. "A router that sees more of the
+                    module": no fitting, and its 2R(H + F) multiply-adds per token (H hidden, F
+                    FFN width) count against the FLOP sparsity as the groups they would buy
 
 The ``agree`` column is the share of the kept groups that the oracle would also keep at that
 count (per token, per module, in the same forward); ``energy`` is, averaged over (token, module)
@@ -93,6 +98,7 @@ MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "
 GATED = ("gate", "gate-flops")  # FFN only: what the module's gate projection says, after it ran
 FIRST_ORDER = ("oracle-kl", "oracle-ce")
 PROBES = ("probe", "mlp")
+LOWRANK = "lowrank"
 
 
 def split_layers(text: str) -> tuple:
@@ -118,6 +124,13 @@ def parse_mode(text: str) -> tuple:
         if digits and (not digits.isdigit() or int(digits) < 1):
             raise SystemExit(f"mode {text!r}: probeR needs a rank R >= 1 (or none: full rank)")
         return "probe", int(digits or 0), kinds
+    if name.startswith(LOWRANK):
+        digits = name[len(LOWRANK):]
+        if not digits.isdigit() or int(digits) < 1:
+            raise SystemExit(f"mode {text!r}: lowrankR needs a rank R >= 1")
+        if kind == "attn":
+            raise SystemExit(f"mode {text!r}: lowrankR chooses FFN groups only")
+        return LOWRANK, int(digits), ("ffn",)
     if name.startswith("mlp"):
         digits = name[len("mlp"):]
         if not digits.isdigit() or int(digits) < 1:
@@ -133,7 +146,8 @@ def parse_mode(text: str) -> tuple:
             raise SystemExit(f"mode {text!r}: the gate modes choose FFN groups only")
         kinds = ("ffn",)
     elif name not in MODES and name != "dense":
-        raise SystemExit(f"unknown mode {text!r}; modes: dense, {', '.join(MODES)}, oracle-tileN, probeR, mlpR")
+        raise SystemExit(f"unknown mode {text!r}; modes: dense, {', '.join(MODES)}, oracle-tileN, probeR, mlpR, "
+                         "lowrankR")
     return name, tile, kinds
 
 
@@ -155,6 +169,14 @@ def contribution_sq(h: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """[..., G] squared norms of what each group adds to the projection's output."""
     hg = h.float().view(*h.shape[:-1], gram.shape[0], gram.shape[1])
     return torch.einsum("...gc,gcd,...gd->...g", hg, gram, hg).clamp_min(0)
+
+
+def low_rank(weight: torch.Tensor, rank: int) -> tuple:
+    """(A [out, R], B [R, in]) with A @ B the best rank-R approximation of ``weight`` (truncated
+    SVD, float32), so that x @ weight.T ~ (x @ B.T) @ A.T at R (in + out) multiply-adds."""
+    u, s, vh = torch.linalg.svd(weight.detach().float(), full_matrices=False)
+    r = min(rank, s.numel())
+    return u[:, :r] * s[:r], vh[:r]
 
 
 def choose(mode: str, tile: int, h: torch.Tensor, score: torch.Tensor, routed: torch.Tensor,
@@ -205,6 +227,9 @@ class MaskPolicy:
         self.probes = probes  # probe modes: (layer, kind) -> predictor of scores [.., G] from the router input
         self.inputs = {}  # probe mode: this forward's router inputs
         self.gates = {}  # gate modes: layer -> SiLU(gate_proj(x)) of this forward
+        self.ffn_inputs = {}  # lowrank mode: layer -> the FFN's input (gate_proj's) of this forward
+        self.low_rank = {}  # lowrank mode: layer -> ((A, B) of gate_proj, (A, B) of up_proj)
+        self.predictor_macs = 0.0  # lowrank mode: multiply-adds its predictions cost, over all tokens
         self.state = get_state(model)
         self.mode, self.tile, self.kinds = mode, tile, tuple(kinds)
         self.gen = torch.Generator().manual_seed(seed)
@@ -230,6 +255,11 @@ class MaskPolicy:
                     gate = arch.projection(layer, spec, "gate")
                     self.handles.append(gate.register_forward_hook(
                         lambda mod, args, out, i=i: self.gates.__setitem__(i, F.silu(out.float()))))
+                if mode == LOWRANK and kind == "ffn" and (layers is None or i in layers):
+                    gate, up = arch.projection(layer, spec, "gate"), arch.projection(layer, spec, "up")
+                    self.low_rank[i] = (low_rank(gate.weight, tile), low_rank(up.weight, tile))
+                    self.handles.append(gate.register_forward_pre_hook(
+                        lambda mod, args, i=i: self.ffn_inputs.__setitem__(i, args[0])))
                 if mode in PROBES and kind in self.kinds:
                     self.handles.append(router_input_hook(arch.module_norm(layer, spec, kind), normed,
                                                           lambda x, key=(i, kind): self.inputs.__setitem__(key, x)))
@@ -254,6 +284,12 @@ class MaskPolicy:
                     count = (groups - ((groups - count) * 3 + 1) // 2).clamp_min(0)
                 g = self.gates.pop(layer)
                 mask = top_by_count(g.view(*g.shape[:-1], groups, -1).square().sum(-1), count)
+            elif self.mode == LOWRANK:
+                (ga, gb), (ua, ub) = self.low_rank[layer]
+                x = self.ffn_inputs.pop(layer).float()
+                h_approx = F.silu(x @ gb.T @ ga.T) * (x @ ub.T @ ua.T)
+                mask = top_by_count(contribution_sq(h_approx, gram), routed.bool().sum(-1))
+                self.predictor_macs += x[..., 0].numel() * (ga.numel() + gb.numel() + ua.numel() + ub.numel())
             elif self.mode in PROBES:
                 predict = self.probes[(layer, kind)]
                 mask = top_by_count(predict(self.inputs.pop((layer, kind))), routed.bool().sum(-1))
@@ -312,7 +348,7 @@ class MaskPolicy:
     def flop_sparsity(self) -> float:
         geo = self.state.geometry
         macs = {kind: geo.group_macs(kind) for kind in KINDS}
-        skipped = sum((self.slots[k] - self.kept[k]) * macs[k] for k in KINDS)
+        skipped = sum((self.slots[k] - self.kept[k]) * macs[k] for k in KINDS) - self.predictor_macs
         total = sum(self.slots[k] * macs[k] for k in KINDS)
         return skipped / total if total else 0.0
 

@@ -370,6 +370,48 @@ def test_oracle_trial_gate_modes(mode):
         trial.parse_mode("gate:attn")
 
 
+def test_oracle_trial_low_rank_mode():
+    """lowrankR scores FFN groups from a rank-R copy of gate and up: at full rank that is the
+    module itself, so it keeps the oracle's groups; a rank-R copy is the truncated SVD; its
+    multiply-adds, 2R(H + F) per token, come off the FLOP sparsity; attention is refused."""
+    from wide import arch
+    from wide.modeling import get_state, recording_masks
+
+    trial = _script("oracle_masks_cpu")
+    assert trial.parse_mode("lowrank32:ffn") == ("lowrank", 32, ("ffn",)) == trial.parse_mode("lowrank32")
+    for bad in ("lowrank", "lowrank0", "lowrank8:attn"):
+        with pytest.raises(SystemExit):
+            trial.parse_mode(bad)
+    gen = torch.Generator().manual_seed(10)
+    w = _randn(gen, 9, 7)
+    a, b = trial.low_rank(w, 3)
+    u, s, vh = torch.linalg.svd(w)
+    torch.testing.assert_close(a @ b, (u[:, :3] * s[:3]) @ vh[:3])
+    model = _wrapped()
+    state = get_state(model)
+    spec = arch.spec_for(model)
+    layer0 = arch.decoder_layers(model)[0]
+    full = max(arch.projection(layer0, spec, "gate").weight.shape)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(11))
+    outs = {}
+    for mode, rank in (("oracle", 0), ("lowrank", full), ("lowrank", 2)):
+        policy = trial.MaskPolicy(model, mode, rank, ("ffn",))
+        with recording_masks(model) as routed, torch.no_grad():
+            model(input_ids=ids)
+        policy.remove()
+        outs[(mode, rank)] = ({k: v.clone() for k, v in state.masks.items() if k[1] == "ffn"}, policy)
+        for (layer, kind), masks in routed.items():  # the routers' counts, every mode
+            if kind == "ffn":
+                assert torch.equal(state.masks[(layer, kind)].sum(-1), masks[0].sum(-1).float())
+    oracle, lr_full, lr_2 = (outs[k][0] for k in (("oracle", 0), ("lowrank", full), ("lowrank", 2)))
+    assert all(torch.equal(oracle[k], lr_full[k]) for k in oracle)
+    assert any(not torch.equal(oracle[k], lr_2[k]) for k in oracle)
+    dims = state.geometry.dims
+    layers = len(arch.decoder_layers(model))
+    assert outs[("lowrank", 2)][1].predictor_macs == 2 * 10 * layers * 2 * 2 * (dims.hidden_size + dims.intermediate_size)
+    assert outs[("lowrank", 2)][1].flop_sparsity() < outs[("oracle", 0)][1].flop_sparsity()
+
+
 def test_oracle_trial_layer_range():
     """``@FIRST-LAST`` applies a mode to those layers only; the others keep the routers' masks."""
     from wide.modeling import get_state, recording_masks
