@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The headline comparison over seeds: `wide compare` once per seed (each its own run directory,
 # resumable), then bench/seeds_summary.py for the mean and range of every method at every target
-# (RESULTS/quality_smollm2_seeds.{json,md,png}). Extra arguments go to every `wide compare`.
+# (SUMMARY.{json,md,png}, default RESULTS/quality_smollm2_seeds). Extra arguments go to every
+# `wide compare`.
 #
 #   SEEDS="0 1 2" METHODS="dense wide dynamic_depth" TARGETS="0.25 0.5" \
 #       bash bench/quality_seeds.sh --steps 400 --batch-size 32 --amp bf16
@@ -11,11 +12,15 @@
 # assets unpacked into /root/wc (bench/results/routing_quality/README.md says how), one call at a
 # time until it prints the summary; each call resumes where the last one stopped:
 #   env WIDE_CACHE_DIR=/root/wc RUNS=/root/q/seeds RESULTS=bench/results/quality_seeds BUDGET_S=540 \
-#       CACHE_TO=bench/results/quality_seeds METHODS_FIRST=all bash bench/quality_seeds.sh \
+#       CACHE_TO=bench/results/quality_seeds METHODS_FIRST=all SUMMARY=bench/results/quality_smollm2 \
+#       bash bench/quality_seeds.sh \
 #       --steps 200 --batch-size 128 --amp bf16 --router-init dense --sparsity-warmup 0.5 --lr 1.2e-2 \
 #       --ffn-group-size 16 --recovery-lr 1e-3
-# and return RESULTS (tar) with $OUT. ~7 min per seed of three methods on an H100 (four trainings
-# of 6.55M tokens, five evaluations), ~20 more for the other methods of the first seed.
+# and return RESULTS and SUMMARY (tar czf $OUT/seeds.tgz bench/results/quality_seeds
+# bench/results/quality_smollm2.*) with $OUT. ~5.3 min per seed of three methods on an H100 (four
+# trainings of 6.55M tokens at ~80 s each with their evaluations), ~19 more for the other methods
+# of the first seed (a stage 2 takes ~2 min, and trains its stage 1 again on a machine that did
+# not keep it: the caches keep evaluations, not routers).
 #
 # The seeds run one after the other: run as three processes at once on one H200 (beside a fourth
 # training run) they were far slower than in turn (none finished a 400-step stage 1 in 7 minutes,
@@ -25,7 +30,7 @@
 # output in RESULTS/seedK.log); on one GPU they run in turn.
 # Settings (environment): SEEDS, METHODS, TARGETS, GPUS, LIMIT (documents per task, default 500),
 # DEVICE (default cuda), RUNS (run directories, default runs/seeds), RESULTS (default
-# bench/results/quality_seeds), PY. On the offline GPU machine unpack the assets first
+# bench/results/quality_seeds), SUMMARY (the summary's stem), PY. On the offline GPU machine unpack the assets first
 # (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
 # METHODS_FIRST: after every seed has run METHODS, the first seed runs these (all: every method of
 #   `wide compare`, both stages) into RESULTS/seedK_all.*, which the summary reads in place of seedK.
@@ -105,4 +110,4 @@ if [ "$failed" = 1 ]; then echo "a comparison failed (above): no summary"; exit 
 if [ "$complete" != 1 ]; then echo "not every seed finished: no summary yet"; exit 0; fi
 for s in "${seeds[@]}"; do inputs+=("$RESULTS/seed$s.json"); done
 if [ -n "${METHODS_FIRST:-}" ]; then inputs[0]="$RESULTS/seed${seeds[0]}_all.json"; fi  # a superset of seedK
-$PY bench/seeds_summary.py "${inputs[@]}" --out "$RESULTS/quality_smollm2_seeds"
+$PY bench/seeds_summary.py "${inputs[@]}" --out "${SUMMARY:-$RESULTS/quality_smollm2_seeds}"

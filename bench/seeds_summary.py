@@ -63,7 +63,8 @@ def aggregate(docs) -> list:
             groups.setdefault((r.get("name"), r.get("stage"), r.get("target")), []).append(r)
     out = []
     for (name, stage, target), rs in groups.items():
-        agg = {k: rs[0].get(k) for k in ("name", "label", "method", "stage", "target", "model", "loss", "tokens")}
+        agg = {k: rs[0].get(k) for k in ("name", "label", "method", "stage", "target", "model", "loss", "tokens",
+                                         "routing")}
         agg["seeds"] = sorted(r.get("seed") for r in rs if r.get("seed") is not None) or None
         agg["n"] = len(rs)
         for k in STATS:
@@ -144,8 +145,12 @@ def main(argv=None) -> int:
     per_seed = [r for _, d in docs for r in d["records"]]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": " ".join(["python3 bench/seeds_summary.py", *a.inputs, "--out", a.out]),
-           "inputs": [{"file": str(p), "command": d.get("command"), "seed": d["settings"]["seed"]} for p, d in docs],
+    # the results-file header (ANCHORS.md): one value where every input agrees, else the list
+    head = {k: sorted({str(d.get(k)) for _, d in docs}) for k in ("device", "torch")}
+    doc = {**{k: v[0] if len(v) == 1 else v for k, v in head.items()}, "date": max(str(d.get("date")) for _, d in docs),
+           "command": " ".join(["python3 bench/seeds_summary.py", *a.inputs, "--out", a.out]),
+           "inputs": [{"file": str(p), "command": d.get("command"), "seed": d["settings"]["seed"],
+                       "device": d.get("device"), "date": d.get("date")} for p, d in docs],
            "settings": {k: v for k, v in settings.items() if k != "seed"}, "records": per_seed, "aggregated": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     md = [f"# {out.stem}", "", f"Mean over seeds (perplexity: geometric mean), (min-max) where they differ; `{doc['command']}`.", "",

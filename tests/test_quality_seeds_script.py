@@ -49,7 +49,7 @@ def run_script(tmp_path, stub, runs, rc=0, **env_extra):
 
 
 def test_first_seed_runs_every_method_last_and_the_summary_follows(tmp_path, stub):
-    out, calls = run_script(tmp_path, stub, "runs", METHODS_FIRST="all")
+    out, calls = run_script(tmp_path, stub, "runs", METHODS_FIRST="all", SUMMARY=str(tmp_path / "sum" / "headline"))
     compares = [c for c in calls if " compare " in c]
     assert len(compares) == 3
     assert "--seed 0" in compares[0] and "--methods dense wide dynamic_depth --targets" in compares[0]
@@ -61,6 +61,7 @@ def test_first_seed_runs_every_method_last_and_the_summary_follows(tmp_path, stu
     summary = calls[-1].split()
     assert summary[0] == "bench/seeds_summary.py"
     assert [Path(f).name for f in summary[1:3]] == ["seed0_all.json", "seed1.json"]
+    assert summary[-2:] == ["--out", str(tmp_path / "sum" / "headline")]
     assert (tmp_path / "cache" / "evals_seed0.json").is_file() and (tmp_path / "cache" / "evals_seed1.json").is_file()
 
 

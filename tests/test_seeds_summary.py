@@ -22,11 +22,12 @@ def _rec(name, stage, target, ppl, acc, seed):
     return {"op": "quality", "name": name, "label": name, "method": name, "stage": stage, "target": target,
             "sparsity": target or 0.0, "ppl": ppl, **{t: acc for t in TASKS}, "avg": acc, "limit": 200,
             "tasks_detail": {t: {"metric": acc, "chance": CHANCE[t]} for t in TASKS}, "loss": "ce",
-            "tokens": 1000, "seed": None if name == "dense" else seed}
+            "tokens": 1000, "seed": None if name == "dense" else seed, "routing": None if name == "dense" else "token"}
 
 
 def _write(tmp_path, seed, wide_ppl, wide_acc, **settings):
-    doc = {"command": f"wide compare --seed {seed}",
+    doc = {"command": f"wide compare --seed {seed}", "device": "NVIDIA H100", "torch": "2.11.0",
+           "date": f"2026-12-0{seed + 1}T10:00:00",
            "settings": {"seed": seed, "steps": 400, "lr": 0.002, "targets": [0.5], **settings},
            "records": [_rec("dense", 0, None, 22.5, 0.45, seed), _rec("wide", 1, 0.5, wide_ppl, wide_acc, seed),
                        _rec("dynamic_depth", 1, 0.5, 1000.0 + seed, 0.34, seed)]}
@@ -41,8 +42,10 @@ def test_mean_and_range_over_seeds(tmp_path):
     assert ss.main([*files, "--out", str(tmp_path / "out" / "q")]) == 0
     doc = json.loads((tmp_path / "out" / "q.json").read_text())
     assert len(doc["records"]) == 9 and [i["seed"] for i in doc["inputs"]] == [0, 1, 2]
+    assert (doc["device"], doc["torch"], doc["date"]) == ("NVIDIA H100", "2.11.0", "2026-12-03T10:00:00")
     wide = next(r for r in doc["aggregated"] if r["name"] == "wide")
     assert wide["seeds"] == [0, 1, 2] and wide["n"] == 3
+    assert (wide["routing"], wide["tokens"], wide["loss"]) == ("token", 1000, "ce")  # the record fields ANCHORS.md names
     # perplexity pools as the mean cross-entropy: exp(mean(log ppl)), not the arithmetic 75
     assert wide["ppl"] == pytest.approx((60.0 * 90.0 * 75.0) ** (1 / 3)) and (wide["ppl_min"], wide["ppl_max"]) == (60.0, 90.0)
     assert wide["avg"] == pytest.approx(0.40)
