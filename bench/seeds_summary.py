@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 STATS = ("ppl", "avg", "sparsity", "above_chance_kept")
 SAME = ("steps", "recovery_steps", "batch_size", "grad_accum", "seq_len", "lr", "recovery_lr", "limit", "targets",
-        "loss", "amp", "data", "decontaminate", "dtype", "sparsity_warmup", "router_init")
+        "loss", "amp", "data", "decontaminate", "dtype", "sparsity_warmup", "router_init", "ffn_group_size",
+        "router_rank", "router_input", "tau_start", "tau_end", "sparsity_coef", "budget", "lora_r", "offsets")
 
 
 def load(paths) -> tuple:
@@ -153,7 +154,11 @@ def main(argv=None) -> int:
                        "device": d.get("device"), "date": d.get("date")} for p, d in docs],
            "settings": {k: v for k, v in settings.items() if k != "seed"}, "records": per_seed, "aggregated": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    shared = ", ".join(f"{k} {v}" for k, v in doc["settings"].items() if v is not None)
     md = [f"# {out.stem}", "", f"Mean over seeds (perplexity: geometric mean), (min-max) where they differ; `{doc['command']}`.", "",
+          f"Device: {doc['device']}; torch {doc['torch']}; last run {doc['date']}. Settings of every seed's "
+          f"`wide compare`: {shared}. The first seed's command (the others differ in --seed, --runs, --out): "
+          f"`{doc['inputs'][0]['command']}`.", "",
           table(rows), "",
           "Above chance kept: (mean accuracy - mean chance) / (dense's - mean chance) over the six tasks other than "
           "BoolQ, per seed against that seed's dense row."]

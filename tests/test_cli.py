@@ -214,6 +214,7 @@ def test_calibrate_eval_recover_compare_end_to_end(tiny_run):
     assert cmp["records"][1]["groups"]["ffn_group_size"] == 32
     assert cmp["decontamination"]["mode"] == "heldout"
     assert cmp["settings"]["lr"] == TrainArgs().lr and cmp["settings"]["recovery_lr"] == RECOVERY_LR
+    assert cmp["settings"]["ffn_group_size"] == 32 and cmp["settings"]["lora_r"] == LoraArgs().r  # seeds compare them
     meta = json.loads((tmp / "cmp" / "wide-50" / "stage1" / "final" / "wide_config.json").read_text())
     assert meta["compare_settings"]["train"] == dataclasses.asdict(
         TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=20))

@@ -69,3 +69,6 @@ def test_refuses_repeated_seeds_and_other_settings(tmp_path):
     b = _write(tmp_path, 1, 70.0, 0.4, lr=0.006)
     with pytest.raises(ValueError, match="differs from .* in lr"):
         ss.main([a, b, "--out", str(tmp_path / "x")])
+    c = _write(tmp_path, 2, 70.0, 0.4, ffn_group_size=16)  # the group size is a setting too
+    with pytest.raises(ValueError, match="differs from .* in ffn_group_size"):
+        ss.main([a, c, "--out", str(tmp_path / "x")])

@@ -386,6 +386,11 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         "dtype": args.dtype, "loss": args.loss, "kd_temperature": args.kd_temperature,
                         "mix_weight": args.mix_weight, "amp": args.amp, "sparsity_warmup": args.sparsity_warmup,
                         "router_init": args.router_init,
+                        # what else changes a number (wide_overrides, stage 2, offsets): seeds of one
+                        # comparison must agree on it (bench/seeds_summary.py checks)
+                        **{k: getattr(args, k, None) for k in ("ffn_group_size", "router_rank", "router_input",
+                                                               "tau_start", "tau_end", "sparsity_coef", "budget",
+                                                               "lora_r", "offsets")},
                         "data": args.data,
                         "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
            **(extra or {}), "records": records}
