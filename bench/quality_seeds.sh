@@ -32,8 +32,9 @@
 # DEVICE (default cuda), RUNS (run directories, default runs/seeds), RESULTS (default
 # bench/results/quality_seeds), SUMMARY (the summary's stem), PY. On the offline GPU machine unpack the assets first
 # (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
-# METHODS_FIRST: after every seed has run METHODS, the first seed runs these (all: every method of
-#   `wide compare`, both stages) into RESULTS/seedK_all.*, which the summary reads in place of seedK.
+# METHODS_FIRST: after every seed has run METHODS, the first seed runs these too (all: every method
+#   of `wide compare`, both stages) into RESULTS/seedK_all.* (with METHODS), which the summary reads
+#   in place of seedK.
 # BUDGET_S: seconds this call may use; a `wide compare` cut by it resumes from its checkpoints in
 #   the next call on the same machine, and the summary waits for a call that finishes.
 # CACHE_TO: a directory that keeps each seed's evaluation cache (evals_seedK.json, the records of
@@ -105,7 +106,12 @@ fi
 # Its own results file: `wide compare` rewrites its file after every method, so a call cut
 # half-way through the wider set would otherwise leave the first seed's file without the rows
 # that the headline methods had (the same run directory keeps their trainings and evaluations).
-if [ -n "${METHODS_FIRST:-}" ]; then one_seed "${seeds[0]}" "$METHODS_FIRST" "seed${seeds[0]}_all" "$@"; fi
+if [ -n "${METHODS_FIRST:-}" ]; then
+    first=$METHODS_FIRST
+    # the summary reads this file in place of the headline one: it must hold METHODS too
+    [ "$first" = all ] || first=$(printf '%s\n' $METHODS $METHODS_FIRST | awk '!seen[$0]++' | xargs)
+    one_seed "${seeds[0]}" "$first" "seed${seeds[0]}_all" "$@"
+fi
 if [ "$failed" = 1 ]; then echo "a comparison failed (above): no summary"; exit 1; fi
 if [ "$complete" != 1 ]; then echo "not every seed finished: no summary yet"; exit 0; fi
 for s in "${seeds[@]}"; do inputs+=("$RESULTS/seed$s.json"); done

@@ -147,8 +147,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the results-file header (ANCHORS.md): one value where every input agrees, else the list
-    head = {k: sorted({str(d.get(k)) for _, d in docs}) for k in ("device", "torch")}
-    doc = {**{k: v[0] if len(v) == 1 else v for k, v in head.items()}, "date": max(str(d.get("date")) for _, d in docs),
+    head = {k: sorted({str(d[k]) for _, d in docs if d.get(k)}) for k in ("device", "torch", "date")}
+    doc = {**{k: (v[0] if len(v) == 1 else v) if v else None for k, v in head.items() if k != "date"},
+           "date": head["date"][-1] if head["date"] else None,
            "command": " ".join(["python3 bench/seeds_summary.py", *a.inputs, "--out", a.out]),
            "inputs": [{"file": str(p), "command": d.get("command"), "seed": d["settings"]["seed"],
                        "device": d.get("device"), "date": d.get("date")} for p, d in docs],

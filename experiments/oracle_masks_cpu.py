@@ -54,6 +54,7 @@ as the routers chose on that token, unless the mode says otherwise.
                     exact): SiLU(x G_R) * (x U_R) in place of h. "A router that sees more of the
                     module": no fitting, and its 2R(H + F) multiply-adds per token (H hidden, F
                     FFN width) count against the FLOP sparsity as the groups they would buy
+                    (scoring the groups from the copy, ~1 % more, is not counted)
 
 The ``agree`` column is the share of the kept groups that the oracle would also keep at that
 count (per token, per module, in the same forward); ``energy`` is, averaged over (token, module)

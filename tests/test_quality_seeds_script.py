@@ -97,3 +97,11 @@ def test_seeds_side_by_side_on_gpus(tmp_path, stub):
     assert "failed: seed 1" in out and not [c for c in calls if "seeds_summary" in c]
     out, calls = run_script(tmp_path, stub, "runs", SEEDS="0 1 2", GPUS="0 1")
     assert [c for c in calls if "seeds_summary" in c]
+
+
+def test_a_narrower_first_set_keeps_the_headline_methods(tmp_path, stub):
+    # the summary reads seed0_all in place of seed0: it must hold the headline methods as well
+    out, calls = run_script(tmp_path, stub, "runs", METHODS_FIRST="module_skip wide")
+    compares = [c for c in calls if " compare " in c]
+    assert "--methods dense wide dynamic_depth module_skip --targets" in compares[-1]
+    assert "/res/seed0_all " in compares[-1]

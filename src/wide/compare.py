@@ -59,7 +59,8 @@ class CompareArgs:
     targets: list[float] = field(default_factory=lambda: [0.25, 0.5], metadata={
         "nargs": "+", "help": "FLOP-weighted sparsity targets", "gt": 0, "lt": 1})
     runs: str = field(default="runs/compare", metadata={"help": "run directory root, reused on a rerun"})
-    out: str = field(default="bench/results/quality_smollm2", metadata={
+    # not a committed results file: a bare `wide compare` must not overwrite the headline
+    out: str = field(default="results/compare", metadata={
         "help": "results stem: OUT.json, OUT.md, OUT.png"})
     quiet: bool = field(default=False, metadata={"help": "no per-step progress bars"})
     recovery_steps: Optional[int] = field(default=None, metadata={"help": "stage-2 steps (default: --steps)", "min": 1})
