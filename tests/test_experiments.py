@@ -410,6 +410,16 @@ def test_oracle_trial_low_rank_mode():
     layers = len(arch.decoder_layers(model))
     assert outs[("lowrank", 2)][1].predictor_macs == 2 * 10 * layers * 2 * 2 * (dims.hidden_size + dims.intermediate_size)
     assert outs[("lowrank", 2)][1].flop_sparsity() < outs[("oracle", 0)][1].flop_sparsity()
+    # restricted to layer 1 (lowrank2@1-1): the other layers keep the routers' masks, and only
+    # layer 1's predictions are paid for
+    policy = trial.MaskPolicy(model, "lowrank", 2, ("ffn",), layers=range(1, 2))
+    with recording_masks(model) as routed, torch.no_grad():
+        model(input_ids=ids)
+    policy.remove()
+    assert torch.equal(state.masks[(0, "ffn")].bool(), routed[(0, "ffn")][0])
+    final1, routed1 = state.masks[(1, "ffn")].bool(), routed[(1, "ffn")][0]
+    assert torch.equal(final1.sum(-1), routed1.sum(-1)) and not torch.equal(final1, routed1)
+    assert policy.predictor_macs == 2 * 10 * 2 * 2 * (dims.hidden_size + dims.intermediate_size)
 
 
 def test_oracle_trial_layer_range():
