@@ -30,8 +30,9 @@
 # output in RESULTS/seedK.log); on one GPU they run in turn.
 # Settings (environment): SEEDS, METHODS, TARGETS, GPUS, LIMIT (documents per task, default 500),
 # DEVICE (default cuda), RUNS (run directories, default runs/seeds), RESULTS (default
-# bench/results/quality_seeds), SUMMARY (the summary's stem), PY. On the offline GPU machine unpack the assets first
-# (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in bench/quality_scaling.sh.
+# bench/results/quality_seeds), SUMMARY (the summary's stem), PY. On the offline GPU machine
+# unpack the assets first (scripts/device_assets.py) and set WIDE_CACHE_DIR, as in
+# bench/quality_scaling.sh.
 # METHODS_FIRST: after every seed has run METHODS, the first seed runs these too (all: every method
 #   of `wide compare`, both stages) into RESULTS/seedK_all.* (with METHODS), which the summary reads
 #   in place of seedK.
