@@ -115,16 +115,7 @@ class Comparison:
         return from_args(TrainArgs, a, **{**RECOVERY_DEFAULTS, "lr": a.recovery_lr}, eval_every=0,
                          steps=a.recovery_steps)
 
-    def wide_overrides(self) -> dict:
-        a = self.args
-        return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init, loss_mode="flops",
-                    tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
-                    ffn_group_size=a.ffn_group_size, budget=a.budget)
-
     # ------------------------------------------------------------ building methods
-
-    def _offsets(self, model) -> None:
-        runs.calibrate_offsets(model, self.args, self.train_ids)
 
     def _check_final(self, final: Path, settings: dict) -> bool:
         from .serialization import read_meta
@@ -148,7 +139,7 @@ class Comparison:
         run = self.root / f"{family}-{_pct(target)}"
         final = run / f"stage{stage}" / "final"
         targs = self.train_args(stage)
-        settings = {"train": asdict(targs), "wide": self.wide_overrides(), "target": target,
+        settings = {"train": asdict(targs), "wide": wide_overrides(self.args), "target": target,
                     "offsets": self.args.offsets, "static_calib_sequences": self.args.static_calib_sequences,
                     "static_normalize": self.args.static_normalize, "dtype": self.args.dtype}
         if stage == 2:
@@ -168,7 +159,7 @@ class Comparison:
                     progress=not self.args.quiet, extra=extra)
             model.eval()
             if static is None:
-                self._offsets(model)
+                runs.calibrate_offsets(model, self.args, self.train_ids)
             save_recovered(model, final, extra=extra,
                            write_more=(lambda d: static.save(d)) if static is not None else None)
             return final
@@ -176,7 +167,7 @@ class Comparison:
         if family == "static_width":
             n = self.args.static_calib_sequences
             batches = self.train_ids[:n].split(self.args.batch_size)
-            cfg = baselines.method_config("static_width", model.config, target, **self.wide_overrides())
+            cfg = baselines.method_config("static_width", model.config, target, **wide_overrides(self.args))
             modeling.wrap(model, cfg)
             pruning = baselines.static_width(model, batches, target, normalize=self.args.static_normalize)
             r = pruning.rates(modeling.get_state(model).geometry)
@@ -184,13 +175,13 @@ class Comparison:
                   f"(attention {r['attn_rate']:.3f}, FFN {r['ffn_rate']:.3f})", flush=True)
             save_recovered(model, final, extra={**extra, "static_rates": r}, write_more=pruning.save)
             return final
-        cfg = baselines.method_config(family, model.config, target, **self.wide_overrides())
+        cfg = baselines.method_config(family, model.config, target, **wide_overrides(self.args))
         modeling.wrap(model, cfg, seed=self.args.seed)  # --seed covers router initialisation too
         modeling.freeze_backbone(model)
         print(f"  stage 1 for {family} at {target:.0%}: {targs.steps} steps", flush=True)
         train(model, self.train_ids, targs, run / "stage1", resume=True, progress=not self.args.quiet)
         model.eval()
-        self._offsets(model)
+        runs.calibrate_offsets(model, self.args, self.train_ids)
         save_recovered(model, final, extra=extra)
         return final
 
@@ -202,7 +193,7 @@ class Comparison:
                "seq_len": a.seq_len, "data": a.data, "dtype": a.dtype, "model": self.model_path,
                "steps": a.steps, "recovery_steps": a.recovery_steps, "seed": a.seed, "lr": a.lr,
                "recovery_lr": a.recovery_lr, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
-               "wide": self.wide_overrides(), "offsets": a.offsets, "heldout_fraction": a.heldout_fraction,
+               "wide": wide_overrides(self.args), "offsets": a.offsets, "heldout_fraction": a.heldout_fraction,
                "static": [a.static_calib_sequences, a.static_normalize],
                "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers],
                "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp, "sparsity_warmup": a.sparsity_warmup,
@@ -368,6 +359,13 @@ def plot(records: list, path) -> None:
     plt.close(fig)
 
 
+def wide_overrides(a) -> dict:
+    """The WideConfig fields a comparison sets for every method from its arguments."""
+    return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init, loss_mode="flops",
+                tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
+                ffn_group_size=a.ffn_group_size, budget=a.budget)
+
+
 def write_outputs(records: list, out_stem, args, command: str, extra: Optional[dict] = None) -> None:
     import platform
 
@@ -386,12 +384,9 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         "max_eval_sequences": args.max_eval_sequences, "targets": list(args.targets),
                         "dtype": args.dtype, "loss": args.loss, "kd_temperature": args.kd_temperature,
                         "mix_weight": args.mix_weight, "amp": args.amp, "sparsity_warmup": args.sparsity_warmup,
-                        "router_init": args.router_init,
-                        # what else changes a number (wide_overrides, stage 2, offsets): seeds of one
-                        # comparison must agree on it (bench/seeds_summary.py checks)
-                        **{k: getattr(args, k, None) for k in ("ffn_group_size", "router_rank", "router_input",
-                                                               "tau_start", "tau_end", "sparsity_coef", "budget",
-                                                               "lora_r", "offsets")},
+                        # what else changes a number (the methods' WideConfig, stage 2, offsets): seeds of
+                        # one comparison must agree on it (bench/seeds_summary.py checks)
+                        **wide_overrides(args), "lora_r": args.lora_r, "offsets": args.offsets,
                         "data": args.data,
                         "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
            **(extra or {}), "records": records}
