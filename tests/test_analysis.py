@@ -98,11 +98,13 @@ def test_comparison_outputs(tmp_path):
                            recovery_lr=2e-4, limit=5, max_eval_sequences=2, targets=[0.5], dtype="float32",
                            tasks=list(TASKS), device="cpu", loss="kd", kd_temperature=1.0, mix_weight=0.5, amp="bf16",
                            data="wiki", eval_data=None, decontaminate="all", sparsity_warmup=0.0,
-                           router_init="random")
+                           router_init="random", router_rank=16, router_input="residual", tau_start=5.0, tau_end=0.5,
+                           sparsity_coef=20.0, ffn_group_size=32, budget="global", lora_r=16, offsets="global")
     compare.write_outputs(recs, tmp_path / "q", args, command="wide compare --steps 2")
     doc = json.loads((tmp_path / "q.json").read_text())
     assert doc["command"] == "wide compare --steps 2" and len(doc["records"]) == 4
     assert doc["settings"]["loss"] == "kd" and doc["settings"]["amp"] == "bf16" and doc["settings"]["eval_data"] == "wiki"
+    assert doc["settings"]["ffn_group_size"] == 32 and doc["settings"]["offsets"] == "global"  # what seeds must share
     wide_rec = next(r for r in doc["records"] if r["name"] == "wide")
     for key in ("op", "model", "method", "stage", "sparsity", "group_sparsity", "ppl", "bpb", *TASKS, "avg"):
         assert key in wide_rec
