@@ -84,6 +84,20 @@ def test_profiles_name_their_engine_and_rule():
     assert "Eager B=1 decode step, dense engine:" in md
 
 
+def test_kernel_choices_read_per_routing():
+    # Each routing's engine measures its own cuBLAS-or-routed choices; the markdown keeps them
+    # apart (one list per routing) and stays one plain list for a token-only run.
+    meta = {"device": "GPU", "torch": "t", "triton": "t", "date": "d", "model": "m", "routers": "r", "command": "c",
+            "records": [], "k_choices": [
+                {"op": "q", "N": 8, "K": 8, "T_bucket": 1, "routing": "token", "impl": "routed"},
+                {"op": "q", "N": 8, "K": 8, "T_bucket": 1, "routing": "tile16", "impl": "cublas"}]}
+    md = e2e.markdown(meta)
+    assert "- token: q 8x8 T<=1: routed" in md and "- tile16: q 8x8 T<=1: cublas" in md
+    meta["k_choices"] = meta["k_choices"][:1]
+    md = e2e.markdown(meta)
+    assert "\nq 8x8 T<=1: routed\n" in md and "- token" not in md
+
+
 def test_e2e_group_sizes(tmp_path):
     # Finer groups than the defaults (bench/results/group_size_cpu) time through the same kernels;
     # the results say which sizes they timed.

@@ -622,10 +622,15 @@ def markdown(meta: dict) -> str:
         lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:14]]
         lines.append("")
     if meta.get("k_choices"):
+        # Each routing's engine measures its own choices; one line per routing keeps them apart.
+        by_routing: dict = {}
+        for c in meta["k_choices"]:
+            by_routing.setdefault(c.get("routing") or "token", []).append(
+                f"{c.get('op', 'gemm_k')} {c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}")
         lines += ["Routed kernel or cuBLAS, chosen by measurement per projection (CUDA-graph replays, first "
-                  "use of each shape and T bucket; batch-1 q and gate/up always routed): "
-                  + "; ".join(f"{c.get('op', 'gemm_k')} {c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}"
-                              for c in meta["k_choices"]), ""]
+                  "use of each shape and T bucket; batch-1 q and gate/up always routed):", ""]
+        lines += [(f"- {r}: " if len(by_routing) > 1 else "") + "; ".join(cs) for r, cs in by_routing.items()]
+        lines.append("")
     if meta.get("errors"):
         lines += ["Errors / skipped:", ""] + [f"- {e['what']}: {e['error']}" for e in meta["errors"]] + [""]
     return "\n".join(lines)
