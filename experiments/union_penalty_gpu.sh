@@ -10,6 +10,7 @@
 # Needs the assets (bench/quality_scaling.sh's header: WIDE_CACHE_DIR, RUNS, RESULTS, PACK_TO):
 #   S="WIDE_CACHE_DIR=/root/wc RUNS=/root/union/runs RESULTS=/root/union/results PACK_TO=$OUT"
 #   env $S BUDGET_S=540 bash experiments/union_penalty_gpu.sh
+#   env $S BUDGET_S=540 SEED=1 COEFS=2 BASELINE=0 bash experiments/union_penalty_gpu.sh   # seed 1 of coef 2
 # A call cut by BUDGET_S resumes where it stopped (finished runs, records and files are kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,29 +20,32 @@ RUNS=${RUNS:-runs/union}
 RESULTS=${RESULTS:-experiments/results/union_penalty_gpu}
 BASE=${BASE:-dense+lr1.2e-2+ffn16}
 COEFS=${COEFS:-"2 8"}
+SEED=${SEED:-0}           # another seed adds +sN to every variant (quality_routing.sh's part)
+BASELINE=${BASELINE:-1}   # 0: only the penalised runs (e.g. further seeds)
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-3600}
 left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
 mkdir -p "$RESULTS"
-variants="$BASE"
-for c in $COEFS; do variants+=" $BASE+union$c"; done
+sfx=; [ "$SEED" = 0 ] || sfx=+s$SEED
+variants=; [ "$BASELINE" = 0 ] || variants="$BASE$sfx"
+for c in $COEFS; do variants+=" $BASE+union$c$sfx"; done
 env RUNS="$RUNS" RESULTS="$RESULTS" VARIANTS="$variants" BUDGET_S="$(left)" PACK_TO= PY="$PY" \
     bash bench/quality_routing.sh
-tag() { local t=${1//./p}; echo "$RUNS/wide50-ce-6553600-s0-$t/routers"; }
+tag() { local t=${1%+s[0-9]*}; t=${t//./p}; echo "$RUNS/wide50-ce-6553600-s$SEED-$t/routers"; }
 routers=()
 for v in $variants; do
     r=$(tag "$v")
     [ -f "$r/routers.safetensors" ] || { echo "not trained (time is up?): $v"; exit 0; }
     routers+=("$r")
 done
-if [ ! -s "$RESULTS/unions.jsonl" ] && [ "$(left)" -gt 60 ]; then
-    timeout $(( $(left) - 10 )) $PY experiments/union_penalty_cpu.py measure "${routers[@]}" > "$RESULTS/unions.jsonl.part" \
-        && mv "$RESULTS/unions.jsonl.part" "$RESULTS/unions.jsonl"
+u=$RESULTS/unions${sfx/+/-}.jsonl dec=$RESULTS/decode${sfx/+/-}
+if [ ! -s "$u" ] && [ "$(left)" -gt 60 ]; then
+    timeout $(( $(left) - 10 )) $PY experiments/union_penalty_cpu.py measure "${routers[@]}" > "$u.part" && mv "$u.part" "$u"
 fi
-if [ ! -f "$RESULTS/decode.json" ] && [ "$(left)" -gt 60 ]; then
+if [ ! -f "$dec.json" ] && [ "$(left)" -gt 60 ]; then
     timeout $(( $(left) - 10 )) $PY -m wide.cli eval --device "${DEVICE:-cuda}" --data wiki --seq-len 256 \
         --routers "${routers[@]}" --tasks --batch-size 64 --decode-batches 8 32 --decode-windows "${DECODE_WINDOWS:-64}" \
-        --out "$RESULTS/decode" || echo "decode eval: exit $?"
+        --out "$dec" || echo "decode eval: exit $?"
 fi
 if [ -n "${PACK_TO:-}" ]; then
     tar czf "$PACK_TO/union_penalty_gpu.tgz" -C "$RESULTS" . \
