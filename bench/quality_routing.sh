@@ -30,9 +30,9 @@
 #   comp        every wide command of the run goes through experiments/skip_compensation_cpu.py: each
 #               routed module also learns, per group, what to add when a token skips it (a trial,
 #               not in the library)
-#   unionC      every wide command goes through experiments/union_penalty_cpu.py with coefficient C
-#               on the expected union of 8 tokens' masks (a trial, not in the library;
-#               experiments/union_penalty_gpu.sh measures the unions and decode-mode perplexity)
+#   unionC      --union-coef C (a loss term on the expected union of 8 tokens' masks; the runs of
+#               2026-12-05 made it through experiments/union_penalty_cpu.py, the same term before it
+#               landed; experiments/union_penalty_gpu.sh measures the unions and decode-mode ppl)
 #   sotu        both stages calibrate on the 233 State of the Union addresses (`--data sotu`, 1.58M
 #               tokens after decontamination, 2.8x wiki's 0.57M: 6.55M tokens repeat it 4 times);
 #               perplexity is still held-out wiki
@@ -131,7 +131,7 @@ one_variant() {  # VARIANT
             samples) data=samples ;;
             sotu) data=sotu ;;
             comp) wide="$PY experiments/skip_compensation_cpu.py" ;;
-            union[0-9]*) wide="$PY experiments/union_penalty_cpu.py ${part#union} 8" ;;
+            union[0-9]*) args+=" --union-coef ${part#union}" ;;
             *) echo "unknown part $part of variant $v"; exit 2 ;;
         esac
         tag+="+${part//./p}"  # no dots: `--out NAME` takes what follows one as a suffix

@@ -1,4 +1,6 @@
 """Trial: routers whose masks a decode batch can share (issue 20, "trainable if that helps").
+Landed as ``wide calibrate --union-coef C --union-tokens K`` (the same loss term); this script
+stays as the one that made experiments/results/union_penalty_{cpu,gpu} and for ``measure``.
 
 Per-token routers at 50 % pick groups independently enough that the union over a batch of
 unrelated tokens covers nearly every group (SmolLM2's routers: 93 % of FFN groups at 8 tokens,
@@ -28,18 +30,13 @@ import sys
 import torch
 
 import wide.train as train
-from wide.modeling import KINDS, get_state
+from wide.modeling import KINDS, get_state, union_penalty
 
 
 def union_proxy(model, k: int) -> torch.Tensor:
-    """Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g)."""
-    terms = []
-    for (layer, kind), mask in get_state(model).masks.items():
-        if kind not in KINDS or mask is None:
-            continue
-        f = mask.float().flatten(0, -2).mean(0)
-        terms.append((1 - (1 - f).pow(k)).mean())
-    return torch.stack(terms).mean() if terms else torch.zeros(())
+    """Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g); the
+    library's ``union_penalty`` since it landed as ``--union-coef``."""
+    return union_penalty(model, k)
 
 
 def install(coef: float, k: int) -> None:

@@ -2,7 +2,7 @@
 # The union-penalty trial (experiments/union_penalty_cpu.py) at the GPU budget: stage 1 of the
 # default model at 50 %, the best per-token recipe (dense start, lr 1.2e-2, 96 FFN groups of 16,
 # ce, 200 steps of 128 x 256 = 6.55M tokens, seed 0) without the penalty and with coefficients
-# COEFS (default "2 8") on the expected union of 8 tokens' masks. Then, for the three router sets,
+# COEFS (default "2 8", `--union-coef`) on the expected union of 8 tokens' masks. Then, for the router sets,
 # the FLOP-weighted share of the weights that the union of 1, 8 and 32 random held-out tokens runs
 # (`union_penalty_cpu.py measure`: what a decode batch of unrelated sequences reads with
 # per-token routing) and the decode-mode perplexity with each sequence's own masks and with

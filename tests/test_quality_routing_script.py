@@ -21,7 +21,6 @@ echo "${CUDA_VISIBLE_DEVICES:--} $*" >> "$LOG.gpu"
 sub=""
 if [ "$1" = -m ] && [ "$2" = wide.cli ]; then sub=$3; fi
 case $1 in *skip_compensation_cpu.py) sub=$2 ;; esac  # the trial that runs wide's CLI patched
-case $1 in *union_penalty_cpu.py) sub=$4 ;; esac  # the same, after its COEF K
 if [ -n "$sub" ]; then
     out=""; prev=""
     for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
@@ -94,14 +93,12 @@ def test_comp_runs_every_stage_through_the_trial(tmp_path, stub):
 
 
 
-def test_union_runs_stage_one_and_its_eval_through_the_trial(tmp_path, stub):
-    """The part ``unionC``: calibration and evaluation run the union-penalty trial with
-    coefficient C over 8 tokens; the run's name keeps the part."""
+def test_union_part_asks_calibrate_for_the_union_term(tmp_path, stub):
+    """The part ``unionC`` is ``--union-coef C`` of the plain CLI; the run's name keeps the part."""
     _, calls = run_script(tmp_path, stub, "dense+ffn16+union2.5", 6553600)
-    trial = [c for c in calls if c.startswith("experiments/union_penalty_cpu.py ")]
-    assert [c.split()[1:4] for c in trial] == [["2.5", "8", "calibrate"], ["2.5", "8", "eval"]], calls
-    assert not [c for c in calls if "wide.cli" in c], calls
-    assert "--out " + str(tmp_path / "runs" / "wide50-ce-6553600-s0-dense+ffn16+union2p5") in trial[0]
+    cal = [c for c in calls if "wide.cli calibrate" in c]
+    assert len(cal) == 1 and "--union-coef 2.5" in cal[0], calls
+    assert "--out " + str(tmp_path / "runs" / "wide50-ce-6553600-s0-dense+ffn16+union2p5") in cal[0]
 
 
 def test_variants_side_by_side_on_gpus(tmp_path, stub):

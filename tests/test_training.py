@@ -68,6 +68,70 @@ def test_loss_uses_the_coefficient_and_is_differentiable(llama):
     assert loss.requires_grad
 
 
+def test_union_penalty_is_the_expected_union_and_joins_the_loss(llama):
+    # mean over routed modules of mean_g 1 - (1 - f_g)^k, f_g the share of tokens running group g;
+    # sparsity_loss adds union_coef x it, and it reaches the routers.
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32, target_sparsity=0.5, union_coef=3.0,
+                                union_tokens=4))
+    llama.train()
+    get_state(llama).tau = 1.0
+    llama(torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1)))
+    masks = [m for (_, kind), m in get_state(llama).masks.items() if kind in ("attn", "ffn") and m is not None]
+    assert masks
+    want = torch.stack([(1 - (1 - m.float().flatten(0, -2).mean(0)).pow(4)).mean() for m in masks]).mean()
+    got = wide.union_penalty(llama, 4)
+    assert torch.allclose(got, want) and 0.0 < float(got) < 1.0
+    loss, sp = wide.sparsity_loss(llama)
+    cfg = get_state(llama).config
+    assert float(loss) == pytest.approx(cfg.sparsity_coef * abs(0.5 - float(sp.flop_rate)) + 3.0 * float(want), rel=1e-5)
+    wide.union_penalty(llama, 4).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in wide.router_parameters(llama))
+    # a batch whose tokens all run the same groups has union = the per-token rate
+    same = torch.tensor([[1.0, 0.0, 1.0, 0.0]]).expand(6, 4)
+    get_state(llama).masks.clear()
+    get_state(llama).masks[(0, "ffn")] = same
+    assert float(wide.union_penalty(llama, 8)) == pytest.approx(0.5)
+    get_state(llama).masks.clear()
+    with pytest.raises(RuntimeError, match="masks of a routed forward"):
+        wide.union_penalty(llama, 8)
+    with pytest.raises(ValueError, match="union_tokens"):
+        WideConfig(union_tokens=1)
+
+
+def test_union_coef_trains_into_the_loss_and_the_saved_config(tmp_path):
+    # Same seed and data: the first step's forward is the same, and the loss differs by exactly
+    # union_coef x the recorded union; the routers' files keep the setting.
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(0))
+    hists = []
+    for coef in (0.0, 2.0):
+        model = tiny_model()
+        wide.wrap(model, WideConfig(router_init="random", target_sparsity=0.5, ffn_group_size=32, union_coef=coef),
+                  seed=0)
+        wide.freeze_backbone(model)
+        hists.append(train(model, ids, TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=0),
+                           tmp_path / f"u{coef}", progress=False)["history"])
+    a, b = hists[0][0], hists[1][0]
+    assert "union" not in a and 0.0 < b["union"] < 1.0
+    assert a["ce"] == b["ce"] and a["flop_sparsity"] == b["flop_sparsity"]
+    assert b["loss"] - a["loss"] == pytest.approx(2.0 * b["union"], rel=1e-4, abs=1e-6)
+    loaded = wide.load(tiny_model(), tmp_path / "u2.0" / "routers")
+    assert get_state(loaded).config.union_coef == 2.0 and get_state(loaded).config.union_tokens == 8
+    # files from before the fields load and resume as trained: without the term
+    old = WideConfig().to_dict()
+    del old["union_coef"], old["union_tokens"]
+    assert serialization.config_differences(old, WideConfig()) == {}
+    assert serialization.config_differences(old, WideConfig(union_coef=2.0)) == {"union_coef": (0.0, 2.0)}
+
+
+def test_calibrate_takes_union_flags(capsys):
+    from wide.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    out = capsys.readouterr().out
+    assert "--union-coef" in out and "--union-tokens" in out
+
+
 def test_temperature_schedule():
     cfg = WideConfig()
     assert cfg.temperature(0, 11) == 5.0

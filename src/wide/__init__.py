@@ -16,6 +16,7 @@ from .modeling import (
     router_parameters,
     sparsity_loss,
     track_sparsity,
+    union_penalty,
     unwrap,
     wrap,
 )
@@ -29,5 +30,5 @@ __version__ = "0.1.0"
 __all__ = [
     "WideConfig", "wrap", "unwrap", "load", "save_routers", "from_pretrained", "CheckpointError",
     "calibrate_offsets", "forward_sparsity", "freeze_backbone", "router_parameters",
-    "sparsity_loss", "track_sparsity", "accelerate", "generate", "AcceleratedModel", "pretrained",
+    "sparsity_loss", "union_penalty", "track_sparsity", "accelerate", "generate", "AcceleratedModel", "pretrained",
 ]

@@ -25,7 +25,8 @@ TILE_SOURCES = ("first", "previous")
 
 # What wide did before each of these fields existed: a file that lacks one was written then, and
 # loads or resumes with that behaviour even after the field's default changes.
-PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global", "tile_source": "first"}
+PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global", "tile_source": "first",
+            "union_coef": 0.0, "union_tokens": 8}
 # Fields that only set where training starts: routers that differ only in these compute the same
 # function, so loading or resuming them never counts these as a difference.
 START_ONLY = frozenset({"router_init"})
@@ -91,6 +92,17 @@ class WideConfig:
         "help": "where the target holds: over the whole model (global) or in every layer (layer: the penalty "
                 "is the mean over layers of each layer's |target - rate|)"})
     sparsity_coef: float = field(default=20.0, metadata={"help": "weight of |target - rate| in the loss", "min": 0.0})
+    # Per-token routers trained alone pick groups so independently that a decode batch of
+    # unrelated sequences runs nearly every group (union of 32 tokens: 0.99 of the weights at 50 %),
+    # so batched decode reads every weight. This term pulls the routers toward shared groups while
+    # each token keeps its own mask (experiments/results/union_penalty_gpu: coef 2 -> 0.79 at
+    # 1.15x the perplexity).
+    union_coef: float = field(default=0.0, metadata={
+        "help": "weight in the loss of the expected share of groups that --union-tokens random tokens of the "
+                "batch run together (0: off); > 0 trades quality for fewer weights read by batched decode",
+        "min": 0.0})
+    union_tokens: int = field(default=8, metadata={
+        "help": "batch size the --union-coef term stands for (the union of this many independent tokens)", "min": 2})
     tau_start: float = field(default=5.0, metadata={"help": "Gumbel temperature at step 0", "gt": 0.0})
     tau_end: float = field(default=0.5, metadata={"help": "Gumbel temperature at the last step", "gt": 0.0})
     # Structured routing for the kernels (docs/routing_structure.md): a tile's tokens share one

@@ -704,10 +704,30 @@ def _gap(rates: dict, rate, config: WideConfig) -> torch.Tensor:
     return (config.target_sparsity - rate).abs()
 
 
+def union_penalty(model, tokens: int) -> torch.Tensor:
+    """Expected share of groups that ``tokens`` independent tokens of the last forward run
+    together: mean over routed modules of mean_g 1 - (1 - f_g)^tokens, f_g the share of the
+    forward's tokens that run group g (straight-through masks, so it reaches the routers). For a
+    fixed per-token rate it is lowest when every token runs the same groups."""
+    terms = []
+    for (_, kind), mask in get_state(model).masks.items():
+        if kind in KINDS and mask is not None:
+            f = mask.float().flatten(0, -2).mean(0)
+            terms.append((1 - (1 - f).pow(tokens)).mean())
+    if not terms:
+        raise RuntimeError("union_penalty needs the masks of a routed forward in training mode; none were recorded")
+    return torch.stack(terms).mean()
+
+
 def sparsity_loss(model) -> tuple[torch.Tensor, Sparsity]:
+    """The routers' regulariser of the last forward: sparsity_coef x |target - rate|, plus
+    union_coef x union_penalty where the config asks for it."""
     state = get_state(model)
     sp = forward_sparsity(model)
-    return state.config.sparsity_coef * sparsity_penalty(sp, state.config), sp
+    loss = state.config.sparsity_coef * sparsity_penalty(sp, state.config)
+    if state.config.union_coef > 0:
+        loss = loss + state.config.union_coef * union_penalty(model, state.config.union_tokens)
+    return loss, sp
 
 
 @contextlib.contextmanager
@@ -967,7 +987,7 @@ def dense_macs_per_token(dims: ModelDims) -> int:
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelDims", "Geometry", "auto_ffn_group_size", "resolve_geometry", "wrap", "unwrap",
     "install_hooks", "get_state", "router_parameters", "freeze_backbone", "Sparsity",
-    "forward_sparsity", "sparsity_penalty", "sparsity_loss", "track_sparsity", "routing_disabled",
+    "forward_sparsity", "sparsity_penalty", "sparsity_loss", "union_penalty", "track_sparsity", "routing_disabled",
     "calibrate_offsets", "geometry_dict", "dense_macs_per_token", "recording_masks", "batch_shared_decode",
     "plan_tiles",
 ]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .cliargs import check_fields
-from .modeling import forward_sparsity, get_state, routing_disabled, sparsity_penalty
+from .modeling import forward_sparsity, get_state, routing_disabled, sparsity_penalty, union_penalty
 from .serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
                             remove_directory, save_routers)
 
@@ -417,7 +417,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         if session is not None:
             session.seed_step(args.seed, step)
         # Sums stay on the device until the step ends: one host sync per step, not per micro-batch.
-        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "flop": 0.0, "grp": 0.0}
+        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "union": 0.0, "flop": 0.0, "grp": 0.0}
         for micro in range(args.grad_accum):
             idx = batch_indices(train_ids.shape[0], args, step, micro)
             if session is not None:
@@ -432,8 +432,14 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             sp = forward_sparsity(model) if session is None else session.sparsity()
             pen = sparsity_penalty(sp, target_config(cfg, args, step))
             scale = 1.0 if session is None else session.penalty_scale
-            loss = (losses["task"] + cfg.sparsity_coef * scale * pen) / args.grad_accum
-            loss.backward()
+            loss = losses["task"] + cfg.sparsity_coef * scale * pen
+            if cfg.union_coef > 0:
+                # Each rank's own micro-batch shares: the mean of local unions, not the global batch's
+                # (a union over tokens a decode batch would never hold together anyway).
+                union = union_penalty(model, cfg.union_tokens)
+                loss = loss + cfg.union_coef * union
+                sums["union"] += union.detach()
+            (loss / args.grad_accum).backward()
             seen = {}  # the task loss is the ce tensor itself with --loss ce: reduce it once
             for k in ("ce", "kd", "task"):
                 t = losses[k]
@@ -456,8 +462,10 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         rec = {"step": step + 1, "ce": mean["ce"]}
         if args.loss != "ce":
             rec["kd"] = mean["kd"]
-        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"],
-                    "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
+        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"]})
+        if cfg.union_coef > 0:
+            rec["union"] = mean["union"]
+        rec.update({"flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
                     "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         now = time.perf_counter()
         rec["tokens_per_s"] = tokens_per_step / (now - t_last)
