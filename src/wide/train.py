@@ -462,11 +462,11 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         rec = {"step": step + 1, "ce": mean["ce"]}
         if args.loss != "ce":
             rec["kd"] = mean["kd"]
-        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"]})
+        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"],
+                    "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
+                    "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         if cfg.union_coef > 0:
             rec["union"] = mean["union"]
-        rec.update({"flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
-                    "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         now = time.perf_counter()
         rec["tokens_per_s"] = tokens_per_step / (now - t_last)
         t_last = now
