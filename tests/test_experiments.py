@@ -191,6 +191,33 @@ def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in router_parameters(model))
 
 
+def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp_path):
+    """``--union-coef`` is the trial's term: two steps through the trial's patched penalty and
+    two with the option give the same losses and routers (to float rounding: the trial divides
+    and multiplies by the sparsity coefficient)."""
+    import wide
+    import wide.train as train
+    from wide.modeling import forward_sparsity, sparsity_penalty
+
+    monkeypatch.setattr(train, "forward_sparsity", forward_sparsity)  # restored after the test
+    monkeypatch.setattr(train, "sparsity_penalty", sparsity_penalty)
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(0))
+    args = train.TrainArgs(steps=2, batch_size=2, eval_every=0, save_every=0)
+    option = _wrapped(union_coef=2.0)
+    wide.freeze_backbone(option)
+    h_option = train.train(option, ids, args, tmp_path / "option", progress=False)["history"]
+    _script("union_penalty_cpu").install(2.0, 8)
+    trial = _wrapped()
+    wide.freeze_backbone(trial)
+    h_trial = train.train(trial, ids, args, tmp_path / "trial", progress=False)["history"]
+    for a, b in zip(h_option, h_trial):
+        assert a["ce"] == pytest.approx(b["ce"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # the trial's penalty carries the term
+        assert a["loss"] - 2.0 * a["union"] == pytest.approx(a["ce"] + 20.0 * abs(0.5 - a["flop_sparsity"]), rel=1e-5)
+    for p, q in zip(wide.router_parameters(option), wide.router_parameters(trial)):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
 def test_oracle_trial_choices_keep_the_budget():
     """The oracle trial's masks: the routers' count per row (or per tile, or in total), the
     groups of largest contribution ||h_g W_g^T||, computed through Gram matrices."""
