@@ -218,6 +218,27 @@ def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
+def test_union_speed_spread_hits_its_union_and_keeps_the_rate(monkeypatch):
+    """The union-speed trial biases each router's groups apart until k random tokens together
+    run the asked share of groups, then calibrates as the e2e benchmark does: the per-token rate
+    stays at the target, and more spread means a smaller union."""
+    import wide
+
+    trial = _script("union_speed")
+    monkeypatch.setattr(wide, "calibrate_offsets", wide.calibrate_offsets)  # restored after the test
+    model = _wrapped()
+    ids = torch.randint(0, 96, (1, 96), generator=torch.Generator().manual_seed(5))
+    wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=2)
+    plain = trial.union_of(model, ids, k=8)
+    found = trial.install({"attn": 0.75, "ffn": 0.7}, k=8, steps=8)
+    wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=2)
+    got = found[0.5]["union"]
+    assert plain["ffn"] > 0.9 and abs(got["ffn"] - 0.7) < 0.05 and abs(got["attn"] - 0.75) < 0.1, (plain, got)
+    with torch.no_grad(), wide.track_sparsity(model) as tr:
+        model(input_ids=ids)
+    assert abs(float(tr.summary().group_rate) - 0.5) < 0.05
+
+
 def test_oracle_trial_choices_keep_the_budget():
     """The oracle trial's masks: the routers' count per row (or per tile, or in total), the
     groups of largest contribution ||h_g W_g^T||, computed through Gram matrices."""
