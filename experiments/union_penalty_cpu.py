@@ -33,10 +33,16 @@ import wide.train as train
 from wide.modeling import KINDS, get_state, union_penalty
 
 
-def union_proxy(model, k: int) -> torch.Tensor:
-    """Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g); the
-    library's ``union_penalty`` since it landed as ``--union-coef``."""
-    return union_penalty(model, k)
+# Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g): the
+# library's since the term landed as ``--union-coef``.
+union_proxy = union_penalty
+
+
+def union_share(masks: torch.Tensor, k: int, draws: int, gen: torch.Generator) -> torch.Tensor:
+    """[G]: how often each group is in the union of k random rows of ``masks`` [N, G] (draws
+    draws), i.e. what a decode batch of k unrelated tokens runs."""
+    picks = torch.stack([torch.randperm(masks.shape[0], generator=gen)[:k] for _ in range(draws)])  # [draws, k]
+    return masks[picks].any(1).float().mean(0)
 
 
 def install(coef: float, k: int) -> None:
@@ -80,9 +86,7 @@ def measure(routers: list, windows: int = 32, draws: int = 200) -> list:
             used = total = 0.0
             by_kind = {kind: [0.0, 0.0] for kind in KINDS}
             for (layer, kind), m in masks.items():
-                n = m.shape[0]
-                picks = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(draws)])  # [draws, k]
-                union = m[picks].any(1).float().mean(0)  # [G]: how often each group is in the union
+                union = union_share(m, k, draws, g)
                 used += float(union.sum()) * macs[kind]
                 total += m.shape[1] * macs[kind]
                 by_kind[kind][0] += float(union.sum())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,9 @@ import wide
 from wide.arch import KINDS
 from wide.benchmarks import e2e
 from wide.modeling import recording_masks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from union_penalty_cpu import union_share  # noqa: E402  (the trial's measure draws unions the same way)
 
 
 def _routers(model, kind):
@@ -47,8 +51,7 @@ def union_of(model, ids: torch.Tensor, k: int = 32, draws: int = 64) -> dict:
             if kd != kind:
                 continue
             m = torch.cat([x.flatten(0, -2) for x in masks]).cpu()
-            picks = torch.stack([torch.randperm(m.shape[0], generator=gen)[:k] for _ in range(draws)])
-            shares.append(m[picks].any(1).float().mean())
+            shares.append(union_share(m, k, draws, gen).mean())
         if shares:
             out[kind] = float(torch.stack(shares).mean())
     return out
@@ -129,7 +132,6 @@ def main(argv=None) -> int:
     rc = e2e.main(rest)
     if a.record:
         import json
-        from pathlib import Path
 
         Path(a.record).write_text(json.dumps({"command": "python experiments/union_speed.py " + " ".join(argv),
                                               "found": {str(k): v for k, v in found.items()}}, indent=1) + "\n")
