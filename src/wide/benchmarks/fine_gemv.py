@@ -1,0 +1,298 @@
+"""Activation-sparse decode GEMVs (``wide.kernels.fine_gemv``) vs dense cuBLAS and the plain-read floor.
+
+    PYTHONPATH=src python -m wide.benchmarks.fine_gemv --out bench/results/fine_gemv
+    TRITON_INTERPRET=1 PYTHONPATH=src python -m wide.benchmarks.fine_gemv --device cpu --out /tmp/fg  # smoke run
+
+Each case: one projection of Llama-3.1-8B or Qwen2.5-7B at decode (T tokens), random bf16
+weights and inputs, per-segment thresholds at the |x| quantile that keeps the asked share of
+each token's inputs (i.i.d. random, so for T > 1 the union of kept rows is larger: recorded
+as ``union``). The output is checked against the fp32 reference (rel err < 1e-2) first; then
+three timings in the same process: cuBLAS (``F.linear`` on the dense ``[N, K]`` weight; for
+``fine_ffn_up`` also the SiLU * up), ``fine_gemv`` (thresholds compared in the kernel), and
+the floor: a plain read (``wide.kernels.plain_read``) of as many bytes as the kept rows
+hold. Timing as in the kernel benchmark (``wide.timing.graph_time_us``): a CUDA graph of
+calls rotating over enough input sets that L2 never holds the next call's weights.
+``--sweep`` times every tile config of a list per case instead (tuning). On the CPU
+(``--device cpu``) the kernels run under the Triton interpreter on one tiny shape, timed
+with the wall clock: only that the records are built counts there.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from wide.timing import graph_time_us, wall_time_us
+
+# model: shape -> (K, output widths of the weights fused along N)
+MODELS = {
+    "llama-3.1-8b": {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+                     "gate_up": (4096, (14336, 14336)), "up": (4096, (14336,)),
+                     "down": (14336, (4096,))},
+    "qwen2.5-7b": {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)),
+                   "gate_up": (3584, (18944, 18944)), "down": (18944, (3584,))},
+}
+TINY = {"tiny": {"qkv": (80, (64, 16, 16)), "down": (136, (48,)), "gate_up": (64, (40, 40))}}
+L2_BYTES = 60e6
+# plain-read floor settings (wide.benchmarks.read_floors: the fastest at these sizes)
+FLOOR_CFGS = ((16384, 8), (32768, 8))
+FLOOR_BLOCK = 2048
+TARGETS = {("llama-3.1-8b", "down"): 1.85, ("llama-3.1-8b", "up"): 1.85}
+
+
+def _thresholds(x, kept, nseg):
+    """One threshold per segment: the |x| quantile that keeps ``kept`` of each token's inputs
+    (the same share for every segment, so T = 1 reads ``kept`` of the rows)."""
+    th = torch.quantile(x.float().abs().flatten().cpu(), 1.0 - kept).item()
+    return [th] * nseg
+
+
+def _sweep_configs():
+    """Tile configs a ``--sweep`` times: (BN, BR, BU, warps) tiles, each at a few split targets."""
+    import triton
+    cfgs = []
+    for bn, br, bu, w, ppss, pfs in (
+            (64, 16, 4, 4, (4, 8, 16), (True, False)), (64, 16, 8, 4, (4, 8, 16), (True, False)),
+            (64, 16, 16, 4, (4, 8, 16), (True, False)), (32, 32, 4, 4, (8, 16), (True,)),
+            (32, 32, 8, 4, (8, 16), (True,)), (128, 8, 8, 4, (4, 8), (True,)), (128, 8, 16, 4, (4, 8), (True,)),
+            (64, 32, 4, 8, (4, 8), (True,)), (64, 32, 8, 8, (4, 8), (True,)), (256, 1, 16, 1, (8, 16), (True,)),
+            (256, 1, 32, 1, (8, 16), (True,)), (256, 4, 8, 4, (4, 8), (True,)), (512, 2, 8, 4, (8,), (True,))):
+        for pps in ppss:
+            for pf in pfs:
+                cfgs.append(triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=w,
+                                          num_stages=1))
+    cfgs.append(triton.Config({"BN": 64, "BR": 16, "BU": 8, "PPS": 8, "PF": False}, num_warps=4, num_stages=3))
+    return cfgs
+
+
+def _cfg_name(c):
+    k = c.kwargs
+    return (f"BN{k['BN']}-BR{k['BR']}-BU{k['BU']}-P{k['PPS']}-{'pf' if k['PF'] else 'nopf'}"
+            f"-w{c.num_warps}-s{c.num_stages}")
+
+
+def run_case(model, shape, K, widths, T, kept, device, timer, seed, op="fine_gemv", sweep=None):
+    """One record (or, with ``sweep``, one per config): check, then time dense, fine, floor."""
+    from wide.kernels.fine_gemv import (fine_ffn_up, fine_ffn_up_reference, fine_gemv, fine_gemv_reference,
+                                        fine_layout, keep_mask_reference)
+    from wide.kernels.plain_read import plain_read
+
+    cuda = device.type == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float32
+    N = sum(widths)
+    fused = op == "fine_ffn_up"
+    nseg = len(widths)
+    set_bytes = 2 * N * K * (2 if cuda else 4)
+    n_rot = int(max(1, min(8, math.ceil(3 * L2_BYTES / set_bytes)))) if cuda else 2
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sets = []
+    for _ in range(n_rot):
+        ws = [(torch.randn(n, K, generator=gen) / math.sqrt(K)).to(device=device, dtype=dt) for n in widths]
+        w_dense = torch.cat(ws, 0)
+        w_t = fine_layout(*ws)
+        del ws
+        x = torch.randn(T, K, generator=gen).to(device=device, dtype=dt)
+        sets.append((x, w_dense, w_t))
+    segments = [0]
+    for n in widths:
+        segments.append(segments[-1] + n)
+    x0, _, w_t0 = sets[0]
+    ths = _thresholds(x0, kept, nseg)
+    # rows read: the union over the tokens of each segment's kept rows
+    keep = keep_mask_reference(x0, ths[0])
+    union_rows = int(keep.any(0).sum().item())
+    kept_elems = union_rows * N
+    if fused:
+        inter = N // 2
+
+        def fine(s, config=None):
+            return fine_ffn_up(s[0], s[2], thresholds=ths[:2], config=config)
+
+        def dense(s):
+            h = F.linear(s[0], s[1])
+            return F.silu(h[:, :inter]) * h[:, inter:]
+        ref = fine_ffn_up_reference(x0, w_t0, thresholds=ths[:2])
+        out_elems = T * inter
+    else:
+        def fine(s, config=None):
+            return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config)
+
+        def dense(s):
+            return F.linear(s[0], s[1])
+        ref = fine_gemv_reference(x0, w_t0, segments=segments, thresholds=ths)
+        out_elems = T * N
+
+    def check(config=None):
+        y = fine(sets[0], config).float()
+        if torch.isnan(y).any():
+            return float("nan")
+        return ((y - ref).norm() / ref.norm().clamp_min(1e-20)).item()
+
+    elt = 2 if cuda else 4
+    nbytes = kept_elems * elt + T * K * elt + out_elems * elt
+    base = {"op": op, "model": model, "shape": shape, "N": N, "K": K, "T": T, "kept": kept,
+            "union": round(union_rows / K, 4), "segments": segments}
+    dense_us = timer([lambda s=s: dense(s) for s in sets])
+    floor_us = _floor_us(kept_elems, n_rot, device, dt, timer, plain_read)
+
+    def record(fine_us, rel, extra):
+        return {**base, "dense_us": round(dense_us, 3), "fine_us": round(fine_us, 3),
+                "floor_us": round(floor_us, 3), "speedup": round(dense_us / fine_us, 4),
+                "vs_floor": round(fine_us / floor_us, 4), "gbps": round(nbytes / fine_us / 1e3, 1),
+                "rel_err": rel, **extra}
+
+    if sweep:
+        out = []
+        for c in sweep:
+            try:
+                rel = check(c)
+                us = timer([lambda s=s, c=c: fine(s, c) for s in sets])
+            except Exception as e:  # a config that does not compile or fit is skipped, named
+                print(f"  {_cfg_name(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            out.append(record(us, rel, {"config": _cfg_name(c)}))
+        del sets
+        return out
+    rel = check()
+    fine_us = timer([lambda s=s: fine(s) for s in sets])
+    del sets
+    return [record(fine_us, rel, {})]
+
+
+def _floor_us(kept_elems, n_rot, device, dt, timer, plain_read):
+    """Fastest plain read of ``kept_elems`` elements (whole chunks), over ``n_rot`` copies."""
+    best = float("inf")
+    for chunk, warps in FLOOR_CFGS if device.type == "cuda" else ((1024, 4),):
+        block = min(FLOOR_BLOCK, chunk)
+        n = kept_elems // chunk * chunk
+        if n == 0:
+            continue
+        bufs = [torch.randn(n, device=device, dtype=dt) for _ in range(n_rot)]
+        out = torch.empty(n // chunk, device=device, dtype=torch.float32)
+        us = timer([lambda b=b, c=chunk, w=warps: plain_read(b, out, c, block, w) for b in bufs])
+        # a floor over fewer bytes than kept (whole chunks only) is scaled up to them
+        best = min(best, us * kept_elems / n)
+        del bufs
+    return best
+
+
+def write_results(records, meta, out):
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    lines = [f"# Activation-sparse decode GEMVs vs dense cuBLAS ({meta['device']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Command: `{meta['command']}`", "",
+             "kept: share of each token's inputs over the threshold (i.i.d. random); union: share of the "
+             "weight rows read (any token keeps them). floor: a plain read of the union's bytes.", "",
+             "| op | model | shape | N | K | T | kept | union | dense us | fine us | floor us | speedup | "
+             "fine / floor | GB/s | rel err |" + (" config |" if any("config" in r for r in records) else ""),
+             "|" + "---|" * (15 + any("config" in r for r in records))]
+    for r in records:
+        tgt = TARGETS.get((r["model"], r["shape"])) if abs(r["kept"] - 0.5) < 1e-9 and r["T"] == 1 else None
+        sp = f"{r['speedup']:.2f}x" + ("" if tgt is None else (" (>= %.2f %s)" % (tgt, "met" if r["speedup"] >= tgt
+                                                                                 else "MISSED")))
+        lines.append(f"| {r['op']} | {r['model']} | {r['shape']} | {r['N']} | {r['K']} | {r['T']} | {r['kept']} | "
+                     f"{r['union']:.3f} | {r['dense_us']:.2f} | {r['fine_us']:.2f} | {r['floor_us']:.2f} | {sp} | "
+                     f"{r['vs_floor']:.3f} | {r['gbps']:.0f} | {r['rel_err']:.2e} |"
+                     + (f" {r['config']} |" if "config" in r else ""))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default="bench/results/fine_gemv", help="results path: OUT.json and OUT.md")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: Triton interpreter, one tiny shape, wall-clock times (a smoke run)")
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--shapes", nargs="*", default=None, help="subset of qkv o gate_up up down")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--kept", type=float, nargs="*", default=[0.5])
+    p.add_argument("--ffn-up", action="store_true", help="also time fine_ffn_up on the gate_up shapes")
+    p.add_argument("--sweep", action="store_true", help="time every config of the sweep list per case")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> list:
+    if args.device == "cpu":
+        # (Triton reads the switch when a kernel is defined, and importing wide defines them)
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("--device cpu runs the kernels under Triton's interpreter: "
+                               "start Python with TRITON_INTERPRET=1")
+        device, timer, models = torch.device("cpu"), wall_time_us, TINY
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("needs a CUDA device (or --device cpu)")
+        device, timer = torch.device("cuda"), graph_time_us
+        models = {m: MODELS[m] for m in args.models}
+    import triton
+
+    for p in args.kept:
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"kept shares lie in (0, 1], got {p}")
+    for t in args.tokens:
+        if not 1 <= t <= 4:
+            raise ValueError(f"fine GEMVs take 1..4 tokens, got {t}")
+    sweep = _sweep_configs() if args.sweep else None
+    argv = getattr(args, "argv", None)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": "python -m wide.benchmarks.fine_gemv " + " ".join(sys.argv[1:] if argv is None else argv),
+            "timing": "cudagraph" if device.type == "cuda" else "wall (interpreter)",
+            "autotune": os.environ.get("WIDE_AUTOTUNE", "1") != "0"}
+    records, bad = [], 0
+    t0 = time.time()
+    for model, shapes in models.items():
+        for shape, (K, widths) in shapes.items():
+            if args.shapes and shape not in args.shapes:
+                continue
+            ops = ["fine_gemv"] + (["fine_ffn_up"] if shape == "gate_up" and (args.ffn_up or device.type == "cpu")
+                                   else [])
+            for op in ops:
+                for T in args.tokens:
+                    for kept in args.kept:
+                        try:
+                            rs = run_case(model, shape, K, widths, T, kept, device, timer,
+                                          args.seed + 7 * T, op=op, sweep=sweep)
+                        except Exception as e:  # record and go on: one bad case must not lose the run
+                            print(f"FAILED {op} {model} {shape} T={T} kept={kept}: {type(e).__name__}: {e}",
+                                  flush=True)
+                            bad += 1
+                            continue
+                        for r in rs:
+                            ok = r["rel_err"] < 1e-2
+                            bad += not ok
+                            records.append(r)
+                            print(f"{op:11s} {model:12s} {shape:7s} T={T} kept={kept:.2f} union={r['union']:.3f} "
+                                  f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
+                                  f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
+                                  f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
+                                  f"[{time.time() - t0:.0f}s]", flush=True)
+                        write_results(records, meta, args.out)
+    write_results(records, meta, args.out)
+    args.failed = bad
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    a.argv = argv
+    try:
+        run(a)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 1 if a.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,841 @@
+"""Per-element activation-sparse decode GEMVs (``fine_gemv``, ``fine_ffn_up``): TEAL / WINA style.
+
+``fine_gemv(x [T, K], w_t [K, N], threshold)``: ``y[t, n] = sum over k with keep[t, k] of
+x[t, k] * w_t[k, n]``, ``keep[t, k] = |x[t, k]| * scale[k] >= threshold`` (and, given one,
+``group_mask[t, k // group_size]``), fp32 accumulation, for T = 1..4 decode tokens.
+``fine_ffn_up(x, w_t_gateup [K, 2I])`` -> ``silu(gate) * up [T, I]`` in one launch.
+
+Layout. The weight is stored once, transposed (``fine_layout``): row k of ``w_t`` is weight
+column k, contiguous over the outputs, so an input element under its threshold is a skipped
+contiguous read. Projections that share an input (q|k|v, gate|up) are concatenated along N
+and keep one threshold each (``segments`` / ``thresholds``: TEAL's greedy allocation gives
+q, k and v different thresholds on the same input).
+
+Decomposition. A program owns a BN-wide slice of one segment's columns and a share of the
+rows (split-K over ``program_id(1)``). It walks its rows a [BU, BR, BN] step at a time: loads
+the T tokens' inputs, compares them with the segment's threshold in registers (no mask pass,
+nothing read back by the host), ORs the T keep bits of each row and loads the weight rows
+under that mask. Masked-off lanes issue no memory traffic, so a row no token keeps costs no
+DRAM bytes; a token that does not keep a row another token keeps multiplies it by an exact
+zero. The next step's inputs and weights are requested before this step's products wait on
+theirs (``PF``), so the input -> threshold -> weight dependency never leaves a thread with
+nothing in flight. Columns of adjacent slices are read by adjacent programs at the same time,
+so a kept row is streamed whole across programs even when one slice is a 128-byte line. Each
+thread holds BU rows of its columns, summed in registers into one [BR, BN] accumulator per
+token, reduced across threads once at the end. Split-K partials are fp32; the last program of
+a column slice to draw its ticket sums them in split order (deterministic; no atomics on the
+output) and stores y.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .env import autotune_enabled, interpret_mode, num_sms
+from .routing import next_pow2, split_tickets
+
+__all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_ffn_up", "fine_gemv_reference",
+           "fine_ffn_up_reference", "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_T = 4
+MAX_SEGMENTS = 4
+# Split-K factor under the interpreter (the interpreter pays per program); the tests set 1
+# and 3 as well, to run the unsplit store and a reduction over an odd number of partials.
+INTERPRET_SPLIT = 2
+# More splits than this buy no bandwidth and lengthen the reducer's tail.
+MAX_SPLIT = 64
+
+
+# ---------------------------------------------------------------- kernels
+@triton.jit
+def _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS,
+         HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
+    """Token t at rows k: its inputs in fp32, the magnitude compared with the threshold, and
+    whether the row may be kept at all (inside the split, its routed group on)."""
+    xv = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0,
+                 eviction_policy="evict_last").to(tl.float32)
+    mag = tl.abs(xv)
+    if HAS_SCALE:
+        mag = mag * s
+    ok = k_ok
+    if HAS_GM:
+        ok = ok & (tl.load(gm_ptr + t * stride_gt + k // GS, mask=k_ok, other=0) != 0)
+    return xv, mag, ok
+
+
+@triton.jit
+def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stride_wk, stride_gt, GS,
+           T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
+    """One step of BU x BR rows: the weight rows any token keeps (the rest masked off: no
+    memory traffic) and each token's kept inputs (zeros where it does not keep the row)."""
+    k_ok = k < k_hi
+    s = 1.0
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
+    x0, m0, o0 = _tok(x_ptr, 0, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+    keep0 = (m0 >= th) & o0
+    row = keep0
+    a0 = tl.where(keep0, x0, 0.0)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if T > 1:
+        x1, m1, o1 = _tok(x_ptr, 1, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        keep1 = (m1 >= th) & o1
+        row = row | keep1
+        a1 = tl.where(keep1, x1, 0.0)
+    if T > 2:
+        x2, m2, o2 = _tok(x_ptr, 2, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        keep2 = (m2 >= th) & o2
+        row = row | keep2
+        a2 = tl.where(keep2, x2, 0.0)
+    if T > 3:
+        x3, m3, o3 = _tok(x_ptr, 3, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        keep3 = (m3 >= th) & o3
+        row = row | keep3
+        a3 = tl.where(keep3, x3, 0.0)
+    w = tl.load(w_base + k[:, :, None].to(tl.int64) * stride_wk, mask=row[:, :, None] & n_ok3,
+                other=0.0, eviction_policy="evict_first")
+    return w, a0, a1, a2, a3
+
+
+@triton.jit
+def _fma(acc, w, a):
+    # [BU, BR, BN] products summed over BU: the BU rows of a column sit in one thread, so the
+    # sum stays in registers and the accumulator is one [BR, BN] tile per token.
+    return acc + tl.sum(w.to(tl.float32) * a[:, :, None], axis=0)
+
+
+@triton.jit
+def _partial_sum(ws_ptr, row, cols, n_ok, n_s, T: tl.constexpr, NW, RS: tl.constexpr):
+    """Sum over the n_s splits of partial row ``row`` (a token) at ``cols``, in split order,
+    RS splits per load so that the reducer has many loads in flight."""
+    rs = tl.arange(0, RS)
+    tot = tl.zeros(cols.shape, dtype=tl.float32)
+    for s0 in range(0, n_s, RS):
+        s = s0 + rs
+        p = tl.load(ws_ptr + (s[:, None] * T + row) * NW + cols[None, :],
+                    mask=(s < n_s)[:, None] & n_ok[None, :], other=0.0, volatile=True)
+        tot += tl.sum(p, axis=0)
+    return tot
+
+
+@triton.jit
+def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
+             NSEG: tl.constexpr, TH_PTR: tl.constexpr, BN: tl.constexpr):
+    """Program -> (first column, end of its segment, the segment's threshold). Each segment
+    is tiled on its own, so a slice never straddles two thresholds."""
+    if TH_PTR:
+        th0 = tl.load(th_ptr)
+    lo = pid * 0
+    hi = lo + b1
+    th = th0
+    first = lo
+    if NSEG > 1:
+        e1 = tl.cdiv(b1, BN)
+        if TH_PTR:
+            th1 = tl.load(th_ptr + 1)
+        c1 = pid >= e1
+        lo = tl.where(c1, b1, lo)
+        hi = tl.where(c1, b2, hi)
+        th = tl.where(c1, th1, th)
+        first = tl.where(c1, e1, first)
+    if NSEG > 2:
+        e2 = e1 + tl.cdiv(b2 - b1, BN)
+        if TH_PTR:
+            th2 = tl.load(th_ptr + 2)
+        c2 = pid >= e2
+        lo = tl.where(c2, b2, lo)
+        hi = tl.where(c2, b3, hi)
+        th = tl.where(c2, th2, th)
+        first = tl.where(c2, e2, first)
+    if NSEG > 3:
+        e3 = e2 + tl.cdiv(b3 - b2, BN)
+        if TH_PTR:
+            th3 = tl.load(th_ptr + 3)
+        c3 = pid >= e3
+        lo = tl.where(c3, b3, lo)
+        hi = tl.where(c3, b4, hi)
+        th = tl.where(c3, th3, th)
+        first = tl.where(c3, e3, first)
+    return lo + (pid - first) * BN, hi, th
+
+
+@triton.jit
+def _split_rows(K, BK: tl.constexpr):
+    # This program's rows [k_lo, k_hi): whole steps, the chunk the host planned (_plan).
+    n_s = tl.num_programs(1)
+    kc = tl.cdiv(tl.cdiv(K, n_s), BK) * BK
+    k_lo = tl.program_id(1) * kc
+    return k_lo, tl.minimum(K, k_lo + kc)
+
+
+@triton.jit
+def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr,
+                      K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
+                      b1, b2, b3, b4, th0, th1, th2, th3,
+                      T: tl.constexpr, NSEG: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
+                      BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
+                      PF: tl.constexpr, RS: tl.constexpr):
+    pid = tl.program_id(0)
+    n_s = tl.num_programs(1)
+    c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
+    cols = c0 + tl.arange(0, BN)
+    n_ok = cols < hi
+    n_ok3 = n_ok[None, None, :]
+    w_base = w_ptr + cols[None, None, :]
+    k_lo, k_hi = _split_rows(K, BR * BU)
+    kk = tl.arange(0, BU)[:, None] * BR + tl.arange(0, BR)[None, :]
+    acc0 = tl.zeros([BR, BN], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if PF:
+        # Register double buffering: the next step's inputs, keep bits and weight loads are
+        # issued before this step's products wait on its weights, so a load is always in
+        # flight behind the input -> threshold -> weight dependency.
+        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k_lo + kk, k_hi, n_ok3, th,
+                                   stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+        for k0 in range(k_lo, k_hi, BR * BU):
+            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + BR * BU + kk, k_hi, n_ok3,
+                                           th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+            acc0 = _fma(acc0, w, a0)
+            if T > 1:
+                acc1 = _fma(acc1, w, a1)
+            if T > 2:
+                acc2 = _fma(acc2, w, a2)
+            if T > 3:
+                acc3 = _fma(acc3, w, a3)
+            w = wn
+            a0 = b0
+            a1 = b1_
+            a2 = b2_
+            a3 = b3_
+    else:
+        for k0 in range(k_lo, k_hi, BR * BU):
+            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + kk, k_hi, n_ok3, th,
+                                       stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+            acc0 = _fma(acc0, w, a0)
+            if T > 1:
+                acc1 = _fma(acc1, w, a1)
+            if T > 2:
+                acc2 = _fma(acc2, w, a2)
+            if T > 3:
+                acc3 = _fma(acc3, w, a3)
+    y0 = tl.sum(acc0, axis=0)
+    y1 = tl.sum(acc1, axis=0)
+    y2 = tl.sum(acc2, axis=0)
+    y3 = tl.sum(acc3, axis=0)
+    out_ty = y_ptr.dtype.element_ty
+    if n_s == 1:
+        tl.store(y_ptr + cols, y0.to(out_ty), mask=n_ok)
+        if T > 1:
+            tl.store(y_ptr + stride_yt + cols, y1.to(out_ty), mask=n_ok)
+        if T > 2:
+            tl.store(y_ptr + 2 * stride_yt + cols, y2.to(out_ty), mask=n_ok)
+        if T > 3:
+            tl.store(y_ptr + 3 * stride_yt + cols, y3.to(out_ty), mask=n_ok)
+    else:
+        # fp32 partials ws[split, token, column]; the last program of the slice to draw its
+        # ticket (acquire) reads every partial, stored before each program's ticket (release).
+        wsp = ws_ptr + tl.program_id(1) * T * N + cols
+        tl.store(wsp, y0, mask=n_ok)
+        if T > 1:
+            tl.store(wsp + N, y1, mask=n_ok)
+        if T > 2:
+            tl.store(wsp + 2 * N, y2, mask=n_ok)
+        if T > 3:
+            tl.store(wsp + 3 * N, y3, mask=n_ok)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if ticket == n_s - 1:
+            for t in tl.static_range(T):
+                tot = _partial_sum(ws_ptr, t, cols, n_ok, n_s, T, N, RS)
+                tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
+
+
+@triton.jit
+def _block2(x_ptr, g_base, u_base, scale_ptr, k, k_hi, n_ok3, th_g, th_u, a0, a1, a2, a3, stride_xt,
+            stride_wk, T: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """_block for gate and up: one input, two thresholds, two weight slices. a0..a3: whether
+    the token has an output channel on in this slice (no rows are read for it otherwise)."""
+    k_ok = k < k_hi
+    s = 1.0
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
+    # (a scalar bool & a vector trips the interpreter; where does not)
+    x0, m0, o0 = _tok(x_ptr, 0, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
+    o0 = tl.where(a0, o0, False)
+    kg = (m0 >= th_g) & o0
+    ku = (m0 >= th_u) & o0
+    rg = kg
+    ru = ku
+    g0 = tl.where(kg, x0, 0.0)
+    u0 = tl.where(ku, x0, 0.0)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    u1 = u0
+    u2 = u0
+    u3 = u0
+    if T > 1:
+        x1, m1, o1 = _tok(x_ptr, 1, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
+        o1 = tl.where(a1, o1, False)
+        kg = (m1 >= th_g) & o1
+        ku = (m1 >= th_u) & o1
+        rg = rg | kg
+        ru = ru | ku
+        g1 = tl.where(kg, x1, 0.0)
+        u1 = tl.where(ku, x1, 0.0)
+    if T > 2:
+        x2, m2, o2 = _tok(x_ptr, 2, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
+        o2 = tl.where(a2, o2, False)
+        kg = (m2 >= th_g) & o2
+        ku = (m2 >= th_u) & o2
+        rg = rg | kg
+        ru = ru | ku
+        g2 = tl.where(kg, x2, 0.0)
+        u2 = tl.where(ku, x2, 0.0)
+    if T > 3:
+        x3, m3, o3 = _tok(x_ptr, 3, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
+        o3 = tl.where(a3, o3, False)
+        kg = (m3 >= th_g) & o3
+        ku = (m3 >= th_u) & o3
+        rg = rg | kg
+        ru = ru | ku
+        g3 = tl.where(kg, x3, 0.0)
+        u3 = tl.where(ku, x3, 0.0)
+    koff = k[:, :, None].to(tl.int64) * stride_wk
+    wg = tl.load(g_base + koff, mask=rg[:, :, None] & n_ok3, other=0.0, eviction_policy="evict_first")
+    wu = tl.load(u_base + koff, mask=ru[:, :, None] & n_ok3, other=0.0, eviction_policy="evict_first")
+    return wg, wu, g0, g1, g2, g3, u0, u1, u2, u3
+
+
+@triton.jit
+def _on(gm_ptr, t, stride_gt, cols, n_ok, GS, HAS_GM: tl.constexpr):
+    # token t's output channels at cols: on (inside I, and its group routed on)
+    if HAS_GM:
+        return n_ok & (tl.load(gm_ptr + t * stride_gt + cols // GS, mask=n_ok, other=0) != 0)
+    else:
+        return n_ok
+
+
+@triton.jit
+def _fine_ffn_up_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr,
+                        K, I, stride_xt, stride_wk, stride_yt, stride_gt, GS, th0, th1,
+                        T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr,
+                        TH_PTR: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr,
+                        PPS: tl.constexpr, PF: tl.constexpr, RS: tl.constexpr):
+    # Each program reads the same BN columns of gate (cols) and up (I + cols), each under its
+    # own threshold, so that the SiLU * up epilogue has both sums of a column. The group mask
+    # routes OUTPUT channels: a token whose channels in this slice are all off keeps no row,
+    # and a slice off for every token reads nothing.
+    pid = tl.program_id(0)
+    n_s = tl.num_programs(1)
+    if TH_PTR:
+        th0 = tl.load(th_ptr)
+        th1 = tl.load(th_ptr + 1)
+    cols = pid * BN + tl.arange(0, BN)
+    n_ok = cols < I
+    n_ok3 = n_ok[None, None, :]
+    k_lo, k_hi = _split_rows(K, BR * BU)
+    on0 = _on(gm_ptr, 0, stride_gt, cols, n_ok, GS, HAS_GM)
+    on1 = n_ok
+    on2 = n_ok
+    on3 = n_ok
+    if T > 1:
+        on1 = _on(gm_ptr, 1, stride_gt, cols, n_ok, GS, HAS_GM)
+    if T > 2:
+        on2 = _on(gm_ptr, 2, stride_gt, cols, n_ok, GS, HAS_GM)
+    if T > 3:
+        on3 = _on(gm_ptr, 3, stride_gt, cols, n_ok, GS, HAS_GM)
+    a0 = tl.max(on0.to(tl.int32), axis=0) > 0
+    a1 = tl.max(on1.to(tl.int32), axis=0) > 0
+    a2 = tl.max(on2.to(tl.int32), axis=0) > 0
+    a3 = tl.max(on3.to(tl.int32), axis=0) > 0
+    any_on = a0
+    if T > 1:
+        any_on = any_on | a1
+    if T > 2:
+        any_on = any_on | a2
+    if T > 3:
+        any_on = any_on | a3
+    k_end = tl.where(any_on, k_hi, k_lo)
+    kk = tl.arange(0, BU)[:, None] * BR + tl.arange(0, BR)[None, :]
+    g_base = w_ptr + cols[None, None, :]
+    u_base = g_base + I
+    gacc0 = tl.zeros([BR, BN], dtype=tl.float32)
+    gacc1 = gacc0
+    gacc2 = gacc0
+    gacc3 = gacc0
+    uacc0 = gacc0
+    uacc1 = gacc0
+    uacc2 = gacc0
+    uacc3 = gacc0
+    if PF:
+        wg, wu, g0, g1, g2, g3, u0, u1, u2, u3 = _block2(
+            x_ptr, g_base, u_base, scale_ptr, k_lo + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
+            stride_xt, stride_wk, T, HAS_SCALE)
+    for k0 in range(k_lo, k_end, BR * BU):
+        if PF:
+            wgn, wun, g0n, g1n, g2n, g3n, u0n, u1n, u2n, u3n = _block2(
+                x_ptr, g_base, u_base, scale_ptr, k0 + BR * BU + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
+                stride_xt, stride_wk, T, HAS_SCALE)
+        else:
+            wg, wu, g0, g1, g2, g3, u0, u1, u2, u3 = _block2(
+                x_ptr, g_base, u_base, scale_ptr, k0 + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
+                stride_xt, stride_wk, T, HAS_SCALE)
+        gacc0 = _fma(gacc0, wg, g0)
+        uacc0 = _fma(uacc0, wu, u0)
+        if T > 1:
+            gacc1 = _fma(gacc1, wg, g1)
+            uacc1 = _fma(uacc1, wu, u1)
+        if T > 2:
+            gacc2 = _fma(gacc2, wg, g2)
+            uacc2 = _fma(uacc2, wu, u2)
+        if T > 3:
+            gacc3 = _fma(gacc3, wg, g3)
+            uacc3 = _fma(uacc3, wu, u3)
+        if PF:
+            wg = wgn
+            wu = wun
+            g0 = g0n
+            g1 = g1n
+            g2 = g2n
+            g3 = g3n
+            u0 = u0n
+            u1 = u1n
+            u2 = u2n
+            u3 = u3n
+    if n_s == 1:
+        _silu_store(tl.sum(gacc0, axis=0), tl.sum(uacc0, axis=0), on0, y_ptr, cols, n_ok)
+        if T > 1:
+            _silu_store(tl.sum(gacc1, axis=0), tl.sum(uacc1, axis=0), on1, y_ptr + stride_yt, cols, n_ok)
+        if T > 2:
+            _silu_store(tl.sum(gacc2, axis=0), tl.sum(uacc2, axis=0), on2, y_ptr + 2 * stride_yt, cols, n_ok)
+        if T > 3:
+            _silu_store(tl.sum(gacc3, axis=0), tl.sum(uacc3, axis=0), on3, y_ptr + 3 * stride_yt, cols, n_ok)
+    else:
+        # partials ws[split, token, 0:I] (gate) and [I:2I] (up), reduced as in fine_gemv
+        NW = 2 * I
+        wsp = ws_ptr + tl.program_id(1) * T * NW + cols
+        tl.store(wsp, tl.sum(gacc0, axis=0), mask=n_ok)
+        tl.store(wsp + I, tl.sum(uacc0, axis=0), mask=n_ok)
+        if T > 1:
+            tl.store(wsp + NW, tl.sum(gacc1, axis=0), mask=n_ok)
+            tl.store(wsp + NW + I, tl.sum(uacc1, axis=0), mask=n_ok)
+        if T > 2:
+            tl.store(wsp + 2 * NW, tl.sum(gacc2, axis=0), mask=n_ok)
+            tl.store(wsp + 2 * NW + I, tl.sum(uacc2, axis=0), mask=n_ok)
+        if T > 3:
+            tl.store(wsp + 3 * NW, tl.sum(gacc3, axis=0), mask=n_ok)
+            tl.store(wsp + 3 * NW + I, tl.sum(uacc3, axis=0), mask=n_ok)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if ticket == n_s - 1:
+            _silu_store(_partial_sum(ws_ptr, 0, cols, n_ok, n_s, T, NW, RS),
+                        _partial_sum(ws_ptr, 0, I + cols, n_ok, n_s, T, NW, RS), on0, y_ptr, cols, n_ok)
+            if T > 1:
+                _silu_store(_partial_sum(ws_ptr, 1, cols, n_ok, n_s, T, NW, RS),
+                            _partial_sum(ws_ptr, 1, I + cols, n_ok, n_s, T, NW, RS), on1,
+                            y_ptr + stride_yt, cols, n_ok)
+            if T > 2:
+                _silu_store(_partial_sum(ws_ptr, 2, cols, n_ok, n_s, T, NW, RS),
+                            _partial_sum(ws_ptr, 2, I + cols, n_ok, n_s, T, NW, RS), on2,
+                            y_ptr + 2 * stride_yt, cols, n_ok)
+            if T > 3:
+                _silu_store(_partial_sum(ws_ptr, 3, cols, n_ok, n_s, T, NW, RS),
+                            _partial_sum(ws_ptr, 3, I + cols, n_ok, n_s, T, NW, RS), on3,
+                            y_ptr + 3 * stride_yt, cols, n_ok)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
+
+
+@triton.jit
+def _silu_store(g, u, on, y_row, cols, n_ok):
+    # silu in fp32, as ffn_up's epilogue; channels routed off are exact zeros
+    out = tl.where(on, g / (1.0 + tl.exp(-g)) * u, 0.0)
+    tl.store(y_row + cols, out.to(y_row.dtype.element_ty), mask=n_ok)
+
+
+# ---------------------------------------------------------------- configs
+def _cfg(bn, br, bu, warps, pps, pf, stages=1):
+    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=warps,
+                         num_stages=stages)
+
+
+def _bk(c: triton.Config) -> int:
+    return c.kwargs["BR"] * c.kwargs["BU"]
+
+
+# A step is a [BU, BR, BN] tile: BN columns (16-byte vectors along them), BR rows across the
+# threads (BR * BN = 8 * 32 * warps puts one vector per thread) and BU rows per thread.
+# Narrow slices (BN 32..128, a 64..256-byte piece of each row) give many column slices, so
+# few splits and a short reduction. PPS: programs per SM the split factor aims at.
+_CONFIGS = [
+    _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
+    _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
+    _cfg(256, 1, 16, 1, 16, True), _cfg(256, 4, 8, 4, 8, True),
+]
+
+
+def _default_config() -> triton.Config:
+    if interpret_mode():  # a few small programs: the interpreter pays per program
+        return _cfg(64, 8, 4, 1, 1, True)
+    return _cfg(64, 16, 8, 4, 8, True)
+
+
+def _rs(bn: int) -> int:
+    # splits summed per load of the reducer: ~4K fp32 values in flight
+    return max(1, min(64, 4096 // bn))
+
+
+def _n_tiles(bounds: Sequence[int], bn: int) -> int:
+    return sum(triton.cdiv(b - a, bn) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def _plan(K: int, tiles: int, bk: int, pps: int, sms: int) -> int:
+    """Split-K factor: about ``pps`` programs per SM, at least two BK steps per split, and no
+    empty split (the kernel recomputes the same chunk from the number of splits)."""
+    if K == 0:
+        return 1
+    if interpret_mode():
+        s = INTERPRET_SPLIT
+    else:
+        s = max(1, min(MAX_SPLIT, triton.cdiv(pps * sms, max(1, tiles)), K // (2 * bk)))
+    kc = triton.cdiv(triton.cdiv(K, s), bk) * bk
+    return triton.cdiv(K, kc)
+
+
+_RS = triton.heuristics({"RS": lambda a: _rs(a["BN"])})
+_plain_gemv = _RS(_fine_gemv_kernel)
+_plain_ffn = _RS(_fine_ffn_up_kernel)
+# Short tuning runs, once per key and process (triton versions without warmup/rep take none).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _BENCH = {}
+    if "warmup" in inspect.signature(triton.autotune).parameters:
+        _BENCH = {"warmup": 5, "rep": 25}
+    _tuned_gemv = triton.autotune(configs=_CONFIGS, key=["K", "N", "b1", "b2", "b3", "T", "NSEG"],
+                                  **_BENCH)(_plain_gemv)
+    _tuned_ffn = triton.autotune(configs=_CONFIGS, key=["K", "I", "T"], **_BENCH)(_plain_ffn)
+
+
+def _configs_for_launch():
+    return _CONFIGS if autotune_enabled() else [_default_config()]
+
+
+# ---------------------------------------------------------------- host side
+def fine_layout(w: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+    """The load-time layout of one or several ``[N_i, K]`` weights that share an input (q, k,
+    v; gate, up): ``[K, sum N_i]``, row k = input column k of every weight, contiguous. The
+    output columns follow the order given; :func:`fine_segments` gives their boundaries."""
+    ws = (w,) + more
+    for v in ws:
+        if not isinstance(v, torch.Tensor) or v.dim() != 2:
+            raise ValueError("weights must be 2-D [N, K] tensors")
+        if v.shape[1] != ws[0].shape[1] or v.dtype != ws[0].dtype or v.device != ws[0].device:
+            raise ValueError(f"weights must share K, dtype and device, got "
+                             f"{[(list(v.shape), v.dtype, str(v.device)) for v in ws]}")
+    if len(ws) == 1:
+        return w.t().contiguous()
+    return torch.cat([v.t() for v in ws], dim=1).contiguous()
+
+
+def fine_segments(w: torch.Tensor, *more: torch.Tensor) -> List[int]:
+    """Output-column boundaries of ``fine_layout(w, *more)``: ``[0, N_0, N_0 + N_1, ...]``."""
+    b = [0]
+    for v in (w,) + more:
+        b.append(b[-1] + int(v.shape[0]))
+    return b
+
+
+def _float_threshold(v, what: str) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number or a float32 tensor, got {type(v).__name__}") from None
+    if math.isnan(f):
+        raise ValueError(f"{what} is NaN")
+    if f < 0:
+        raise ValueError(f"{what} must be >= 0 (it bounds a magnitude), got {f}")
+    return f
+
+
+def _resolve_thresholds(threshold, thresholds, nseg: int, device) -> Tuple[Optional[torch.Tensor], List[float]]:
+    """(device tensor or None, floats). A tensor (fp32 on x's device, one value per segment)
+    is read by the kernel, so it can change between CUDA-graph replays; floats are baked
+    into the launch."""
+    if thresholds is not None and threshold is not None:
+        raise ValueError("pass either threshold or thresholds, not both")
+    src = thresholds if thresholds is not None else threshold
+    if src is None:
+        raise ValueError("a threshold is required (threshold=, or thresholds= per segment)")
+    if isinstance(src, torch.Tensor):
+        if src.dtype != torch.float32 or src.device != torch.device(device):
+            raise ValueError(f"threshold tensors must be float32 on {device}, got {src.dtype} on {src.device}")
+        flat = src.reshape(-1)
+        if thresholds is None and flat.numel() == 1 and nseg > 1:
+            flat = flat.expand(nseg)
+        if flat.numel() != nseg:
+            raise ValueError(f"expected {nseg} thresholds (one per segment), got {flat.numel()}")
+        return flat.contiguous(), [0.0] * nseg
+    if thresholds is None:
+        return None, [_float_threshold(src, "threshold")] * nseg
+    vals = list(src)
+    if len(vals) != nseg:
+        raise ValueError(f"expected {nseg} thresholds (one per segment), got {len(vals)}")
+    return None, [_float_threshold(v, f"thresholds[{i}]") for i, v in enumerate(vals)]
+
+
+def _check_x(x, w_t, what="w_t"):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D tensor [T, K]")
+    if not isinstance(w_t, torch.Tensor) or w_t.dim() != 2:
+        raise ValueError(f"{what} must be a 2-D tensor [K, N] (see fine_layout)")
+    T, K = x.shape
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"fine GEMVs take 1..{MAX_T} decode tokens, got T={T}; prefill uses the dense weight")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}; use bfloat16, float16 or float32")
+    if w_t.dtype != x.dtype:
+        raise ValueError(f"{what} dtype {w_t.dtype} differs from x dtype {x.dtype}")
+    if w_t.shape[0] != K:
+        raise ValueError(f"{what} must be [K, N] with K={K} rows matching x, got {list(w_t.shape)} "
+                         f"(a [N, K] weight needs fine_layout)")
+    if w_t.device != x.device:
+        raise ValueError(f"x is on {x.device} but {what} on {w_t.device}")
+    if w_t.stride(1) != 1 and w_t.shape[1] > 1:
+        raise ValueError(f"{what} must have unit column stride (fine_layout makes it contiguous)")
+    return T, K
+
+
+def _check_scale(scale, K, device):
+    if scale is None:
+        return
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != (K,):
+        raise ValueError(f"scale must be a float32 tensor of shape [{K}]")
+    if scale.device != device:
+        raise ValueError(f"scale is on {scale.device}, expected {device}")
+
+
+def _check_group_mask(gm, group_size, T, dim, device, what):
+    if gm is None:
+        if group_size is not None:
+            raise ValueError("group_size given without group_mask")
+        return 1
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_mask needs a positive int group_size, got {group_size!r}")
+    if dim % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {what}={dim}")
+    if not isinstance(gm, torch.Tensor) or gm.dtype != torch.bool:
+        raise ValueError("group_mask must be a torch.bool tensor")
+    if tuple(gm.shape) != (T, dim // group_size):
+        raise ValueError(f"group_mask must have shape [T, {what} // group_size] = [{T}, {dim // group_size}], "
+                         f"got {list(gm.shape)}")
+    if gm.device != device:
+        raise ValueError(f"group_mask is on {gm.device}, expected {device}")
+    return group_size
+
+
+def _check_out(out, T, N, x):
+    if out is None:
+        return torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, N) or out.dtype != x.dtype \
+            or out.device != x.device or (out.stride(1) != 1 and N > 1):
+        raise ValueError(f"out must be a [{T}, {N}] {x.dtype} tensor on {x.device} with unit column stride")
+    return out
+
+
+def _check_segments(segments, N) -> List[int]:
+    if segments is None:
+        return [0, N]
+    b = [int(v) for v in segments]
+    if len(b) < 2 or len(b) - 1 > MAX_SEGMENTS:
+        raise ValueError(f"segments must hold 2..{MAX_SEGMENTS + 1} boundaries, got {len(b)}")
+    if b[0] != 0 or b[-1] != N:
+        raise ValueError(f"segments must start at 0 and end at N={N}, got {b}")
+    if any(hi <= lo for lo, hi in zip(b[:-1], b[1:])):
+        raise ValueError(f"segments must be strictly increasing, got {b}")
+    return b
+
+
+def _workspace(x, T, width, K, tiles_of, configs):
+    """fp32 partials for the largest split any candidate config uses, and one ticket per
+    column slice of the config with the most slices."""
+    sms = num_sms(x.device)
+    worst_s, worst_tiles = 1, 1
+    for c in configs:
+        tiles = tiles_of(c.kwargs["BN"])
+        worst_tiles = max(worst_tiles, tiles)
+        worst_s = max(worst_s, _plan(K, tiles, _bk(c), c.kwargs["PPS"], sms))
+    ws = torch.empty((worst_s, T, width), dtype=torch.float32, device=x.device) if worst_s > 1 else x
+    tickets = split_tickets(x.device, worst_tiles)
+    return ws, tickets, sms
+
+
+def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Optional[torch.Tensor] = None,
+              group_mask: Optional[torch.Tensor] = None, group_size: Optional[int] = None,
+              segments: Optional[Sequence[int]] = None,
+              thresholds: Union[Sequence[float], torch.Tensor, None] = None,
+              out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None) -> torch.Tensor:
+    """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
+
+    Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
+    optional fp32 [K], e.g. WINA's weight-column norms) and, given ``group_mask [T, K //
+    group_size]`` (bool, True = the routed group of input columns runs), its group is on.
+    ``segments`` ``[0, N_0, ..., N]`` (up to 4) split the outputs of fused projections, each
+    with its own threshold in ``thresholds``; without them ``threshold`` applies to all
+    columns. Thresholds are floats (baked into the launch) or a float32 tensor on x's device
+    (read by the kernel). A NaN input never passes a threshold, so it is dropped.
+    Weight rows no token keeps are not read. ``config`` (a ``triton.Config`` of BN, BR, BU,
+    PPS, PF): launch with it instead of the autotuner's choice (tuning sweeps).
+    """
+    T, K = _check_x(x, w_t)
+    N = w_t.shape[1]
+    bounds = _check_segments(segments, N)
+    if segments is None and thresholds is not None:
+        raise ValueError("thresholds (one per segment) need segments")
+    nseg = len(bounds) - 1
+    th_t, ths = _resolve_thresholds(threshold, thresholds, nseg, x.device)
+    _check_scale(scale, K, x.device)
+    gs = _check_group_mask(group_mask, group_size, T, K, x.device, "K")
+    y = _check_out(out, T, N, x)
+    if N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    configs = [config] if config is not None else _configs_for_launch()
+    ws, tickets, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
+    gm = group_mask.view(torch.uint8) if group_mask is not None else x
+    gm_stride = group_mask.stride(0) if group_mask is not None else 0
+    if group_mask is not None and group_mask.stride(1) != 1:
+        gm = group_mask.contiguous().view(torch.uint8)
+        gm_stride = gm.stride(0)
+    b = bounds[1:] + [N] * (MAX_SEGMENTS + 1 - len(bounds))
+    th = ths + [0.0] * (MAX_SEGMENTS - len(ths))
+
+    def grid(meta):
+        tiles = _n_tiles(bounds, meta["BN"])
+        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms))
+
+    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, tickets,
+            K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
+    flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
+                 TH_PTR=th_t is not None)
+    if config is None and autotune_enabled():
+        _tuned_gemv[grid](*args, **flags)
+    else:
+        c = configs[0]
+        _plain_gemv[grid](*args, **flags, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return y
+
+
+def fine_ffn_up(x: torch.Tensor, w_t_gateup: torch.Tensor, threshold=None, *,
+                thresholds: Union[Sequence[float], torch.Tensor, None] = None,
+                scale: Optional[torch.Tensor] = None, group_mask: Optional[torch.Tensor] = None,
+                group_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                config: Optional[triton.Config] = None) -> torch.Tensor:
+    """Fused activation-sparse ``silu(x @ w_gate^T) * (x @ w_up^T)`` -> ``[T, I]``.
+
+    ``w_t_gateup = fine_layout(w_gate, w_up)`` ``[K, 2I]``. ``threshold`` for both, or
+    ``thresholds = (gate, up)``; ``scale`` as in :func:`fine_gemv`. ``group_mask [T, I //
+    group_size]`` routes OUTPUT channels (WIDE's FFN groups): channels off for a token are
+    exact zeros, and rows are read only for tokens with a channel on in the program's slice.
+    ``config``: as in :func:`fine_gemv`.
+    """
+    T, K = _check_x(x, w_t_gateup, "w_t_gateup")
+    N = w_t_gateup.shape[1]
+    if N % 2:
+        raise ValueError(f"w_t_gateup must be [K, 2 * I] (gate then up), got N={N}")
+    inter = N // 2
+    th_t, ths = _resolve_thresholds(threshold, thresholds, 2, x.device)
+    _check_scale(scale, K, x.device)
+    gs = _check_group_mask(group_mask, group_size, T, inter, x.device, "I")
+    y = _check_out(out, T, inter, x)
+    if inter == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    configs = [config] if config is not None else _configs_for_launch()
+    ws, tickets, sms = _workspace(x, T, N, K, lambda bn: triton.cdiv(inter, bn), configs)
+    gm = x
+    gm_stride = 0
+    if group_mask is not None:
+        gm = group_mask.contiguous().view(torch.uint8)
+        gm_stride = gm.stride(0)
+
+    def grid(meta):
+        tiles = triton.cdiv(inter, meta["BN"])
+        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms))
+
+    args = (x, w_t_gateup, y, scale if scale is not None else x, gm, th_t if th_t is not None else x,
+            ws, tickets, K, inter, x.stride(0), w_t_gateup.stride(0), y.stride(0), gm_stride, gs, *ths)
+    flags = dict(T=T, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None, TH_PTR=th_t is not None)
+    if config is None and autotune_enabled():
+        _tuned_ffn[grid](*args, **flags)
+    else:
+        c = configs[0]
+        _plain_ffn[grid](*args, **flags, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return y
+
+
+# ---------------------------------------------------------------- references
+def _th32(v, device) -> torch.Tensor:
+    # compared in float32, as the kernel compares (a Python float is rounded to fp32 first)
+    return torch.as_tensor(v, dtype=torch.float32, device=device) if not isinstance(v, torch.Tensor) \
+        else v.to(torch.float32)
+
+
+def keep_mask_reference(x: torch.Tensor, threshold, scale: Optional[torch.Tensor] = None,
+                        group_mask: Optional[torch.Tensor] = None,
+                        group_size: Optional[int] = None) -> torch.Tensor:
+    """bool ``[T, K]``: ``|x| * scale >= threshold`` (in fp32), and the input column's group on."""
+    mag = x.float().abs()
+    if scale is not None:
+        mag = mag * scale.float()
+    keep = mag >= _th32(threshold, x.device)
+    if group_mask is not None:
+        keep = keep & group_mask.bool().repeat_interleave(group_size, dim=1)
+    return keep
+
+
+def fine_gemv_reference(x, w_t, threshold=None, *, scale=None, group_mask=None, group_size=None,
+                        segments=None, thresholds=None) -> torch.Tensor:
+    """float32 reference of :func:`fine_gemv`."""
+    N = w_t.shape[1]
+    bounds = [0, N] if segments is None else [int(v) for v in segments]
+    nseg = len(bounds) - 1
+    if thresholds is None:
+        ths = [threshold] * nseg
+    else:
+        ths = list(thresholds.reshape(-1)) if isinstance(thresholds, torch.Tensor) else list(thresholds)
+    xf, wf = x.float(), w_t.float()
+    parts = []
+    for (lo, hi), th in zip(zip(bounds[:-1], bounds[1:]), ths):
+        keep = keep_mask_reference(x, th, scale, group_mask, group_size)
+        parts.append(torch.where(keep, xf, torch.zeros_like(xf)) @ wf[:, lo:hi])
+    return torch.cat(parts, dim=1)
+
+
+def fine_ffn_up_reference(x, w_t_gateup, threshold=None, *, thresholds=None, scale=None,
+                          group_mask=None, group_size=None) -> torch.Tensor:
+    """float32 reference of :func:`fine_ffn_up`."""
+    inter = w_t_gateup.shape[1] // 2
+    th = (threshold, threshold) if thresholds is None else tuple(thresholds)
+    gu = fine_gemv_reference(x, w_t_gateup, scale=scale, segments=[0, inter, 2 * inter], thresholds=th)
+    y = F.silu(gu[:, :inter]) * gu[:, inter:]
+    if group_mask is not None:
+        y = y * group_mask.bool().repeat_interleave(group_size, dim=1)
+    return y

@@ -1,0 +1,360 @@
+"""Activation-sparse decode GEMVs (fine_gemv, fine_ffn_up) against their fp32 references.
+
+Runs on the CPU through Triton's interpreter (set before triton is imported); on a CUDA
+machine run with TRITON_INTERPRET=0 to test the compiled kernels, bf16 included.
+"""
+import json
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+import wide.kernels.fine_gemv as fg  # noqa: E402
+from wide.kernels.fine_gemv import (fine_ffn_up, fine_ffn_up_reference, fine_gemv,  # noqa: E402
+                                    fine_gemv_reference, fine_layout, fine_segments, keep_mask_reference)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+# Under the interpreter bf16 math is unreliable, so bf16 only on CUDA.
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOKENS = [1, 2, 3, 4]
+K_RAGGED, N_RAGGED = 70, 90  # multiples of no block size
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def rel_err(y, ref):
+    y, ref = y.float().cpu(), ref.float().cpu()
+    assert not torch.isnan(y).any(), "NaN in output"
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _inputs(T, K, N, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
+    return x, w, gen
+
+
+def _median_abs(x):
+    return float(x.float().abs().median())
+
+
+@pytest.fixture(params=[1, 3], ids=lambda s: f"split{s}")
+def split(request, monkeypatch):
+    # the interpreter's split-K factor: 1 = direct store, 3 = partials and the ticketed
+    # reduction over an odd number of them, the last split shorter (the tests without this
+    # fixture run the default, 2)
+    monkeypatch.setattr(fg, "INTERPRET_SPLIT", request.param)
+    return request.param
+
+
+# ---------------------------------------------------------------- layout
+def test_fine_layout_and_segments():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 24, generator=gen) for n in (32, 8, 8))
+    wt = fine_layout(q)
+    assert wt.shape == (24, 32) and wt.is_contiguous() and torch.equal(wt, q.t())
+    wt = fine_layout(q, k, v)
+    assert wt.shape == (24, 48) and wt.is_contiguous()
+    assert torch.equal(wt, torch.cat([q, k, v]).t())
+    assert fine_segments(q, k, v) == [0, 32, 40, 48]
+    with pytest.raises(ValueError, match="share K"):
+        fine_layout(q, torch.randn(8, 25))
+    with pytest.raises(ValueError, match="2-D"):
+        fine_layout(torch.randn(4))
+
+
+def test_keep_mask_reference():
+    x = torch.tensor([[0.5, -2.0, 1.0, float("nan")], [0.0, 3.0, -0.99, 1.0]])
+    assert keep_mask_reference(x, 1.0).tolist() == [[False, True, True, False], [False, True, False, True]]
+    scale = torch.tensor([4.0, 1.0, 0.5, 1.0])
+    assert keep_mask_reference(x, 1.0, scale).tolist() == [[True, True, False, False], [False, True, False, True]]
+    gm = torch.tensor([[True, False], [False, True]])
+    assert keep_mask_reference(x, 1.0, None, gm, 2).tolist() == [[False, True, False, False],
+                                                                 [False, False, False, True]]
+
+
+# ---------------------------------------------------------------- fine_gemv
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+def test_matches_reference(T, dtype, split):
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, dtype, 10 + T)
+    wt = fine_layout(w)
+    th = _median_abs(x)  # about half of each token's inputs kept
+    out = torch.full((T, N_RAGGED), float("nan"), dtype=dtype, device=DEVICE)  # poison
+    y = fine_gemv(x, wt, th, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    ref = fine_gemv_reference(x, wt, th)
+    keep = keep_mask_reference(x, th)
+    assert 0.2 < keep.float().mean() < 0.8
+    assert rel_err(y, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 3])
+def test_with_scale(T, dtype):
+    x, w, gen = _inputs(T, K_RAGGED, N_RAGGED, dtype, 20 + T)
+    wt = fine_layout(w)
+    scale = w.float().norm(dim=0).to(DEVICE)  # WINA: |x_k| times the norm of weight column k
+    scale[::3] *= 4.0
+    th = float((x.float().abs() * scale).median())
+    y = fine_gemv(x, wt, th, scale=scale)
+    ref = fine_gemv_reference(x, wt, th, scale=scale)
+    assert rel_err(y, ref) < tol(dtype)
+    # the scale changes which columns are kept
+    assert not torch.equal(keep_mask_reference(x, th, scale), keep_mask_reference(x, th))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+def test_all_kept_is_dense(T, dtype):
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, dtype, 30 + T)
+    y = fine_gemv(x, fine_layout(w), 0.0)
+    assert rel_err(y, x.float() @ w.float().t()) < tol(dtype)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_none_kept_is_exact_zeros(T, split):
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float16, 40 + T)
+    out = torch.full((T, N_RAGGED), float("nan"), dtype=torch.float16, device=DEVICE)
+    y = fine_gemv(x, fine_layout(w), float("inf"), out=out)
+    assert torch.all(y == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+def test_exactly_one_column(T, dtype):
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, dtype, 50 + T)
+    x = (x.float() * 0.1).clamp(-0.5, 0.5)
+    cols = [(17 + 23 * t) % K_RAGGED for t in range(T)]  # a different column per token
+    for t, c in enumerate(cols):
+        x[t, c] = -3.0 if t % 2 else 3.0
+    x = x.to(dtype)
+    wt = fine_layout(w)
+    y = fine_gemv(x, wt, 1.0)
+    want = torch.stack([x[t, c].float() * wt[c].float() for t, c in enumerate(cols)])
+    assert rel_err(y, want) < tol(dtype)
+
+
+def test_nan_inputs_are_dropped():
+    T = 2
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 60)
+    x[0, 5] = float("nan")
+    x[1, 40] = float("nan")
+    wt = fine_layout(w)
+    y = fine_gemv(x, wt, 0.3)
+    ref = fine_gemv_reference(x, wt, 0.3)
+    assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "random", "one_token"])
+@pytest.mark.parametrize("T", TOKENS)
+def test_group_mask(T, kind, split):
+    gs = 10
+    x, w, gen = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 70 + T)
+    wt = fine_layout(w)
+    ng = K_RAGGED // gs
+    if kind == "all":
+        gm = torch.ones(T, ng, dtype=torch.bool)
+    elif kind == "none":
+        gm = torch.zeros(T, ng, dtype=torch.bool)
+    elif kind == "one_token":
+        gm = torch.zeros(T, ng, dtype=torch.bool)
+        gm[T // 2] = torch.rand(ng, generator=gen) < 0.6
+        gm[T // 2, 0] = True
+    else:
+        gm = torch.rand(T, ng, generator=gen) < 0.5
+    gm = gm.to(DEVICE)
+    th = _median_abs(x)
+    y = fine_gemv(x, wt, th, group_mask=gm, group_size=gs)
+    ref = fine_gemv_reference(x, wt, th, group_mask=gm, group_size=gs)
+    off = ~gm.any(1)  # tokens with no group on: exact zeros
+    assert torch.all(y[off] == 0)
+    if kind == "all":
+        assert torch.equal(y, fine_gemv(x, wt, th))
+    if kind != "none":
+        assert rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("bounds", [[0, 50, 70, 90], [0, 7, 40, 41, 90], [0, 45, 90]], ids=["qkv", "four", "gateup"])
+def test_segments(T, bounds, dtype, split):
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, dtype, 80 + T)
+    wt = fine_layout(w)
+    ths = [0.2, 1.0, 0.0, float("inf")][: len(bounds) - 1]
+    if len(bounds) == 3:
+        ths = [1.5, 0.4]
+    y = fine_gemv(x, wt, segments=bounds, thresholds=ths)
+    ref = fine_gemv_reference(x, wt, segments=bounds, thresholds=ths)
+    assert rel_err(y, ref) < tol(dtype)
+    for (lo, hi), th in zip(zip(bounds[:-1], bounds[1:]), ths):  # each segment its own threshold
+        seg = fine_gemv(x, fine_layout(w[lo:hi]), th)
+        assert rel_err(y[:, lo:hi], seg) < tol(dtype) or (th == float("inf") and torch.all(y[:, lo:hi] == 0))
+
+
+def test_threshold_tensors_are_read_on_the_device():
+    T = 3
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 90)
+    wt = fine_layout(w)
+    bounds = [0, 50, 70, 90]
+    th = torch.tensor([0.3, 1.2, 0.6], device=DEVICE)
+    y = fine_gemv(x, wt, segments=bounds, thresholds=th)
+    assert rel_err(y, fine_gemv_reference(x, wt, segments=bounds, thresholds=[0.3, 1.2, 0.6])) < 1e-5
+    th.fill_(float("inf"))  # the same launch arguments, new values
+    assert torch.all(fine_gemv(x, wt, segments=bounds, thresholds=th) == 0)
+    one = torch.tensor(0.5, device=DEVICE)
+    assert rel_err(fine_gemv(x, wt, one), fine_gemv_reference(x, wt, 0.5)) < 1e-5
+
+
+def test_strided_x_and_out():
+    T = 2
+    x, w, _ = _inputs(T, K_RAGGED + 10, N_RAGGED, torch.float32, 95)
+    xs = x[:, :K_RAGGED]  # row stride K + 10
+    wt = fine_layout(w[:, :K_RAGGED])
+    big = torch.zeros(T, N_RAGGED + 6, device=DEVICE)
+    y = fine_gemv(xs, wt, 0.4, out=big[:, 3:3 + N_RAGGED])
+    assert rel_err(y, fine_gemv_reference(xs, wt, 0.4)) < 1e-5
+    assert torch.all(big[:, :3] == 0) and torch.all(big[:, 3 + N_RAGGED:] == 0)
+
+
+def test_errors():
+    x, w, _ = _inputs(2, 32, 48, torch.float32, 99)
+    wt = fine_layout(w)
+    with pytest.raises(ValueError, match="1..4 decode tokens"):
+        fine_gemv(torch.zeros(5, 32, device=DEVICE), wt, 0.1)
+    with pytest.raises(ValueError, match="1..4 decode tokens"):
+        fine_gemv(torch.zeros(0, 32, device=DEVICE), wt, 0.1)
+    with pytest.raises(ValueError, match="2-D"):
+        fine_gemv(x[0], wt, 0.1)
+    with pytest.raises(ValueError, match="fine_layout"):
+        fine_gemv(x, w, 0.1)  # an [N, K] weight
+    with pytest.raises(ValueError, match="dtype"):
+        fine_gemv(x.half(), wt, 0.1)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        fine_gemv(x.to(torch.float64), wt.to(torch.float64), 0.1)
+    with pytest.raises(ValueError, match="NaN"):
+        fine_gemv(x, wt, float("nan"))
+    with pytest.raises(ValueError, match=">= 0"):
+        fine_gemv(x, wt, -1.0)
+    with pytest.raises(ValueError, match="threshold is required"):
+        fine_gemv(x, wt)
+    with pytest.raises(ValueError, match="scale"):
+        fine_gemv(x, wt, 0.1, scale=torch.ones(31, device=DEVICE))
+    with pytest.raises(ValueError, match="scale"):
+        fine_gemv(x, wt, 0.1, scale=torch.ones(32, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="group_mask must have shape"):
+        fine_gemv(x, wt, 0.1, group_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE), group_size=8)
+    with pytest.raises(ValueError, match="torch.bool"):
+        fine_gemv(x, wt, 0.1, group_mask=torch.ones(2, 4, device=DEVICE), group_size=8)
+    with pytest.raises(ValueError, match="does not divide"):
+        fine_gemv(x, wt, 0.1, group_mask=torch.ones(2, 3, dtype=torch.bool, device=DEVICE), group_size=10)
+    with pytest.raises(ValueError, match="without group_mask"):
+        fine_gemv(x, wt, 0.1, group_size=8)
+    with pytest.raises(ValueError, match="start at 0 and end at N"):
+        fine_gemv(x, wt, 0.1, segments=[0, 20, 40])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        fine_gemv(x, wt, 0.1, segments=[0, 20, 20, 48])
+    with pytest.raises(ValueError, match="boundaries"):
+        fine_gemv(x, wt, 0.1, segments=[0, 1, 2, 3, 4, 48])
+    with pytest.raises(ValueError, match="expected 3 thresholds"):
+        fine_gemv(x, wt, segments=[0, 20, 30, 48], thresholds=[0.1, 0.2])
+    with pytest.raises(ValueError, match="need segments"):
+        fine_gemv(x, wt, thresholds=[0.1])
+    with pytest.raises(ValueError, match="not both"):
+        fine_gemv(x, wt, 0.1, segments=[0, 20, 48], thresholds=[0.1, 0.2])
+    with pytest.raises(ValueError, match=r"thresholds\[1\] is NaN"):
+        fine_gemv(x, wt, segments=[0, 20, 48], thresholds=[0.1, float("nan")])
+    with pytest.raises(ValueError, match="float32"):
+        fine_gemv(x, wt, torch.tensor([0.1], dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        fine_gemv(x, wt, 0.1, out=torch.empty(2, 47, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[K, 2 \* I\]"):
+        fine_ffn_up(x, wt[:, :47], 0.1)
+    with pytest.raises(ValueError, match="I // group_size"):
+        fine_ffn_up(x, wt, 0.1, group_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE), group_size=8)
+
+
+def test_empty_dims():
+    x, w, _ = _inputs(2, 32, 48, torch.float32, 98)
+    assert fine_gemv(x, torch.empty(32, 0, device=DEVICE), 0.1).shape == (2, 0)
+    y = fine_gemv(torch.empty(2, 0, device=DEVICE), torch.empty(0, 48, device=DEVICE), 0.1)
+    assert y.shape == (2, 48) and torch.all(y == 0)
+
+
+# ---------------------------------------------------------------- fine_ffn_up
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+def test_ffn_up(T, dtype, split):
+    inter = 45
+    x, w, _ = _inputs(T, K_RAGGED, 2 * inter, dtype, 110 + T)
+    wt = fine_layout(w[:inter], w[inter:])
+    out = torch.full((T, inter), float("nan"), dtype=dtype, device=DEVICE)
+    y = fine_ffn_up(x, wt, thresholds=(0.4, 1.1), out=out)
+    assert y.data_ptr() == out.data_ptr()
+    ref = fine_ffn_up_reference(x, wt, thresholds=(0.4, 1.1))
+    assert rel_err(y, ref) < tol(dtype)
+    dense = fine_ffn_up(x, wt, 0.0)
+    want = F.silu(x.float() @ w[:inter].float().t()) * (x.float() @ w[inter:].float().t())
+    assert rel_err(dense, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("kind", ["all", "none", "random", "one_token"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_ffn_up_output_groups(T, kind, split):
+    inter, gs = 48, 16
+    x, w, gen = _inputs(T, K_RAGGED, 2 * inter, torch.float32, 120 + T)
+    wt = fine_layout(w[:inter], w[inter:])
+    ng = inter // gs
+    gm = {"all": torch.ones(T, ng, dtype=torch.bool), "none": torch.zeros(T, ng, dtype=torch.bool),
+          "random": torch.rand(T, ng, generator=gen) < 0.5}.get(kind)
+    if kind == "one_token":
+        gm = torch.zeros(T, ng, dtype=torch.bool)
+        gm[T - 1, 1] = True
+    gm = gm.to(DEVICE)
+    scale = torch.rand(K_RAGGED, generator=gen).to(DEVICE) + 0.5
+    y = fine_ffn_up(x, wt, 0.5, scale=scale, group_mask=gm, group_size=gs)
+    ref = fine_ffn_up_reference(x, wt, 0.5, scale=scale, group_mask=gm, group_size=gs)
+    off = ~gm.repeat_interleave(gs, 1)
+    assert torch.all(y[off] == 0), "channels routed off must be exact zeros"
+    if kind != "none":
+        assert rel_err(y, ref) < 1e-5
+
+
+# ---------------------------------------------------------------- benchmark smoke
+@pytest.mark.skipif(not INTERPRET, reason="the CPU path of the benchmark runs under the interpreter")
+def test_benchmark_cpu_records(tmp_path):
+    from wide.benchmarks import fine_gemv as bench
+
+    out = tmp_path / "fine_gemv"
+    assert bench.main(["--device", "cpu", "--out", str(out), "--tokens", "1", "4", "--shapes", "qkv",
+                       "gate_up"]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    for key in ("device", "torch", "triton", "date", "command", "records"):
+        assert key in doc
+    assert "wide.benchmarks.fine_gemv --device cpu" in doc["command"]
+    recs = doc["records"]
+    assert {(r["op"], r["shape"], r["T"]) for r in recs} == {
+        ("fine_gemv", "qkv", 1), ("fine_gemv", "qkv", 4), ("fine_gemv", "gate_up", 1), ("fine_gemv", "gate_up", 4),
+        ("fine_ffn_up", "gate_up", 1), ("fine_ffn_up", "gate_up", 4)}
+    for r in recs:
+        for key in ("op", "shape", "N", "K", "T", "kept", "union", "dense_us", "fine_us", "floor_us",
+                    "speedup", "vs_floor", "gbps", "rel_err"):
+            assert key in r, key
+        assert r["rel_err"] < 1e-5 and r["kept"] == 0.5
+        assert math.isclose(r["speedup"], r["dense_us"] / r["fine_us"], rel_tol=1e-3, abs_tol=1e-4)
+        assert math.isclose(r["vs_floor"], r["fine_us"] / r["floor_us"], rel_tol=1e-3, abs_tol=1e-4)
+        assert (r["union"] == 0.5) if r["T"] == 1 else (0.5 < r["union"] <= 1.0)
+    assert "| fine_gemv | tiny | qkv |" in out.with_suffix(".md").read_text()
