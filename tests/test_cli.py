@@ -112,7 +112,7 @@ def test_calibrate_help_lists_every_wideconfig_option(capsys):
     for f in cliargs.options(WideConfig):
         assert cliargs.flag(f) in out
         assert _flat(f.metadata["help"]) in out
-    assert "(default:0.5)" in out and "{attention,ffn,all}" in out
+    assert "(default:0.5)" in out and "{attention,ffn,all,none}" in out
     # The two fields that are not options: the baselines' switch and free-form metadata.
     names = {f.name for f in dataclasses.fields(WideConfig)} - {f.name for f in cliargs.options(WideConfig)}
     assert names == {"tie_modules", "extra"}

@@ -6,7 +6,7 @@ from wide.config import WideConfig
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(sparse_target="x"), r"sparse_target must be one of \('attention', 'ffn', 'all'\), got 'x'"),
+    (dict(sparse_target="x"), r"sparse_target must be one of \('attention', 'ffn', 'all', 'none'\), got 'x'"),
     (dict(loss_mode="y"), "loss_mode must be one of"),
     (dict(router_input="z"), "router_input must be one of"),
     (dict(target_sparsity=1.5), r"target_sparsity must lie in \[0.0, 1.0\], got 1.5"),

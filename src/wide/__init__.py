@@ -22,7 +22,9 @@ from .modeling import (
 )
 from .inference import AcceleratedModel, accelerate, generate
 from .serialization import CheckpointError, save_routers
-from . import pretrained
+from . import fine, pretrained
+from .fine import FineConfig
+from .routers import TokenRouter
 from .pretrained import from_pretrained, load  # directories and shipped names alike
 
 __version__ = "0.1.0"
@@ -31,4 +33,5 @@ __all__ = [
     "WideConfig", "wrap", "unwrap", "load", "save_routers", "from_pretrained", "CheckpointError",
     "calibrate_offsets", "forward_sparsity", "freeze_backbone", "router_parameters",
     "sparsity_loss", "union_penalty", "track_sparsity", "accelerate", "generate", "AcceleratedModel", "pretrained",
+    "fine", "FineConfig", "TokenRouter",
 ]

@@ -27,6 +27,7 @@ from . import compare, runs
 from .cliargs import add_fields, bounded, dest, from_args, options
 from .config import WideConfig
 from .estimate import DryRunArgs
+from .fine import FineConfig
 from .recovery import RECOVERY_DEFAULTS, LoraArgs
 from .sampling_data import SampleArgs
 from .train import RESUME_KEYS, TrainArgs
@@ -35,7 +36,10 @@ from .train import RESUME_KEYS, TrainArgs
 # offset options are applied from scratch at the end of each invocation, so they cannot mix.
 _DATA_SETTINGS = ("model", "dtype", "data", "eval_data", "text_field", "seq_len", "heldout_fraction", "decontaminate",
                   "max_train_tokens")
-CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_DATA_SETTINGS)
+_HYBRID_FIELDS = ("criterion", "per_channel", "tau_start", "tau_end", "lr_scale")  # FineConfig's calibrate options
+_HYBRID_SETTINGS = ("hybrid", "fine_calib_sequences",
+                    *(dest(f) for f in options(FineConfig) if f.name in _HYBRID_FIELDS))
+CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_DATA_SETTINGS, *_HYBRID_SETTINGS)
 RECOVER_SETTINGS = (*RESUME_KEYS, *_DATA_SETTINGS, "routers", "lora_r", "lora_alpha", "lora_dropout",
                     "freeze_routers")
 PROMPT_SHOWN = 80  # characters of a prompt echoed above its output
@@ -80,9 +84,15 @@ def cmd_calibrate(args) -> dict:
     print(f"calibration: {train_ids.shape[0]} sequences x {train_ids.shape[1]} tokens; "
           f"held-out: {eval_ids.shape[0]} sequences")
     model, tok, _ = runs.load_model(args, tok)
-    cfg = from_args(WideConfig, args)
+    cfg = calibrate_config(args)
     targs = from_args(TrainArgs, args)
     modeling.wrap(model, cfg, seed=targs.seed)
+    if getattr(args, "hybrid", False):
+        from . import fine
+
+        fine.attach(model, from_args(FineConfig, args, allocation="learned", target=cfg.target_sparsity))
+        # thresholds start where TEAL's uniform allocation puts them (a resume then loads its own)
+        fine.calibrate(model, train_ids[:args.fine_calib_sequences].split(targs.batch_size))
     modeling.freeze_backbone(model)
     if ctx is not None:
         ctx.shard(model, activation_checkpointing=getattr(args, "activation_checkpointing", False))
@@ -113,6 +123,16 @@ def cmd_calibrate(args) -> dict:
     print(f"routers saved to {Path(args.out) / FINAL_DIR} ({wall / 60:.1f} min, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def calibrate_config(args) -> WideConfig:
+    """The routers' WideConfig of a `wide calibrate`: with --hybrid the budget holds over all
+    linear MACs, which routers and thresholds share."""
+    if getattr(args, "hybrid", False):
+        if args.loss_mode not in ("flops", "linear"):
+            raise ValueError(f"--hybrid holds the target over all linear-layer MACs: drop --loss-mode {args.loss_mode}")
+        return from_args(WideConfig, args, loss_mode="linear")
+    return from_args(WideConfig, args)
 
 
 def _dist_context(args):
@@ -165,7 +185,11 @@ def check_calibrate(args) -> None:
         return  # an estimate: --model may name a preset, and nothing is read or written
     runs.check_model(args)
     runs.check_data(args)
-    from_args(WideConfig, args)  # the checks that span several options (both separate targets, ...)
+    calibrate_config(args)  # the checks that span several options (both separate targets, ...)
+    if getattr(args, "hybrid", False):
+        from_args(FineConfig, args, allocation="learned")
+        if getattr(args, "fsdp", False):
+            raise ValueError("--hybrid runs on one process for now: drop --fsdp")
     from .train import FINAL_DIR
 
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
@@ -260,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(c, runs.ModelArgs)
     add_fields(c, runs.DataArgs)
     add_fields(c.add_argument_group("routing"), WideConfig)
+    h = c.add_argument_group("per-element thresholds beside the routers (the hybrid, wide.fine)")
+    h.add_argument("--hybrid", action="store_true",
+                   help="also learn a threshold per layer and projection on |input| (or its --fine-criterion score): "
+                        "elements below it are zeroed, so their weight columns are skipped; routers and thresholds "
+                        "share one budget over all linear-layer MACs (--loss-mode linear)")
+    add_fields(h, compare.CompareArgs, only=("fine_calib_sequences",))
+    add_fields(h, FineConfig, only=_HYBRID_FIELDS)
     _add_training_args(c)
     _add_run_dir_args(c, "checkpoint/, routers/, history.json, run.json, settings.json")
     _add_distributed_args(c)

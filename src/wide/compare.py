@@ -30,6 +30,7 @@ from . import runs
 from .baselines import NORMALIZE
 from .cliargs import add_fields, from_args
 from .config import WideConfig
+from .fine import FineConfig
 from .recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from .train import TrainArgs, with_defaults
 
@@ -44,7 +45,27 @@ METHOD_ROWS = {
     "module_skip_lora": ("module_skip", 2, "Module skipping + LoRA"),
     "static_width": ("static_width", 1, "Static width (Wanda-sp)"),
     "static_width_lora": ("static_width", 2, "Static width + LoRA"),
+    # per-element activation sparsity (wide.fine): training-free in stage 1, LoRA in stage 2
+    "teal": ("teal", 1, "TEAL (uniform)"),
+    "teal_lora": ("teal", 2, "TEAL (uniform) + LoRA"),
+    "teal_greedy": ("teal_greedy", 1, "TEAL (greedy)"),
+    "teal_greedy_lora": ("teal_greedy", 2, "TEAL (greedy) + LoRA"),
+    "wina": ("wina", 1, "WINA (uniform)"),
+    "wina_lora": ("wina", 2, "WINA (uniform) + LoRA"),
+    "wina_greedy": ("wina_greedy", 1, "WINA (greedy)"),
+    "wina_greedy_lora": ("wina_greedy", 2, "WINA (greedy) + LoRA"),
+    # routers and learned per-element thresholds under one linear-MAC budget
+    "hybrid": ("hybrid", 1, "Hybrid (routers + learned thresholds)"),
+    "hybrid_lora": ("hybrid", 2, "Hybrid + LoRA"),
+    # the hybrid without routers: what the routers add to learned thresholds
+    "learned": ("learned", 1, "Learned thresholds (no routers)"),
+    "learned_lora": ("learned", 2, "Learned thresholds + LoRA"),
 }
+LEARNED_FAMILIES = ("hybrid", "learned")
+# family -> (criterion, allocation) of the training-free per-element methods
+FINE_FAMILIES = {"teal": ("magnitude", "uniform"), "teal_greedy": ("magnitude", "greedy"),
+                 "wina": ("wina", "uniform"), "wina_greedy": ("wina", "greedy")}
+AXES = ("flops", "linear")
 DEFAULT_METHODS = ("dense", "wide", "wide_lora", "dynamic_depth", "module_skip", "static_width")
 REFERENCE = "dynamic_depth"
 
@@ -70,6 +91,13 @@ class CompareArgs:
     static_normalize: str = field(default="layer", metadata={
         "choices": NORMALIZE, "help": "how attention and FFN scores are made comparable"})
     freeze_routers: bool = field(default=False, metadata={"help": "stage 2 trains adapters only"})
+    # TEAL calibrates on 64 sequences (of 2048 tokens in its paper; ours are --seq-len long).
+    fine_calib_sequences: int = field(default=64, metadata={
+        "help": "calibration sequences for TEAL / WINA thresholds and the hybrid's starting thresholds", "min": 1})
+    axis: str = field(default="flops", metadata={
+        "choices": AXES,
+        "help": "what --targets mean for routed methods: the FLOP-weighted routable share (flops) or the share of "
+                "all linear-layer MACs (linear; the axis per-element methods are always on, and the frontier's)"})
 
 
 def _pct(target: float) -> str:
@@ -85,6 +113,7 @@ class Comparison:
         self.cache = json.loads(self.cache_path.read_text()) if self.cache_path.is_file() else {}
         self.model_path = None
         self.tok = None
+        self._fine_cache: dict = {}  # (criterion, allocation) -> (dense scores, greedy paths)
 
     # ------------------------------------------------------------ setup
 
@@ -142,6 +171,7 @@ class Comparison:
         settings = {"train": asdict(targs), "wide": wide_overrides(self.args), "target": target,
                     "offsets": self.args.offsets, "static_calib_sequences": self.args.static_calib_sequences,
                     "static_normalize": self.args.static_normalize, "dtype": self.args.dtype}
+        settings.update(fine_settings(self.args, family))
         if stage == 2:
             settings["lora"] = {"r": self.args.lora_r, "alpha": self.args.lora_alpha,
                                 "dropout": self.args.lora_dropout, "freeze_routers": self.args.freeze_routers}
@@ -158,12 +188,18 @@ class Comparison:
                     freeze_routers=self.args.freeze_routers or static is not None, resume=True,
                     progress=not self.args.quiet, extra=extra)
             model.eval()
-            if static is None:
+            if family in FINE_FAMILIES:  # the same shares of the adapted model's own inputs
+                from . import fine
+
+                fine.set_thresholds(model, fine.collect_scores(model, self.fine_batches()), model.wide_fine.sparsity)
+            elif static is None:
                 runs.calibrate_offsets(model, self.args, self.train_ids)
             save_recovered(model, final, extra=extra,
                            write_more=(lambda d: static.save(d)) if static is not None else None)
             return final
         model = self.fresh()
+        if family in FINE_FAMILIES:
+            return self._build_fine(model, family, target, final, extra)
         if family == "static_width":
             n = self.args.static_calib_sequences
             batches = self.train_ids[:n].split(self.args.batch_size)
@@ -175,13 +211,54 @@ class Comparison:
                   f"(attention {r['attn_rate']:.3f}, FFN {r['ffn_rate']:.3f})", flush=True)
             save_recovered(model, final, extra={**extra, "static_rates": r}, write_more=pruning.save)
             return final
-        cfg = baselines.method_config(family, model.config, target, **wide_overrides(self.args))
+        if family in LEARNED_FAMILIES:
+            cfg = WideConfig(target_sparsity=target, **{**wide_overrides(self.args), "loss_mode": "linear"},
+                             sparse_target="all" if family == "hybrid" else "none")
+        else:
+            cfg = baselines.method_config(family, model.config, target, **wide_overrides(self.args))
         modeling.wrap(model, cfg, seed=self.args.seed)  # --seed covers router initialisation too
+        if family in LEARNED_FAMILIES:
+            from . import fine
+
+            fine.attach(model, from_args(FineConfig, self.args, target=target, allocation="learned"))
+            fine.calibrate(model, self.fine_batches(), progress=not self.args.quiet)
         modeling.freeze_backbone(model)
         print(f"  stage 1 for {family} at {target:.0%}: {targs.steps} steps", flush=True)
         train(model, self.train_ids, targs, run / "stage1", resume=True, progress=not self.args.quiet)
         model.eval()
         runs.calibrate_offsets(model, self.args, self.train_ids)
+        save_recovered(model, final, extra=extra)
+        return final
+
+    def fine_batches(self) -> list:
+        a = self.args
+        return list(self.train_ids[:a.fine_calib_sequences].split(a.batch_size))
+
+    def _build_fine(self, model, family: str, target: float, final: Path, extra: dict) -> Path:
+        """TEAL / WINA: thresholds from the dense model's activations on calibration text, no
+        gradient step. Wrapped without routers, so they save, load and recover like the others."""
+        from . import fine, modeling
+        from .recovery import save_recovered
+
+        criterion, allocation = FINE_FAMILIES[family]
+        modeling.wrap(model, WideConfig(sparse_target="none", target_sparsity=target, loss_mode="linear"))
+        fine.attach(model, from_args(FineConfig, self.args, criterion=criterion, allocation=allocation,
+                                     target=target, per_channel=False))
+        t0 = time.perf_counter()
+        # The dense model's scores and TEAL's greedy paths do not depend on the target: one
+        # search up to the largest target serves them all (the path is the same walk).
+        scores, tables = self._fine_cache.get((criterion, allocation), (None, None))
+        if scores is None:
+            scores = fine.collect_scores(model, self.fine_batches())
+            if allocation == "greedy":
+                tables = fine.greedy_tables(model, self.fine_batches(), scores, max(self.args.targets),
+                                            progress=not self.args.quiet)
+            self._fine_cache[(criterion, allocation)] = (scores, tables)
+        dims = modeling.get_state(model).geometry.dims
+        share = fine.greedy_sparsity(tables, target) if tables else fine.uniform_sparsity(dims, target)
+        fine.set_thresholds(model, scores, share)
+        print(f"  {family} thresholds at {target:.0%} from {self.args.fine_calib_sequences} sequences in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
         save_recovered(model, final, extra=extra)
         return final
 
@@ -198,7 +275,8 @@ class Comparison:
                "lora": [a.lora_r, a.lora_alpha, a.lora_dropout, a.freeze_routers],
                "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp, "sparsity_warmup": a.sparsity_warmup,
                "eval_data": runs.eval_source(a), "decontaminate": a.decontaminate,
-               "text_field": a.text_field, "max_train_tokens": a.max_train_tokens}
+               "text_field": a.text_field, "max_train_tokens": a.max_train_tokens,
+               **fine_settings(a, METHOD_ROWS[name][0])}
         h = hashlib.sha1(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
         return f"{name}@{target}|{h}"
 
@@ -226,13 +304,13 @@ class Comparison:
             rec["merge_check"] = self.merge_check(final)
         a = self.args
         if family is not None:
-            steps = a.steps if family != "static_width" else 0
+            steps = a.steps if family not in ("static_width", *FINE_FAMILIES) else 0
             rec["train_tokens"] = (steps + (a.recovery_steps if stage == 2 else 0)) * a.batch_size * a.grad_accum * a.seq_len
         # loss, tokens, seed: what trained it (no gradient step: no loss; dense: nothing)
-        trained = family is not None and (family != "static_width" or stage == 2)
+        trained = family is not None and (family not in ("static_width", *FINE_FAMILIES) or stage == 2)
         rec.update(loss=a.loss if trained else None, tokens=rec.get("train_tokens", 0),
-                   seed=a.seed if family is not None else None,
-                   routing=None if family in (None, "static_width") else "token")
+                   seed=a.seed if trained else None,
+                   routing=None if family in (None, "static_width", "learned", *FINE_FAMILIES) else "token")
         self.cache[key] = rec
         tmp = self.cache_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.cache, indent=1))
@@ -359,9 +437,22 @@ def plot(records: list, path) -> None:
     plt.close(fig)
 
 
+def fine_settings(a, family) -> dict:
+    """What else changes the numbers of per-element and hybrid methods, and of any method on the
+    linear axis; empty for the rest, so that earlier caches and runs keep their keys."""
+    out = {}
+    if getattr(a, "axis", "flops") != "flops":
+        out["axis"] = a.axis
+    if family in FINE_FAMILIES or family in LEARNED_FAMILIES:
+        out["fine"] = [a.fine_calib_sequences, a.fine_criterion, a.fine_per_channel, a.fine_tau_start,
+                       a.fine_tau_end, a.fine_lr_scale, a.greedy_step, a.greedy_last_fraction]
+    return out
+
+
 def wide_overrides(a) -> dict:
     """The WideConfig fields a comparison sets for every method from its arguments."""
-    return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init, loss_mode="flops",
+    return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init,
+                loss_mode=getattr(a, "axis", "flops"),
                 tau_start=a.tau_start, tau_end=a.tau_end, sparsity_coef=a.sparsity_coef,
                 ffn_group_size=a.ffn_group_size, budget=a.budget)
 
@@ -432,6 +523,10 @@ def add_arguments(p) -> None:
     add_fields(p.add_argument_group("routers (shared by WIDE, dynamic depth and module skipping)"), WideConfig,
                only=("router_rank", "router_input", "router_init", "ffn_group_size", "budget", "sparsity_coef",
                      "tau_start", "tau_end"))
+    f = p.add_argument_group("per-element sparsity (TEAL, WINA, hybrid) and the sparsity axis")
+    add_fields(f, CompareArgs, only=("axis", "fine_calib_sequences"))
+    add_fields(f, FineConfig, only=("criterion", "per_channel", "tau_start", "tau_end", "lr_scale", "greedy_step",
+                                    "greedy_last_fraction"))
     s = p.add_argument_group("static width pruning and LoRA")
     add_fields(s, CompareArgs, only=("static_calib_sequences", "static_normalize"))
     add_fields(s, LoraArgs)

@@ -15,8 +15,8 @@ from typing import Optional
 
 from .cliargs import check_fields
 
-SPARSE_TARGETS = ("attention", "ffn", "all")
-LOSS_MODES = ("flops", "groups")
+SPARSE_TARGETS = ("attention", "ffn", "all", "none")
+LOSS_MODES = ("flops", "groups", "linear")
 ROUTER_INPUTS = ("residual", "normed")
 ROUTER_INITS = ("random", "dense")
 BUDGETS = ("global", "layer")
@@ -61,7 +61,9 @@ class WideConfig:
     ffn_target: Optional[float] = field(default=None, metadata={
         "help": "separate FFN target (needs --attn-target)", "min": 0.0, "max": 1.0})
     sparse_target: str = field(default="all", metadata={
-        "choices": SPARSE_TARGETS, "help": "which modules are routed"})
+        # "none": no router at all, for models whose only sparsity is per-element (wide.fine:
+        # TEAL, WINA), so that they save, load and recover like routed ones.
+        "choices": SPARSE_TARGETS, "help": "which modules are routed (none: no router; per-element sparsity only)"})
     # One GQA pack per group (None): the K/V head of a skipped group is read by no other group.
     attn_group_size: Optional[int] = field(default=None, metadata={
         "help": "query heads per attention group (default: one GQA pack = query heads per KV head)", "min": 1})
@@ -84,7 +86,9 @@ class WideConfig:
                 "rises over --sparsity-warmup) or random decisions (about half of the groups per token)"})
     loss_mode: str = field(default="flops", metadata={
         "choices": LOSS_MODES,
-        "help": "sparsity the penalty measures: FLOP-weighted, or the paper's unweighted group rate"})
+        "help": "sparsity the penalty measures: FLOP-weighted over the routable MACs, the paper's unweighted "
+                "group rate, or linear: the share of all linear-layer MACs (q, k, v, o, gate, up, down) skipped, "
+                "routed groups and per-element input sparsity (wide.fine) together"})
     # "global" lets the routers spend the budget unevenly over depth (some layers nearly dense,
     # others far sparser); "layer" holds every layer to the target, as static pruning does.
     budget: str = field(default="global", metadata={
@@ -131,6 +135,9 @@ class WideConfig:
             raise ValueError("separate attn/ffn targets need sparse_target='all'")
         if self.tie_modules and self.sparse_target != "all":
             raise ValueError("tie_modules (dynamic depth) routes both modules: use sparse_target='all'")
+        if self.loss_mode == "linear" and (self.attn_target is not None or self.budget != "global"):
+            raise ValueError("loss_mode='linear' holds one target over all linear MACs: it takes neither separate "
+                             "attn/ffn targets nor budget='layer'")
 
     @property
     def routes_attention(self) -> bool:

@@ -171,6 +171,7 @@ def zero_shot(model, tokenizer, tasks=TASKS, *, limit: Optional[int] = None, bat
         if sp is not None:
             res["flop_sparsity"] = float(sp.flop_rate)
             res["group_sparsity"] = float(sp.group_rate)
+            res["linear_sparsity"] = None if sp.linear_rate is None else float(sp.linear_rate)
         results[task] = res
     results["avg"] = sum(results[t]["metric"] for t in tasks) / max(len(tasks), 1)
     return results
@@ -292,6 +293,7 @@ def perplexity(model, ids: torch.Tensor, *, batch_size: int = 8, bytes_per_token
         sp = tracker.summary()
         res["flop_sparsity"] = float(sp.flop_rate)
         res["group_sparsity"] = float(sp.group_rate)
+        res["linear_sparsity"] = None if sp.linear_rate is None else float(sp.linear_rate)
         res["sparsity"] = sp.as_dict()
     return res
 

@@ -193,10 +193,21 @@ class WideState:
     # tile and its decision, which the decode steps inside that tile reuse. Reset by a prefill.
     tile_store: dict = field(default_factory=dict)
     batch_shared: bool = False  # inside batch_shared_decode()
+    # (layer, projection) -> [B, T] input elements each token feeds that projection, written by
+    # whatever sparsifies projection inputs per element (wide.fine) and already net of the
+    # columns a routed group skips; a projection absent here reads its whole routed input.
+    kept_inputs: dict = field(default_factory=dict)
+    shape: Optional[tuple] = None  # (B, T) of this forward's tokens
+    linear_acc: Optional[dict] = None  # projection -> [kept MACs, dense MACs] while tracking
+    # fn(model) run at the end of every install_hooks: other sparsity kinds' hooks (wide.fine),
+    # so that they follow the modules PEFT replaces, as the routing hooks do.
+    installers: list = field(default_factory=list)
 
-    def new_forward(self, attention_mask, position_ids=None, past_length: int = 0) -> None:
+    def new_forward(self, attention_mask, position_ids=None, past_length: int = 0, shape=None) -> None:
         self.masks.clear()
         self.records.clear()
+        self.kept_inputs.clear()
+        self.shape = shape
         self.attention_mask = attention_mask
         self.position_ids = position_ids
         self.past_length = past_length
@@ -503,11 +514,25 @@ def install_hooks(model) -> None:
     layers = arch.decoder_layers(model)
 
     def on_model(module, args, kwargs):
-        state.new_forward(kwargs.get("attention_mask"), kwargs.get("position_ids"), _past_length(state, kwargs))
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        shape = tuple(ids.shape[:2]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+        state.new_forward(kwargs.get("attention_mask"), kwargs.get("position_ids"), _past_length(state, kwargs), shape)
+
+    def after_model(module, args, kwargs, out):
+        if state.linear_acc is not None and state.routing:
+            for key, (kept, dense) in linear_macs(state).items():
+                acc = state.linear_acc.setdefault(key, [0.0, 0.0])
+                acc[0] += float(kept)
+                acc[1] += float(dense)
 
     # The hook sits on the module that owns the layers, which receives the attention mask.
     owner = arch.get_path(model, spec.layers.rpartition(".")[0]) if "." in spec.layers else model
     state.handles.append(owner.register_forward_pre_hook(on_model, with_kwargs=True))
+    state.handles.append(owner.register_forward_hook(after_model, with_kwargs=True))
     normed = state.config.router_input == "normed"
     for i, layer in enumerate(layers):
         routers = model.wide_routers[i]
@@ -526,6 +551,8 @@ def install_hooks(model) -> None:
             def gate(mod, args, i=i, kind=kind):
                 return (_apply_mask(state, i, kind, args[0]),) + tuple(args[1:])
             state.handles.append(proj.register_forward_pre_hook(gate))
+    for install in state.installers:
+        install(model)
 
 
 def wrap(model, config: Optional[WideConfig] = None, *, seed: Optional[int] = None):
@@ -591,6 +618,8 @@ def unwrap(model):
     del model.wide_routers
     del model.wide_state
     del model.wide_config
+    if "wide_fine" in model._modules:  # per-element sparsity (wide.fine) hooks on the same state
+        del model.wide_fine
     model.__dict__.pop("_reorder_cache", None)
     return model
 
@@ -603,8 +632,11 @@ def get_state(model) -> WideState:
 
 
 def router_parameters(model) -> list[nn.Parameter]:
+    """What stage 1 trains: the routers, and the learned thresholds of per-element sparsity
+    (``model.wide_fine.learnable()``, wide.fine) where the model has them."""
     get_state(model)
-    return list(model.wide_routers.parameters())
+    fine = model._modules.get("wide_fine")
+    return list(model.wide_routers.parameters()) + (fine.learnable() if fine is not None else [])
 
 
 def freeze_backbone(model) -> None:
@@ -628,6 +660,11 @@ class Sparsity:
     ffn_rate: Optional[torch.Tensor]
     per_layer: dict  # kind -> list of per-layer rates (None where not routed)
     module_macs: dict = field(default_factory=dict)  # kind -> routable MACs of one layer's module
+    # Share of all linear-layer MACs skipped (q, k, v, o, gate, up, down; LM head excluded):
+    # routed groups and per-element input sparsity together (see :func:`linear_macs`).
+    linear_rate: Optional[torch.Tensor] = None
+    linear: dict = field(default_factory=dict)  # projection -> its own skipped share
+    attn_core_rate: Optional[torch.Tensor] = None  # share of the QK^T and PV MACs skipped
 
     def as_dict(self) -> dict:
         f = lambda v: None if v is None else float(v)  # noqa: E731
@@ -636,6 +673,9 @@ class Sparsity:
             "group_rate": f(self.group_rate),
             "attn_rate": f(self.attn_rate),
             "ffn_rate": f(self.ffn_rate),
+            "linear_rate": f(self.linear_rate),
+            "linear": {k: f(v) for k, v in self.linear.items()},
+            "attn_core_rate": f(self.attn_core_rate),
             "per_layer": {k: [f(v) for v in vals] for k, vals in self.per_layer.items()},
         }
 
@@ -671,6 +711,82 @@ def _combined(rates: dict, macs: dict) -> tuple:
     return sum(rates[k] * macs[k] for k in rates) / sum(macs[k] for k in rates), sum(rates.values()) / len(rates)
 
 
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def projection_shapes(dims: ModelDims) -> dict:
+    """projection -> (output features, input features): the MACs one token spends in it dense."""
+    h, q = dims.hidden_size, dims.num_heads * dims.head_dim
+    kv, i = dims.num_kv_heads * dims.head_dim, dims.intermediate_size
+    return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (i, h), "up": (i, h), "down": (h, i)}
+
+
+def linear_macs(state: WideState) -> dict:
+    """The last forward's MACs, kept and dense, summed over layers and valid (non-padding)
+    tokens: projection -> (kept, dense), plus ``"attn_core"`` (QK^T and PV of the query heads).
+
+    Counted exactly, token by token: a projection's MACs are the output rows it computes times
+    the input elements it reads. A routed attention group takes its heads' q rows and o input
+    columns away, a routed FFN group its gate/up rows and down input columns; an input element
+    zeroed per element (``state.kept_inputs``) takes its weight column away. K and V rows always
+    run. Attention-core MACs are 2 x head_dim x (keys attended) per query head run, so they
+    weigh each token by its position. Differentiable through straight-through masks."""
+    shape = state.shape
+    if shape is None:
+        return {}
+    geo = state.geometry
+    dims = geo.dims
+    some = next(iter(state.masks.values()), None)
+    if some is None:
+        some = next(iter(state.kept_inputs.values()), None)
+    device = some.device if some is not None else None
+    probe = torch.empty(shape, device=device)
+    valid = _valid_tokens(state, probe)
+    n_valid = valid.sum()
+    shapes = projection_shapes(dims)
+    out = {p: [0.0, 0.0] for p in PROJECTIONS}
+    core = [0.0, 0.0]
+    ctx = (_positions(state, shape[0], shape[1], probe.device) + 1).float() * valid
+    ctx_sum = ctx.sum()
+    core_per_head = 2 * dims.head_dim
+    for layer in range(dims.num_layers):
+        am, fm = state.masks.get((layer, "attn")), state.masks.get((layer, "ffn"))
+        q_run = am.sum(-1) * geo.columns("attn") if am is not None else None  # q rows = o columns
+        f_run = fm.sum(-1) * geo.ffn_group_size if fm is not None else None  # gate/up rows = down columns
+        rows = {"q": q_run, "gate": f_run, "up": f_run}
+        routed_inputs = {"o": q_run, "down": f_run}
+        for p in PROJECTIONS:
+            n_out, n_in = shapes[p]
+            r = rows.get(p)
+            k = state.kept_inputs.get((layer, p), routed_inputs.get(p))
+            per_token = (r if r is not None else n_out) * (k if k is not None else n_in)
+            out[p][0] = out[p][0] + (per_token * valid.to(per_token.dtype)).sum() \
+                if isinstance(per_token, torch.Tensor) else out[p][0] + per_token * n_valid
+            out[p][1] = out[p][1] + n_out * n_in * n_valid
+        heads = am.sum(-1) * geo.attn_group_size if am is not None else None
+        core[0] = core[0] + ((heads * ctx).sum() if heads is not None else dims.num_heads * ctx_sum) * core_per_head
+        core[1] = core[1] + dims.num_heads * ctx_sum * core_per_head
+    res = {p: tuple(v) for p, v in out.items()}
+    res["attn_core"] = tuple(core)
+    return res
+
+
+def _linear_macs_per_layer(geo: Geometry) -> int:
+    return sum(o * i for o, i in projection_shapes(geo.dims).values())
+
+
+def _linear_rates(sums: dict) -> tuple:
+    """(linear rate, {projection: rate}, attention-core rate) of ``linear_macs``-style sums."""
+    if not sums:
+        return None, {}, None
+    kept = sum(sums[p][0] for p in PROJECTIONS)
+    dense = sum(sums[p][1] for p in PROJECTIONS)
+    rate = lambda k, d: 1.0 - k / d if float(d) > 0 else k * 0.0  # noqa: E731
+    core = sums.get("attn_core")
+    return (rate(kept, dense), {p: rate(*sums[p]) for p in PROJECTIONS},
+            None if core is None else rate(*core))
+
+
 def forward_sparsity(model) -> Sparsity:
     """Sparsity of the last forward pass, differentiable through the straight-through masks."""
     state = get_state(model)
@@ -678,7 +794,9 @@ def forward_sparsity(model) -> Sparsity:
     for rec in state.records:
         s, t = sums.get((rec.layer, rec.kind), (0.0, 0.0))
         sums[(rec.layer, rec.kind)] = (rec.skipped + s, rec.total + t)
-    return _summarise(state.geometry, sums)
+    sp = _summarise(state.geometry, sums)
+    sp.linear_rate, sp.linear, sp.attn_core_rate = _linear_rates(linear_macs(state))
+    return sp
 
 
 def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
@@ -693,7 +811,10 @@ def sparsity_penalty(sp: Sparsity, config: WideConfig) -> torch.Tensor:
                 gaps.append(_gap(rates, flop if config.loss_mode == "flops" else group, config))
         return sum(gaps) / len(gaps) if gaps else torch.zeros(())
     rates = {k: r for k, r in (("attn", sp.attn_rate), ("ffn", sp.ffn_rate)) if r is not None}
-    return _gap(rates, sp.flop_rate if config.loss_mode == "flops" else sp.group_rate, config)
+    rate = {"flops": sp.flop_rate, "groups": sp.group_rate, "linear": sp.linear_rate}[config.loss_mode]
+    if rate is None:
+        raise ValueError("loss_mode='linear' needs the linear MACs of a forward: none were recorded")
+    return _gap(rates, rate, config)
 
 
 def _gap(rates: dict, rate, config: WideConfig) -> torch.Tensor:
@@ -737,8 +858,8 @@ def routing_disabled(model):
     its sparsity records) is put back on exit, so a dense pass may run between a routed forward
     and its loss. The distillation teacher of ``wide.train`` runs under it."""
     state = get_state(model)
-    saved = (state.routing, dict(state.masks), list(state.records), dict(state.tile_store))
-    forward = {k: getattr(state, k) for k in ("attention_mask", "position_ids", "past_length", "tiles")}
+    saved = (state.routing, dict(state.masks), list(state.records), dict(state.tile_store), dict(state.kept_inputs))
+    forward = {k: getattr(state, k) for k in ("attention_mask", "position_ids", "past_length", "tiles", "shape")}
     state.routing = False
     try:
         yield model
@@ -749,6 +870,8 @@ def routing_disabled(model):
         state.records[:] = saved[2]
         state.tile_store.clear()
         state.tile_store.update(saved[3])
+        state.kept_inputs.clear()
+        state.kept_inputs.update(saved[4])
         for k, v in forward.items():
             setattr(state, k, v)
 
@@ -762,14 +885,15 @@ def track_sparsity(model):
     >>> tracker.summary().as_dict()
     """
     state = get_state(model)
-    previous = state.accumulators
-    state.accumulators = {}
+    previous = state.accumulators, state.linear_acc
+    state.accumulators, state.linear_acc = {}, {}
     tracker = _Tracker(state)
     try:
         yield tracker
     finally:
         tracker.sums = dict(state.accumulators)
-        state.accumulators = previous
+        tracker.linear_sums = dict(state.linear_acc)
+        state.accumulators, state.linear_acc = previous
 
 
 @contextlib.contextmanager
@@ -817,11 +941,17 @@ class _Tracker:
     def __init__(self, state: WideState):
         self.state = state
         self.sums = None
+        self.linear_sums = None
 
     def summary(self) -> Sparsity:
         sums = self.sums if self.sums is not None else self.state.accumulators
         sums = {k: (torch.tensor(v[0]), torch.tensor(v[1])) for k, v in sums.items()}
-        return _summarise(self.state.geometry, sums)
+        sp = _summarise(self.state.geometry, sums)
+        linear = self.linear_sums if self.linear_sums is not None else self.state.linear_acc
+        linear = {k: (torch.tensor(v[0], dtype=torch.float64), torch.tensor(v[1], dtype=torch.float64))
+                  for k, v in (linear or {}).items()}
+        sp.linear_rate, sp.linear, sp.attn_core_rate = _linear_rates(linear)
+        return sp
 
 
 # ---------------------------------------------------------------- offset calibration
@@ -862,6 +992,14 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     target = cfg.target_sparsity if target is None else target
     routers = [(i, k, r) for i, lr in enumerate(model.wide_routers) for k in KINDS
                if (r := lr.router(k)) is not None]
+    if cfg.loss_mode == "linear":
+        # Routers alone skip only routable MACs: the same share of all linear MACs is that many
+        # more of the routable ones (per-element sparsity is set by its own thresholds instead).
+        target = target * _linear_macs_per_layer(state.geometry) / sum(
+            state.geometry.module_macs(k) for k in KINDS if any(kk == k for _, kk, _ in routers))
+        if target >= 1:
+            raise ValueError(f"routers alone cannot skip that share of the linear MACs (needs {target:.3f} of the "
+                             "routable ones)")
     for _, _, r in routers:
         r.offset.zero_()
     batches = list(batches)
@@ -952,7 +1090,7 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
                     g = state.geometry.groups(k)
                     sums[(layer, k)] = (torch.tensor(share * g), torch.tensor(float(g)))
             sp = _summarise(state.geometry, sums)
-            return float(sp.flop_rate if cfg.loss_mode == "flops" else sp.group_rate)
+            return float(sp.group_rate if cfg.loss_mode == "groups" else sp.flop_rate)
 
         # The rate falls as the shift rises; beyond the margins' range it is 0 or 1.
         lo = -max(float(v[-1]) for v in margins.values()) - 1.0
@@ -989,5 +1127,5 @@ __all__ = [
     "install_hooks", "get_state", "router_parameters", "freeze_backbone", "Sparsity",
     "forward_sparsity", "sparsity_penalty", "sparsity_loss", "union_penalty", "track_sparsity", "routing_disabled",
     "calibrate_offsets", "geometry_dict", "dense_macs_per_token", "recording_masks", "batch_shared_decode",
-    "plan_tiles",
+    "plan_tiles", "PROJECTIONS", "projection_shapes", "linear_macs",
 ]

@@ -26,7 +26,7 @@ import torch
 
 from . import arch
 from .cliargs import check_fields
-from .modeling import get_state, install_hooks
+from .modeling import get_state, install_hooks, router_parameters
 from .serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
 
@@ -93,10 +93,10 @@ def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = F
     for p in adapters:
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
-    for p in model.wide_routers.parameters():
+    routers = router_parameters(model)  # with learned per-element thresholds (wide.fine), those too
+    for p in routers:
         p.requires_grad_(not freeze_routers)
-    routers = [] if freeze_routers else list(model.wide_routers.parameters())
-    return adapters + routers
+    return adapters + ([] if freeze_routers else routers)
 
 
 def adapter_state_dict(model) -> dict:

@@ -342,7 +342,10 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
            "method": method, "stage": stage}
     ppl = perplexity(model, heldout_ids, batch_size=args.batch_size, bytes_per_token=bytes_per_token)
     rec.update(ppl=ppl["ppl"], bpb=ppl.get("bpb"), heldout_tokens=ppl["tokens"],
-               sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0))
+               sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0),
+               # every record, dense included, on the one axis all methods share (wide.modeling.linear_macs)
+               linear_sparsity=ppl.get("linear_sparsity") or 0.0,
+               attn_core_sparsity=(ppl.get("sparsity") or {}).get("attn_core_rate") or 0.0)
     if "sparsity" in ppl:
         rec["sparsity_detail"] = ppl["sparsity"]
     state = getattr(model, "wide_state", None)
@@ -368,10 +371,22 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     with the time it took printed, so that a run's log shows where its time went."""
     if args.offsets == "none":
         return None
+    from .fine import get_fine, shift_to_target
     from .modeling import calibrate_offsets as calibrate
+    from .modeling import get_state
 
     batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
     t0 = time.perf_counter()
+    fine = get_fine(model)
+    if fine is not None and fine.config.allocation == "learned":
+        # routers and learned thresholds share one linear-MAC budget: one shift of every threshold
+        # lands the pair on it (the routers' own offsets stay as trained)
+        shift = shift_to_target(model, batches, get_state(model).config.target_sparsity)
+        print(f"thresholds shifted by {shift:+.3f} (log units) to the target on {sum(len(b) for b in batches)} "
+              f"sequences in {time.perf_counter() - t0:.1f}s", flush=True)
+        return {"threshold_shift": shift}
+    if not any(p.numel() for p in model.wide_routers.parameters()):
+        return None  # no router (per-element sparsity alone: its thresholds are its calibration)
     offsets = calibrate(model, batches, mode=args.offsets)
     print(f"offsets ({args.offsets}) calibrated on {sum(len(b) for b in batches)} sequences in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)

@@ -33,9 +33,12 @@ from safetensors.torch import load_file, save_file
 from .config import START_ONLY, WideConfig, with_predating
 from .fileio import atomic_write_text as _write_text
 from .fileio import sha256_file
+from .fine import FineConfig, attach, get_fine
 from .modeling import ModelDims, get_state, wrap
 
 ROUTERS_FILE = "routers.safetensors"
+# Per-element thresholds (wide.fine), beside the routers; their FineConfig is wide_config.json's "fine".
+THRESHOLDS_FILE = "thresholds.safetensors"
 CONFIG_FILE = "wide_config.json"
 MANIFEST_FILE = "wide_manifest.json"
 FORMAT_VERSION = 1
@@ -253,9 +256,15 @@ def save_routers(model, path, *, extra: Optional[dict] = None,
         "base_model": getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None),
         **(extra or {}),
     }
+    fine = get_fine(model)
+    if fine is not None:
+        meta["fine"] = fine.config.to_dict()
     info = {"step": meta["step"]} if "step" in meta else None
     with atomic_directory(path, info) as tmp:
         save_file(tensors, str(tmp / ROUTERS_FILE), metadata={"format": "pt"})
+        if fine is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in fine.state_dict().items()},
+                      str(tmp / THRESHOLDS_FILE), metadata={"format": "pt"})
         _pause()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         if write_more is not None:
@@ -293,10 +302,31 @@ def config_differences(saved: dict, config: WideConfig) -> dict:
     return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k] and k not in START_ONLY}
 
 
+def verify_manifest(path) -> None:
+    """Refuse a directory whose files no longer match the sha256 manifest it was sealed with
+    (bytes overwritten in place keep the size but not the hash). Directories written before
+    manifests existed have none and pass."""
+    path = Path(path)
+    if not (path / MANIFEST_FILE).is_file() or read_manifest(path) is not None:
+        return
+    bad = "its manifest"
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        bad = next((rel for rel, want in files.items() if not (path / rel).is_file()
+                    or (path / rel).stat().st_size != want["size"] or sha256_file(path / rel) != want["sha256"]),
+                   bad)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    raise CheckpointError(f"{path} does not match its {MANIFEST_FILE}: {bad} is corrupt or was changed after the "
+                          "directory was written; restore it or write the directory again")
+
+
 def load(model, path):
     """Wrap ``model`` with the routers saved in ``path`` (or load them into an already
-    wrapped model with the same config). Refuses routers made for another model shape."""
+    wrapped model with the same config), with their per-element thresholds where the directory
+    has them. Refuses routers made for another model shape, and damaged files."""
     meta = read_meta(path)
+    verify_manifest(path)
     saved = meta["model"]
     actual = asdict(ModelDims.from_hf_config(model.config))
     diffs = {k: (saved.get(k), actual[k]) for k in actual if saved.get(k) != actual[k]}
@@ -318,12 +348,50 @@ def load(model, path):
         tensors = load_file(str(Path(path) / ROUTERS_FILE))
     except Exception as e:  # safetensors' error type moved between releases
         raise CheckpointError(f"{Path(path) / ROUTERS_FILE} is corrupt or unreadable: {e}") from e
-    device = next(model.wide_routers.parameters()).device
+    device = next(model.parameters()).device  # sparse_target='none' has no router parameter
     try:
         model.wide_routers.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"router tensors in {path} do not match the config: {e}") from e
+    if "fine" in meta:
+        load_thresholds(model, path, meta["fine"])
     return model
+
+
+def load_thresholds(model, path, saved_config: dict) -> None:
+    """The per-element thresholds of ``path`` into ``model`` (attached first if the model has
+    none), each defect refused with one error naming the file: a config wide cannot read, a
+    missing or unreadable file, a threshold count that does not match the model, NaN."""
+    file = Path(path) / THRESHOLDS_FILE
+    try:
+        config = FineConfig.from_dict(saved_config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{Path(path) / CONFIG_FILE} holds an invalid per-element sparsity config: {e}") from e
+    if not file.is_file():
+        raise CheckpointError(f"{path} records per-element thresholds but has no {THRESHOLDS_FILE}")
+    try:
+        tensors = load_file(str(file))
+    except Exception as e:  # safetensors' error type moved between releases
+        raise CheckpointError(f"{file} is corrupt or unreadable: {e}") from e
+    fine = get_fine(model)
+    if fine is None:
+        fine = attach(model, config)
+    elif fine.config != config:
+        raise CheckpointError(f"model has per-element sparsity configured otherwise than {path}")
+    want = fine.state_dict()
+    if set(tensors) != set(want):
+        raise CheckpointError(f"{file} holds {sorted(tensors)}, the model's per-element sparsity needs {sorted(want)}")
+    for k, v in tensors.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise CheckpointError(f"{file}: {k} has shape {tuple(v.shape)} but this model needs {tuple(want[k].shape)} "
+                                  "(thresholds for another model?)")
+        if v.is_floating_point() and torch.isnan(v).any():
+            raise CheckpointError(f"{file}: {k} holds NaN")
+    fine.load_state_dict({k: v.to(want[k].device) for k, v in tensors.items()})
+    try:
+        fine.check(get_state(model).geometry.dims, where=str(file))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def resolve_base_model(path, base_model=None, **hf_kwargs):

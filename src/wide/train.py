@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .cliargs import check_fields
-from .modeling import forward_sparsity, get_state, routing_disabled, sparsity_penalty, union_penalty
+from .modeling import forward_sparsity, get_state, router_parameters, routing_disabled, sparsity_penalty, union_penalty
 from .serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
                             remove_directory, save_routers)
 
@@ -271,7 +271,22 @@ def evaluate_heldout(model, ids: torch.Tensor, batch_size: int, max_batches: Opt
         model.train(was_training)
     sp = tracker.summary()
     return {"ce": nll / max(count, 1), "ppl": math.exp(nll / max(count, 1)),
-            "flop_sparsity": float(sp.flop_rate), "group_sparsity": float(sp.group_rate)}
+            "flop_sparsity": float(sp.flop_rate), "group_sparsity": float(sp.group_rate),
+            "linear_sparsity": None if sp.linear_rate is None else float(sp.linear_rate)}
+
+
+def _param_groups(model, params: list, args: TrainArgs) -> list:
+    """One AdamW group, or two where the model learns per-element thresholds: those move in log
+    units at ``FineConfig.lr_scale`` times the rate, with no weight decay (a log threshold has no
+    natural zero to decay to)."""
+    fine = model._modules.get("wide_fine")
+    ids = {id(p) for p in fine.learnable()} if fine is not None else set()
+    mine = [p for p in params if id(p) in ids]
+    if not mine:
+        return [{"params": params}]
+    rest = [p for p in params if id(p) not in ids]
+    return ([{"params": rest}] if rest else []) + [
+        {"params": mine, "lr": args.lr * fine.config.lr_scale, "weight_decay": 0.0}]
 
 
 def train(
@@ -326,6 +341,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
            stop_at, session) -> dict:
     state = get_state(model)
     cfg = state.config
+    fine = model._modules.get("wide_fine")
     main = session is None or session.is_main
     progress = progress and main
     out_dir = Path(out_dir)
@@ -336,12 +352,12 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         raise ValueError("steps must be >= 1")
     device = next(model.parameters()).device
     if parameters is None:
-        parameters = list(model.wide_routers.parameters())
+        parameters = router_parameters(model)
     params = [p for p in parameters if p.requires_grad]
     if not params:
         raise ValueError("nothing to train: no parameter requires grad (call wide.freeze_backbone(model)?)")
 
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(_param_groups(model, params, args), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     history: list = []
     start_step = 0
@@ -413,11 +429,13 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
     t_last = time.perf_counter()
     for step in bar:
         state.tau = cfg.temperature(step, args.steps)
+        if fine is not None:  # the learned thresholds' surrogate anneals with the same clock
+            fine.progress = step / max(1, args.steps - 1)
         opt.zero_grad(set_to_none=True)
         if session is not None:
             session.seed_step(args.seed, step)
         # Sums stay on the device until the step ends: one host sync per step, not per micro-batch.
-        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "union": 0.0, "flop": 0.0, "grp": 0.0}
+        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "union": 0.0, "flop": 0.0, "grp": 0.0, "lin": 0.0}
         for micro in range(args.grad_accum):
             idx = batch_indices(train_ids.shape[0], args, step, micro)
             if session is not None:
@@ -449,6 +467,8 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
                     sums[k] += seen[id(t)]
             sums["pen"] += pen.detach()
             sums["flop"] += sp.flop_rate.detach()
+            if sp.linear_rate is not None:
+                sums["lin"] += sp.linear_rate.detach()
             sums["grp"] += sp.group_rate.detach()
         if session is not None:
             session.reduce_gradients(params)
@@ -463,7 +483,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         if args.loss != "ce":
             rec["kd"] = mean["kd"]
         rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"],
-                    "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"],
+                    "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"], "linear_sparsity": mean["lin"],
                     "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         if cfg.union_coef > 0:
             rec["union"] = mean["union"]
@@ -474,6 +494,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         if "kd" in rec:
             shown["kd"] = f"{rec['kd']:.3f}"
         bar.set_postfix(**shown, sp=f"{rec['flop_sparsity']:.2f}", grp=f"{rec['group_sparsity']:.2f}",
+                        lin=f"{rec['linear_sparsity']:.2f}",
                         tok_s=f"{rec['tokens_per_s']:.0f}")
         done = step + 1
         if eval_ids is not None and args.eval_every and (done % args.eval_every == 0 or done == args.steps):
