@@ -550,6 +550,7 @@ def cmd_eval(args) -> list:
     tok, _ = runs.load_tokenizer(args)
     heldout, bpt = runs.heldout(args, tok)
     model, tok, model_path = runs.load_model(args, tok)
+    dense = model  # the reference of --generation
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
@@ -559,7 +560,7 @@ def cmd_eval(args) -> list:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
         model = load_recovered(model.to(args.device or runs.default_device()), rdir)
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
-                                         meta.get("stage", 1)))
+                                         meta.get("stage", 1), reference=dense))
         records[-1].update(runs.training_fields(meta))
         shipped = pretrained.name_of(rdir)
         records[-1]["routers"] = shipped or str(rdir)
