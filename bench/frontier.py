@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from seeds_summary import SAME, with_above_chance  # noqa: E402
+from seeds_summary import SAME, _cell, aggregate_records, with_above_chance  # noqa: E402
 
 STATS = ("ppl", "avg", "linear_sparsity", "attn_core_sparsity", "above_chance_kept", "gen_kl", "gen_match")
 # Methods whose records count routed groups only: their linear sparsity follows from the FLOP rate.
@@ -93,24 +91,7 @@ def records_of(docs: list, extra: list) -> list:
 
 
 def aggregate(records: list) -> list:
-    groups: dict = {}
-    for r in records:
-        groups.setdefault((r.get("name"), r.get("stage"), r.get("target")), []).append(r)
-    rows = []
-    for (name, stage, target), rs in groups.items():
-        row = {k: rs[0].get(k) for k in ("name", "label", "method", "stage", "target", "model", "loss", "tokens",
-                                         "routing", "source", "linear_sparsity_from")}
-        row["seeds"] = sorted({r.get("seed") for r in rs if r.get("seed") is not None}) or None
-        row["n"] = len(rs)
-        for k in STATS:
-            vals = [r[k] for r in rs if r.get(k) is not None]
-            if not vals:
-                continue
-            mean = statistics.mean(vals)
-            if k == "ppl" and min(vals) != max(vals):  # the mean of the held-out cross-entropy
-                mean = math.exp(statistics.mean(map(math.log, vals)))
-            row[k], row[f"{k}_min"], row[f"{k}_max"] = mean, min(vals), max(vals)
-        rows.append(row)
+    rows = aggregate_records(records, STATS, keep=("source", "linear_sparsity_from"))
     dense = next((r for r in rows if r.get("name") == "dense"), None)
     for r in rows:
         if dense is not None and r.get("ppl"):
@@ -129,14 +110,6 @@ def speed_columns(path) -> dict:
         if r.get("op") == "e2e_tpot" and r.get("mode") in SPEED_MODES and r.get("speedup"):
             out.setdefault(r["mode"], {})[(r.get("B"), r.get("prompt_len"))] = r["speedup"]
     return {"device": doc.get("device"), "modes": out} if out else {}
-
-
-def _cell(r, k, fmt) -> str:
-    if r.get(k) is None:
-        return "-"
-    if r.get("n", 1) > 1 and r.get(f"{k}_min") != r.get(f"{k}_max"):
-        return f"{fmt(r[k])} ({fmt(r[f'{k}_min'])}-{fmt(r[f'{k}_max'])})"
-    return fmt(r[k])
 
 
 def table(rows: list) -> str:

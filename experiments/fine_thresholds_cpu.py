@@ -7,6 +7,7 @@ split).
     python experiments/fine_thresholds_cpu.py free --criterion wina
     python experiments/fine_thresholds_cpu.py learn --name L2 --per-channel --lr 2e-3 --lr-scale 5
     python experiments/fine_thresholds_cpu.py learn --name H2 --routers all --lr 2e-3 --lr-scale 5
+    python experiments/fine_thresholds_cpu.py drop       # what 1.8 % random group drops cost
 
 Thresholds of the learned runs start at TEAL's uniform 50 % (quantiles of the dense model's
 |x| on 32 calibration sequences); `learn` trains them (and the routers) for --steps steps of
@@ -77,9 +78,35 @@ def learn(a) -> dict:
             "mean_log_threshold": {p: float(th[:, j].mean()) for j, p in enumerate(modeling.PROJECTIONS)}}
 
 
+def drop(a) -> dict:
+    """The cost of routers that drop groups at random, as a hard Gumbel sample of routers started
+    dense does (sigmoid(4): 1.8 % of the groups per token): cross-entropy of 4 calibration windows
+    in train mode with and without routers, TEAL thresholds at 50 % on and off."""
+    model, cal, _ = setup(a.threads)
+    x = cal[100:104]
+    out = {}
+    for routers in ("none", "all"):
+        modeling.unwrap(model)
+        modeling.wrap(model, wide.WideConfig(sparse_target=routers, target_sparsity=0.5, loss_mode="linear"), seed=0)
+        fn = fine.attach(model, fine.FineConfig(allocation="learned", target=0.5))
+        fine.calibrate(model, cal[:8].split(4))
+        modeling.freeze_backbone(model)
+        model.train()
+        model.wide_state.tau = 5.0
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for on in (True, False):
+                fn.enabled = on
+                ce = float(model(input_ids=x, labels=x).loss)
+                out[f"routers_{routers}_thresholds_{'on' if on else 'off'}"] = {
+                    "ce": ce, "group_sparsity": float(modeling.forward_sparsity(model).group_rate)}
+        model.wide_state.tau = None
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["free", "learn"])
+    ap.add_argument("what", choices=["free", "learn", "drop"])
     ap.add_argument("--name", default="run")
     ap.add_argument("--criterion", default="magnitude", choices=fine.CRITERIA)
     ap.add_argument("--target", type=float, default=0.5)
@@ -92,11 +119,12 @@ def main():
     ap.add_argument("--loss", default="ce")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    res = {"args": vars(a), **(free(a) if a.what == "free" else learn(a))}
+    res = {"args": vars(a), **{"free": free, "learn": learn, "drop": drop}[a.what](a)}
     print(json.dumps(res, indent=1))
     out = Path("experiments/results/fine_thresholds_cpu")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.what}_{a.name if a.what == 'learn' else a.criterion}.json").write_text(json.dumps(res, indent=1))
+    name = {"learn": a.name, "free": a.criterion, "drop": "gumbel"}[a.what]
+    (out / f"{a.what}_{name}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -340,10 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks of the routed kernels and the engine (GPU; bounds reads results)",
                        description="Run a benchmark of wide.benchmarks; extra arguments go to it (see its --help). "
-                                   "kernels, attention, e2e, read_floors and fsdp time on a CUDA GPU; train_speed "
+                                   "kernels, fine_gemv (per-element sparse decode GEMVs), attention, e2e, read_floors "
+                                   "and fsdp time on a CUDA GPU; train_speed "
                                    "(stage-1 tokens/s) on a GPU or, with --tiny, the CPU; bounds derives speed "
                                    "bounds from a results folder.")
-    b.add_argument("which", choices=["kernels", "attention", "e2e", "read_floors", "bounds", "fsdp", "train_speed"],
+    b.add_argument("which", choices=["kernels", "fine_gemv", "attention", "e2e", "read_floors", "bounds", "fsdp",
+                                     "train_speed"],
                    help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench, check=lambda args: None)
