@@ -303,13 +303,16 @@ class _Scores:
     def __init__(self, per_key: int, seed: int = 0):
         self.per_key = per_key
         self.parts: dict = {}
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.gens: dict = {}  # device -> generator: sampling where the activations are
 
     def add(self, key, values: torch.Tensor, share: int) -> None:
         v = values.flatten()
         if v.numel() > share:
-            idx = torch.randperm(v.numel(), generator=self.gen)[:share].to(v.device)
-            v = v[idx]
+            g = self.gens.get(v.device)
+            if g is None:
+                g = self.gens[v.device] = torch.Generator(device=v.device).manual_seed(self.seed)
+            v = v[torch.randint(0, v.numel(), (share,), generator=g, device=v.device)]
         self.parts.setdefault(key, []).append(v.float())
 
     def sorted(self) -> dict:
