@@ -100,6 +100,53 @@ def aggregate(records: list) -> list:
     return rows
 
 
+LEVELS = (0.25, 0.4, 0.5, 0.6)
+NEAR = 0.005  # a measured point this close to a level stands for it
+
+
+def at_levels(rows: list, levels=LEVELS) -> dict:
+    """(name, stage) -> {level: ppl} at exactly those linear sparsities, log-perplexity
+    interpolated between the two measured points around each level, or the point measured within
+    ``NEAR`` of it (none outside them): methods
+    land near, not on, their targets (TEAL's quantiles skip more of the held-out text than of the
+    calibration text), and the targets compare methods at equal sparsity."""
+    import math
+
+    out: dict = {}
+    for key in dict.fromkeys((r["name"], r.get("stage")) for r in rows if r.get("name") != "dense"):
+        pts = sorted((r["linear_sparsity"], r["ppl"]) for r in rows
+                     if (r["name"], r.get("stage")) == key and r.get("ppl") and r.get("linear_sparsity") is not None)
+        got = {}
+        for lv in levels:
+            near = [y for x, y in pts if abs(x - lv) <= NEAR]
+            if near:  # measured there (a shifted hybrid lands on its target)
+                got[lv] = near[0]
+                continue
+            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+                if x0 <= lv <= x1 and x1 > x0:
+                    f = (lv - x0) / (x1 - x0)
+                    got[lv] = math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+                    break
+        if got:
+            out[key] = got
+    return out
+
+
+def levels_table(rows: list, levels=LEVELS) -> str:
+    interp = at_levels(rows, levels)
+    dense = next((r["ppl"] for r in rows if r.get("name") == "dense"), None)
+    labels = {(r["name"], r.get("stage")): r.get("label") or r["name"] for r in rows}
+    head = ["method", "stage", *[f"ppl at {lv:.0%}" for lv in levels]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, got in interp.items():
+        cells = [labels[key], str(key[1])]
+        for lv in levels:
+            v = got.get(lv)
+            cells.append("-" if v is None else f"{v:.2f}" + (f" ({v / dense:.2f}x)" if dense else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def speed_columns(path) -> dict:
     """mode -> {(B, prompt_len): speedup} of end-to-end TPOT records at 50 %, with the card."""
     if not path:
@@ -209,6 +256,13 @@ def main(argv=None) -> int:
           f"WinoGrande, PIQA, OBQA and HellaSwag, against the same seed's dense row.", "",
           f"Command: `{cmd}`. Device: {doc['device']}; torch {doc['torch']}; last run {doc['date']}.", "",
           f"First input's command: `{doc['inputs'][0]['command']}`.", "", table(rows), ""]
+    if len(at_levels(rows)):
+        md += ["At equal linear sparsity: each method's perplexity at exactly 25/40/50/60 %, log-perplexity "
+               "interpolated between its two measured points around the level ('-': outside its measured range).", "",
+               levels_table(rows), ""]
+        doc["at_levels"] = {f"{name}|{stage}": {str(k): v for k, v in got.items()}
+                            for (name, stage), got in at_levels(rows).items()}
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     if any(r.get("linear_sparsity_from") for r in rows):
         md.append("Rows marked '(FLOP-axis target)' come from an earlier comparison whose targets were FLOP-weighted "
                   "routable shares; their linear sparsity is their realised FLOP rate x routable / linear MACs, which "

@@ -115,3 +115,16 @@ def test_speed_columns_come_from_mode_records(tmp_path):
     (tmp_path / "e2e.json").write_text(json.dumps(e2e))
     sp = frontier.speed_columns(tmp_path / "e2e.json")
     assert sp == {"device": "NVIDIA H100", "modes": {"fine": {(1, 4096): 1.9}}}
+
+
+def test_levels_interpolate_log_perplexity_between_measured_points():
+    rows = [{"name": "dense", "stage": 0, "ppl": 20.0, "linear_sparsity": 0.0},
+            {"name": "teal", "stage": 1, "ppl": 25.0, "linear_sparsity": 0.41},
+            {"name": "teal", "stage": 1, "ppl": 36.0, "linear_sparsity": 0.52},
+            {"name": "hyb", "stage": 1, "ppl": 28.0, "linear_sparsity": 0.50}]
+    got = frontier.at_levels(rows, levels=(0.4, 0.5))
+    import math
+    want = math.exp(math.log(25) + (0.5 - 0.41) / 0.11 * (math.log(36) - math.log(25)))
+    assert got[("teal", 1)] == pytest.approx({0.5: want}) and 0.4 not in got[("teal", 1)]  # 0.4 lies outside
+    assert got[("hyb", 1)] == {0.5: 28.0}  # measured at the level itself
+    assert "ppl at 50%" in frontier.levels_table(rows, levels=(0.5,))
