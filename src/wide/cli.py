@@ -356,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(gn, runs.ModelArgs)
     gn.add_argument("--routers", default=None,
                     help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
+    gn.add_argument("--mode", default="coarse", choices=["coarse", "fine", "hybrid", "dense"],
+                    help="coarse: the routers' groups in prefill and decode; fine: dense prefill, decode skips the "
+                         "input elements under the checkpoint's per-element thresholds (routers not run); hybrid: "
+                         "routed prefill, decode skips both routed groups and elements under the thresholds (fine "
+                         "and hybrid need routers saved with thresholds: wide calibrate --hybrid); dense: no "
+                         "sparsity. Without --routers, coarse runs the dense engine (default: %(default)s)")
     gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
     gn.add_argument("--temperature", type=bounded(float, min=0.0), default=0.0, help="0 = greedy")
@@ -451,10 +457,14 @@ def cmd_generate(args):
                       args.max_new_tokens, args.truncate_prompt, tok.bos_token_id)
     model, tok, _ = runs.load_model(args, tok)
     if args.routers:
-        engine = accelerate(load_recovered(model, args.routers), backend=args.backend,
-                            batch_shared=args.batch_shared)
+        model = load_recovered(model, args.routers)
+    if args.mode == "dense" or (args.mode == "coarse" and not args.routers):
+        engine = AcceleratedModel(model, backend=args.backend, mode="dense", batch_shared=args.batch_shared)
     else:
-        engine = AcceleratedModel(model, backend=args.backend, mode="dense")
+        engine = accelerate(model, backend=args.backend, mode=args.mode, batch_shared=args.batch_shared)
+    if engine.backend == "torch" and engine.device.type == "cpu":
+        print("note: the Triton kernels need a CUDA GPU; this runs the PyTorch path (the same tokens, "
+              "without their speed)", file=sys.stderr)
     res = generate(engine, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_token_id, seed=args.seed)
     for prompt, out in zip(args.prompt, res.tokens):

@@ -24,9 +24,21 @@ kernels of :mod:`wide.kernels`: besides the routed GEMMs and attention, fused re
 and SiLU*up, which cut decode's ~50 tiny launches per layer down and round where HF rounds.
 ``"torch"`` runs the same computation with dense matmuls and masks. ``mode="dense"`` runs the
 same engine with no routing (fused QKV and gate/up matmuls, SDPA prefill, flash decoding): the
-baseline the end-to-end benchmark divides by. The routing rule (per token, tiles of positions for
-routers trained with ``route_tile``, or batch-shared decode) is a :mod:`wide.routing_rules` object,
-also chosen once, that turns the routers' decisions into the masks the ops run.
+baseline the end-to-end benchmark divides by. Modes:
+
+* ``"coarse"`` (``"routed"``, its earlier name, is kept as ``engine.mode``): the routers' groups
+  in prefill and decode, as above.
+* ``"fine"``: per-element activation sparsity (TEAL / WINA / learned thresholds, the
+  checkpoint's ``model.wide_fine``) at decode, dense prefill; routers are not run.
+* ``"hybrid"``: routed prefill exactly as ``"coarse"``, and decode steps that skip the routed
+  groups and, inside the kept ones, the input elements under their thresholds.
+* ``"dense"``: the baseline above.
+
+The fine and hybrid decode ops are :mod:`wide.fine_engine`'s (which says how the router mask
+and the thresholds compose, and what batches above 4 tokens a step run). The routing rule (per
+token, tiles of positions for routers trained with ``route_tile``, or batch-shared decode) is a
+:mod:`wide.routing_rules` object, also chosen once, that turns the routers' decisions into the
+masks the ops run.
 
 Module paths, norms, biases and q/k norms come from the model's :class:`~wide.arch.ArchSpec`;
 what the spec or the kernels cannot run is refused with a ``ValueError`` at construction (or,
@@ -35,6 +47,7 @@ for a sliding window shorter than the cache, at :meth:`AcceleratedModel.setup_ca
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +57,7 @@ import torch
 import torch.nn as nn
 
 from . import arch
+from .fine_engine import NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
 from .modeling import Geometry, get_state
 from .ops import make_ops, pick_backend
@@ -58,7 +72,9 @@ __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sa
 PREFILL_GRAPH_MAX_TOKENS = 2048
 
 BACKENDS = ("auto", "triton", "torch")
-MODES = ("routed", "dense")
+MODES = ("coarse", "fine", "hybrid", "dense")
+ALIASES = {"routed": "coarse"}  # the name coarse had before fine and hybrid existed
+log = logging.getLogger(__name__)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -88,6 +104,7 @@ class _Layer:
     qk_norm: Optional[torch.Tensor] = None  # [q_norm.weight; k_norm.weight], for the kernels
     qk_eps: float = 0.0
     routers: dict = field(default_factory=dict)  # kind -> TokenRouter (or None)
+    fine: Optional[object] = None  # wide.fine_engine.FineLayer: thresholds, transposed weights (fine, hybrid)
 
     def norm(self, kind: str) -> nn.Module:
         return self.attn_norm if kind == "attn" else self.ffn_norm
@@ -124,12 +141,16 @@ class AcceleratedModel:
     a family whose :class:`~wide.arch.ArchSpec` has ``engine=True`` (Llama, Mistral, Qwen2,
     Qwen3). Shares the HF model's weights; see the module docstring."""
 
-    def __init__(self, model, backend: str = "auto", mode: str = "routed",
+    def __init__(self, model, backend: str = "auto", mode: str = "coarse",
                  cuda_graphs: bool = True, batch_shared: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in MODES and mode not in ALIASES:
+            raise ValueError(f"mode must be one of {MODES} (or routed, coarse's earlier name), got {mode!r}")
+        mode = "routed" if ALIASES.get(mode, mode) == "coarse" else mode
+        routes = mode in ("routed", "hybrid")
+        if mode in ("fine", "hybrid") and getattr(model, "wide_fine", None) is None:
+            raise ValueError(NO_THRESHOLDS.format(mode=mode))
         cfg = model.config
         spec = arch.spec_for(model)
         if not spec.engine:
@@ -144,7 +165,7 @@ class AcceleratedModel:
                              f"them by {spec.embed_scale})")
         self.model = model
         self.mode = mode
-        self.state = get_state(model) if mode == "routed" else getattr(model, "wide_state", None)
+        self.state = get_state(model) if routes else getattr(model, "wide_state", None)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -155,9 +176,9 @@ class AcceleratedModel:
         self.hidden = cfg.hidden_size
         self.inter = cfg.intermediate_size
         self.window = _sliding_window(cfg)
-        if batch_shared and mode != "routed":
-            raise ValueError("batch_shared is a routed-engine option")
-        if self.state is not None and mode == "routed":
+        if batch_shared and not routes:
+            raise ValueError(f"batch_shared is a routed-engine option (modes coarse and hybrid), not mode {mode}")
+        if self.state is not None and routes:
             geo: Geometry = self.state.geometry
             self.attn_gs = geo.attn_group_size
             self.ffn_gs = geo.ffn_group_size
@@ -168,15 +189,20 @@ class AcceleratedModel:
             self.attn_groups = self.num_kv
             self.ffn_gs, self.ffn_groups, self.cfg = self.inter, 1, None
         self.backend = pick_backend(backend, self.device, self.dtype, self.head_dim,
-                                    self.ffn_gs if mode == "routed" else None, self.inter)
+                                    self.ffn_gs if routes else None, self.inter)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.embed, self.final_norm, self.lm_head, self.rotary = (
             arch.require_path(model, path, spec) for path in (spec.embed, spec.final_norm, spec.lm_head, spec.rotary))
         self.layers = [self._layer(layer, spec, i) for i, layer in enumerate(arch.decoder_layers(model))]
         self.ops = make_ops(self)
+        # Decode's ops: the same object except where decode applies per-element thresholds.
+        self.fine = None  # wide.fine_engine.FineThresholds of a fine or hybrid engine
+        self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
+        if mode in ("fine", "hybrid") and self.backend == "torch" and self.device.type == "cpu":
+            log.info("the Triton kernels need a CUDA GPU: this %s engine runs the PyTorch path", mode)
         # The routing rule (per token, tiles, batch-shared decode): chosen once, called always.
         self.rule = make_rule(self, batch_shared)
-        self.routing = None if mode == "dense" else self.rule.name
+        self.routing = None if self.cfg is None else self.rule.name
         self._cache_key = None
         self._graphs = {}
         self._prefill_pool = None  # one memory pool for every prefill graph
@@ -211,7 +237,7 @@ class AcceleratedModel:
             L.qk_eps = L.q_norm.variance_epsilon
         if self.mode == "dense":
             L.wgu = torch.cat([wg, wu]).detach()
-        elif self.state is not None:
+        elif self.cfg is not None:
             lr = self.model.wide_routers[i]
             L.routers = {"attn": lr.router("attn"), "ffn": lr.router("ffn")}
         return L
@@ -234,8 +260,20 @@ class AcceleratedModel:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [n, D]
         self._rope_len = n
 
+    @property
+    def mode_name(self) -> str:
+        """The mode as ``wide.accelerate`` and the records name it (``coarse`` for ``routed``)."""
+        return ALIASES.get(self.mode, self.mode)
+
+    def refresh_thresholds(self) -> None:
+        """Read ``model.wide_fine`` again (fine and hybrid modes; :meth:`setup_cache` and so
+        :meth:`generate` call it): the kernels of captured graphs see the new values."""
+        if self.fine is not None and self.fine.refresh():
+            self._graphs.clear()  # a layer's launches changed (scales or thresholds now differ)
+
     def setup_cache(self, batch: int, max_len: int) -> None:
         """Allocate the static KV cache (a no-op if one of this size exists)."""
+        self.refresh_thresholds()
         key = (batch, max_len)
         if self._cache_key == key:
             return
@@ -358,7 +396,8 @@ class AcceleratedModel:
                       reuse: bool = False):
         """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V].
         ``reuse``: the rule holds every mask of this step (``rule.reuses``): no router runs."""
-        ops = self.ops
+        ops = self.decode_ops
+        ops.record = record
         x = self.embed(tok)
         delta = None
         seq_lens = (pos + 1).to(torch.int32)
@@ -486,9 +525,19 @@ class AcceleratedModel:
         return self.prefill(ids.to(self.device), all_logits=True)
 
 
-def accelerate(model, backend: str = "auto", mode: str = "routed",
+def accelerate(model, backend: str = "auto", mode: str = "coarse",
                cuda_graphs: bool = True, batch_shared: bool = False) -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
+
+    ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"`` or ``"dense"``. Fine and
+    hybrid decode with the model's per-element thresholds (``model.wide_fine``: a router
+    checkpoint's thresholds.safetensors, or :mod:`wide.fine`); a model without them is refused.
+    Their thresholds are read at construction and by every :meth:`AcceleratedModel.setup_cache`
+    (``refresh_thresholds``). On the Triton backend the first fine or hybrid engine of a model
+    lays its layers' weights out once more, transposed for the decode GEMVs: as much memory
+    again as the decoder layers' weights (13 GiB for Llama-3.1-8B in bf16), shared by every
+    later fine or hybrid engine of the model. Decode batches of more than 4 sequences run
+    GEMMs on the thresholded inputs (:mod:`wide.fine_engine`).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
     batch (:mod:`wide.routing_rules`), so it reads only those groups' weights; a sequence's
@@ -501,7 +550,7 @@ def accelerate(model, backend: str = "auto", mode: str = "routed",
     """
     engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs,
                               batch_shared=batch_shared)
-    if mode == "routed":
+    if engine.mode == "routed":
         model.wide_engine = engine
     return engine
 

@@ -11,6 +11,9 @@
   step the union of their groups is ~every group, and skipping saves no bytes.
 * :class:`DenseTorchOps`, :class:`DenseTritonOps` (``mode="dense"``): no routing, fused QKV
   and gate/up GEMMs as in gpt-fast; the baseline the end-to-end benchmark divides by.
+* :class:`UnroutedTorchOps`, :class:`UnroutedTritonOps`: the prefill of ``mode="fine"``, dense
+  on the model's own weights (cuBLAS, SDPA) with no router run and no concatenated copy; its
+  decode ops (per-element thresholds, and ``mode="hybrid"``'s) are in :mod:`wide.fine_engine`.
 
 Masks are bool ``[..., groups]`` (``[B, T, G]`` in prefill, ``[B, G]`` in decode; None = the
 module runs dense). A method given a mask of None runs the dense computation.
@@ -40,8 +43,8 @@ try:
 except Exception:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
-__all__ = ["K_CHOICES", "choose_fastest", "measured", "pick_backend", "make_ops", "TorchOps",
-           "TritonOps", "DenseTorchOps", "DenseTritonOps"]
+__all__ = ["K_CHOICES", "choose_fastest", "measured", "pick_backend", "make_ops", "flat_mask", "TorchOps",
+           "TritonOps", "DenseTorchOps", "DenseTritonOps", "UnroutedOps", "UnroutedTorchOps", "UnroutedTritonOps"]
 
 # Which implementation (routed kernel or cuBLAS) runs each routed projection, per (op, weight
 # shape, group, T bucket, dtype), measured on first use. Filled only on CUDA with autotuning
@@ -122,9 +125,12 @@ def pick_backend(backend: str, device: torch.device, dtype: torch.dtype, head_di
     return backend
 
 
-def _flat(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def flat_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A mask as the GEMMs take it: rows = tokens, ``[B*T, G]`` (a view)."""
     return mask if mask is None or mask.dim() == 2 else mask.reshape(-1, mask.shape[-1])
+
+
+_flat = flat_mask
 
 
 class TorchOps:
@@ -132,6 +138,7 @@ class TorchOps:
 
     backend = "torch"
     gemm_bias = True  # q/k/v biases go into the projections (the kernels add them in RoPE)
+    record = None  # an eager decode step's record list (decode(record=...)), for ops that add to it
 
     def __init__(self, engine):
         self.e = engine
@@ -475,9 +482,28 @@ class DenseTritonOps(_DenseOps, TritonOps):
     pass
 
 
+class UnroutedOps:
+    """No module is routed (every mask None): the projections run dense on the layer's own
+    weights. ``mode="fine"`` ignores the routers a model may have."""
+
+    def routed(self, kind: str) -> bool:
+        return False
+
+
+class UnroutedTorchOps(UnroutedOps, TorchOps):
+    pass
+
+
+class UnroutedTritonOps(UnroutedOps, TritonOps):
+    pass
+
+
 def make_ops(engine) -> TorchOps:
-    """The ops object of an engine's backend and mode."""
-    dense = engine.mode == "dense"
-    if engine.backend == "triton":
-        return DenseTritonOps(engine) if dense else TritonOps(engine)
-    return DenseTorchOps(engine) if dense else TorchOps(engine)
+    """The ops object of an engine's backend and mode (its prefill ops, and its decode ops
+    except in the fine and hybrid modes: :func:`wide.fine_engine.make_decode_ops`)."""
+    triton = engine.backend == "triton"
+    if engine.mode == "dense":
+        return DenseTritonOps(engine) if triton else DenseTorchOps(engine)
+    if engine.mode == "fine":
+        return UnroutedTritonOps(engine) if triton else UnroutedTorchOps(engine)
+    return TritonOps(engine) if triton else TorchOps(engine)

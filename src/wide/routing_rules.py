@@ -240,8 +240,8 @@ class SharedRule(TokenRule):
 
 
 def make_rule(engine, batch_shared: bool) -> TokenRule:
-    """The rule of an engine (the dense engine's masks are None, which every rule passes on)."""
-    tile = engine.cfg.route_tile if engine.mode == "routed" and engine.cfg is not None else 1
+    """The rule of an engine (the dense and fine engines' masks are None, which every rule passes on)."""
+    tile = engine.cfg.route_tile if engine.cfg is not None else 1  # cfg: None unless the engine routes
     if batch_shared:
         if tile != 1:
             raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "

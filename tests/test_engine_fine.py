@@ -1,0 +1,288 @@
+"""The engine's per-element modes (wide.accelerate(mode="fine" | "hybrid"), wide.fine_engine) against
+the masked HF path with the same thresholds, on tiny Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k
+norms) models, both backends (the kernels under the Triton interpreter, fp32).
+
+The HF hooks apply the thresholds to every token, prompt tokens included, and the engine only to
+decode steps; so the reference prefills with the thresholds off (``wide_fine.enabled = False``:
+dense for fine, routed for hybrid) and decodes on its KV cache with them on."""
+import contextlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import tiny_model, write_tiny_run  # noqa: E402
+
+import wide  # noqa: E402
+from wide import fine as wf  # noqa: E402
+from wide.evaluate import cache_kwargs  # noqa: E402
+from wide.inference import AcceleratedModel  # noqa: E402
+from wide.modeling import batch_shared_decode  # noqa: E402
+
+# head_dim 64 (the attention kernels take 64 or 128), 4 query / 2 KV heads, FFN 128 = 4 x 32.
+TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
+
+
+def ids_of(b, t, seed=3):
+    return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def model_with_thresholds(model_type="llama", seed=0, routers=True, criterion="magnitude", shares=None, **router_cfg):
+    """A tiny model with routers at 50 % (or none: sparse_target "none") and thresholds that drop
+    a different share of each projection's input in each layer (TEAL greedy-like: q, k and v
+    keep different elements of one input), calibrated on the dense activations."""
+    model = tiny_model(model_type, seed=seed, **TINY)
+    cfg = dict(ffn_group_size=32, router_init="random", **router_cfg) if routers else dict(sparse_target="none")
+    model = wide.wrap(model, wide.WideConfig(**cfg), seed=seed)
+    calib = ids_of(2, 24, seed=seed + 1)
+    if routers:
+        wide.calibrate_offsets(model, [calib], target=0.5, mode="per_module", rounds=1)
+    wf.attach(model, wf.FineConfig(criterion=criterion))
+    model.wide_state.mask_fn = lambda *a: None  # the dense model's scores: skipped groups' zeros would set 0
+    try:
+        scores = wf.collect_scores(model, [calib])
+    finally:
+        model.wide_state.mask_fn = None
+    if shares is None:
+        g = torch.Generator().manual_seed(seed)
+        shares = 0.3 + 0.4 * torch.rand(model.wide_fine.log_threshold.shape, generator=g)
+    wf.set_thresholds(model, scores, shares)
+    return model
+
+
+class thresholds_at_decode:
+    """The HF reference's settings: routers off in fine mode, thresholds off until entered."""
+
+    def __init__(self, model, mode):
+        self.model, self.mode = model, mode
+
+    def __enter__(self):
+        self.model.wide_fine.enabled = False
+        if self.mode == "fine":
+            self.model.wide_state.mask_fn = lambda *a: None  # fine ignores the routers
+        return self
+
+    def decode(self):
+        self.model.wide_fine.enabled = True
+
+    def __exit__(self, *exc):
+        self.model.wide_fine.enabled = True
+        self.model.wide_state.mask_fn = None
+        return False
+
+
+@torch.no_grad()
+def hf_steps(model, ids, start, mode):
+    """[(t, logits [B, V])] of the HF path decoding ids[:, t] for t >= start after a prefill of
+    ids[:, :start] (dense for fine, routed for hybrid), the thresholds on at decode."""
+    out_steps = []
+    with thresholds_at_decode(model, mode) as ref:
+        out = model(input_ids=ids[:, :start], use_cache=True)
+        ref.decode()
+        for t in range(start, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **cache_kwargs(model, out))
+            out_steps.append((t, out.logits[:, -1].clone()))
+    return out_steps
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n, mode):
+    toks = []
+    with thresholds_at_decode(model, mode) as ref:
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        ref.decode()
+        for _ in range(n):
+            toks.append(int(out.logits[0, -1].argmax()))
+            out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **cache_kwargs(model, out))
+    return toks
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def check_decode(model, eng, mode, batches=(2,), start=9, end=12):
+    ids = ids_of(max(batches), end, seed=21)
+    for B in batches:
+        eng.setup_cache(B, 32)
+        eng.prefill(ids[:B, :start])
+        for t, ref in hf_steps(model, ids[:B, :end], start, mode):
+            got = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long))
+            assert rel(got, ref) < 1e-5, (mode, B, t)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("mode", ["fine", "hybrid"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_decode_matches_masked_path(model_type, mode, backend):
+    # Fine mode runs on a model with routers too: it must ignore them.
+    model = model_with_thresholds(model_type, seed=5)
+    eng = wide.accelerate(model, backend=backend, mode=mode)
+    assert (eng.backend, eng.mode, eng.routing) == (backend, mode, "token" if mode == "hybrid" else None)
+    assert not model.wide_fine.log_threshold.isinf().any()  # every projection drops elements
+    check_decode(model, eng, mode)  # batch 2; batch 1 below
+    prompt = ids_of(1, 7, seed=8)[0].tolist()
+    assert eng.generate([prompt], max_new_tokens=4).tokens == [hf_greedy(model, prompt, 4, mode)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("rule", ["tile4", "batch_shared"])
+def test_hybrid_keeps_the_routing_rule(rule, backend):
+    # Tile-coherent routers and batch-shared decode give hybrid decode their group masks as they
+    # give coarse decode (the batch-shared set is one row for every sequence: a stride-0 mask).
+    model = model_with_thresholds(seed=13, **(dict(route_tile=4) if rule == "tile4" else {}))
+    eng = wide.accelerate(model, backend=backend, mode="hybrid", batch_shared=rule == "batch_shared")
+    assert eng.routing == rule
+    with batch_shared_decode(model) if rule == "batch_shared" else contextlib.nullcontext():
+        check_decode(model, eng, "hybrid", start=10, end=13)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_thresholds_alone_no_routers(backend):
+    # The TEAL-only checkpoint: wrapped with sparse_target "none"; fine, and hybrid (no groups to skip).
+    model = model_with_thresholds(seed=6, routers=False)
+    for mode in ("fine", "hybrid"):
+        check_decode(model, wide.accelerate(model, backend=backend, mode=mode), mode, batches=(2,))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_wina_scales_split_the_fused_launches(backend):
+    # WINA scores q, k and v (and gate, up) with their own column norms: one launch each, into one output.
+    model = model_with_thresholds(seed=7, criterion="wina")
+    eng = wide.accelerate(model, backend=backend, mode="hybrid")
+    f = eng.layers[0].fine
+    assert not f.qkv_one_scale and not f.gu_one_scale
+    check_decode(model, eng, "hybrid", batches=(2,))
+    check_decode(model, wide.accelerate(model, backend=backend, mode="fine"), "fine", batches=(1,))
+
+
+@pytest.mark.parametrize("mode", ["fine", "hybrid"])
+def test_batches_above_the_gemv_limit_run_gemms_on_thresholded_inputs(mode):
+    # The GEMVs take up to 4 tokens; 5 sequences run the routed kernels (hybrid) or cuBLAS (fine)
+    # on the thresholded inputs: the same values.
+    model = model_with_thresholds(seed=9)
+    check_decode(model, wide.accelerate(model, backend="triton", mode=mode), mode, batches=(5,), end=12)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_thresholds_that_keep_everything_reproduce_coarse_and_dense(backend):
+    model = model_with_thresholds(seed=10, shares=torch.zeros(2, 7))
+    assert model.wide_fine.log_threshold.isinf().all()
+    ids = ids_of(2, 14, seed=4)
+    coarse, hybrid = (wide.accelerate(model, backend=backend, mode=m) for m in ("coarse", "hybrid"))
+    dense, fine = (AcceleratedModel(model, backend=backend, mode=m) for m in ("dense", "fine"))
+    for a, b in ((coarse, hybrid), (dense, fine)):
+        for e in (a, b):
+            e.setup_cache(2, 32)
+            e.prefill(ids[:, :9])
+        for t in range(9, 12):
+            pos = torch.full((2,), t, dtype=torch.long)
+            want, got = a.decode(ids[:, t], pos), b.decode(ids[:, t], pos)
+            if backend == "torch" and a is coarse:
+                assert torch.equal(got, want), t  # the same matmuls on the same inputs
+            else:
+                assert rel(got, want) < 1e-5, (a.mode, t)
+        prompt = ids[0, :6].tolist()
+        assert b.generate([prompt], max_new_tokens=3).tokens == a.generate([prompt], max_new_tokens=3).tokens
+
+
+def test_modes_named_and_refused():
+    routed_only = tiny_model("llama", seed=1, **TINY)
+    routed_only = wide.wrap(routed_only, wide.WideConfig(ffn_group_size=32, router_init="random"))
+    for mode in ("fine", "hybrid"):
+        with pytest.raises(ValueError, match="no per-element thresholds.*wide calibrate --hybrid.*coarse"):
+            wide.accelerate(routed_only, backend="torch", mode=mode)
+    for name in ("coarse", "routed"):
+        eng = wide.accelerate(routed_only, backend="torch", mode=name)
+        assert (eng.mode, eng.mode_name, eng.decode_ops is eng.ops) == ("routed", "coarse", True)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        wide.accelerate(routed_only, mode="teal")
+    model = model_with_thresholds(seed=2)
+    with pytest.raises(ValueError, match="routed-engine option"):
+        wide.accelerate(model, backend="torch", mode="fine", batch_shared=True)
+    assert wide.accelerate(model, backend="torch", mode="hybrid", batch_shared=True).routing == "batch_shared"
+
+
+def test_threshold_changes_reach_the_engine_in_place():
+    # The kernels read the thresholds from one device tensor (what a captured graph replays),
+    # which setup_cache (and so generate) refreshes from model.wide_fine.
+    model = model_with_thresholds(seed=3)
+    eng = wide.accelerate(model, backend="triton", mode="hybrid")
+    th = eng.fine.th
+    with torch.no_grad():
+        model.wide_fine.log_threshold += 0.3
+    check_decode(model, eng, "hybrid", batches=(1,), end=11)
+    assert eng.fine.th is th and torch.equal(th, model.wide_fine.log_threshold.exp())
+
+
+def test_transposed_weights_are_laid_out_once_per_model():
+    model = model_with_thresholds(seed=4)
+    a = wide.accelerate(model, backend="triton", mode="fine")
+    b = wide.accelerate(model, backend="triton", mode="hybrid")
+    for x, y in zip(a.layers, b.layers):
+        assert x.fine.wqkv_t is y.fine.wqkv_t and x.fine.wd_t is y.fine.wd_t
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(a.layers[0].fine.wd_t, w.t())
+    assert wide.accelerate(model, backend="torch", mode="fine").layers[0].fine.wd_t is None  # torch: no copy
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_recorded_decode_step_gives_each_projections_read_share(backend):
+    model = model_with_thresholds(seed=12)
+    ids = ids_of(2, 10)
+    for mode in ("fine", "hybrid"):
+        eng = wide.accelerate(model, backend=backend, mode=mode)
+        eng.setup_cache(2, 32)
+        eng.prefill(ids[:, :9])
+        record = []
+        eng.decode(ids[:, 9], torch.full((2,), 9, dtype=torch.long), record=record)
+        shares = {(i, p): s for i, p, s in record if p in wf.INPUTS}
+        assert set(shares) == {(i, p) for i in range(2) for p in wf.INPUTS}
+        for s in shares.values():  # union over the batch >= one token's share; both below 1 at 30-70 %
+            assert 0 < float(s[1]) <= float(s[0]) < 1
+        kinds = {k for _, k, m in record if k in ("attn", "ffn") and m is not None}
+        assert kinds == (set() if mode == "fine" else {"attn", "ffn"})
+
+
+def test_cli_generate_modes(tmp_path, capsys):
+    from wide.cli import main
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from wide.recovery import load_recovered
+
+    opts = write_tiny_run(tmp_path)
+    common = opts[:2]
+
+    base = AutoModelForCausalLM.from_pretrained(opts[1], dtype=torch.float32)
+    plain = wide.wrap(base, wide.WideConfig(router_init="random", ffn_group_size=32))
+    calib = ids_of(2, 24, seed=1) % 20
+    wide.calibrate_offsets(plain, [calib], target=0.5, mode="per_module", rounds=1)
+    wide.save_routers(plain, tmp_path / "coarse")
+    wf.attach(plain, wf.FineConfig(target=0.5))
+    wf.calibrate(plain, [calib], progress=False)
+    wide.save_routers(plain, tmp_path / "hybrid")
+
+    def generate(*extra):
+        assert main(["generate", *common, "--prompt", "the cat sat", "--max-new-tokens", "5", *extra]) == 0
+        out, err = capsys.readouterr()
+        return out.split("--- ")[1].splitlines()[1], out, err
+
+    text, out, err = generate("--routers", str(tmp_path / "hybrid"), "--mode", "hybrid")
+    assert "[hybrid, backend torch]" in out
+    assert "the Triton kernels need a CUDA GPU" in err and "PyTorch path" in err
+    # the same greedy tokens as the library's engine on the same checkpoint
+    tok = AutoTokenizer.from_pretrained(opts[1])
+    again = load_recovered(AutoModelForCausalLM.from_pretrained(opts[1], dtype=torch.float32), tmp_path / "hybrid")
+    res = wide.accelerate(again, backend="torch", mode="hybrid").generate([tok.encode("the cat sat")], max_new_tokens=5)
+    assert text == tok.decode(res.tokens[0], skip_special_tokens=True)
+    assert "[fine, backend torch]" in generate("--routers", str(tmp_path / "hybrid"), "--mode", "fine")[1]
+    assert "[routed, backend torch]" in generate("--routers", str(tmp_path / "hybrid"))[1]  # coarse: the default
+    assert "[dense, backend torch]" in generate("--routers", str(tmp_path / "hybrid"), "--mode", "dense")[1]
+    assert "[dense, backend torch]" in generate()[1]  # no routers, coarse: the dense engine, as before
+    for argv in (["--routers", str(tmp_path / "coarse"), "--mode", "hybrid"], ["--mode", "fine"]):
+        assert main(["generate", *common, "--prompt", "a", *argv]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "no per-element thresholds" in errors[0] and "wide calibrate --hybrid" in errors[0]
