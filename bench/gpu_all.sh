@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU speed benchmark in one go (one device call): the engine's correctness on the GPU first
+# Every GPU speed benchmark in one go: the engine's correctness on the GPU first
 # (scripts/gpu_smoke.py: graph replay = eager, greedy tokens = HF for Llama, Qwen2 and Qwen3, the
+# fine and hybrid modes against their PyTorch path, `wide generate --mode hybrid` included, the
 # GPU-only kernel tests), then routed GEMMs and routed attention (each kernel checked against its
-# fp32 reference before it is timed) and the end-to-end engine. Writes
-# OUT/{kernels,attention,e2e}.{json,md,png,log}, OUT/read_floors.{json,md} and OUT/bounds.{json,md}.
-# ~12 min on one H200.
+# fp32 reference before it is timed), the end-to-end engine, and the engine's modes (coarse, fine,
+# hybrid against dense at 50 %, B = 1/8/32, prompts and decode contexts of 4k and 16k; B = 32 x 16k
+# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes}.{json,md,png,log},
+# OUT/read_floors.{json,md} and OUT/bounds.{json,md}. ~20 min on one H100: more than one device
+# call allows (10 min), so run it in parts, e.g. ONLY=smoke, then ONLY=e2e_modes, then the rest.
 #   OUT=bench/results bash bench/gpu_all.sh
 # ONLY="kernels e2e" runs a subset. The device tool returns at most 8 files, so a device call
 # writes elsewhere and packs them:  OUT=/tmp/r bash bench/gpu_all.sh; tar czf $OUT/gpu.tgz -C /tmp/r .
@@ -14,7 +17,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-smoke kernels attention e2e bounds}
+ONLY=${ONLY:-smoke kernels attention e2e e2e_modes bounds}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -23,11 +26,16 @@ run() {  # name, time limit (s), command...
     echo "$name: exit $? in $((SECONDS - t0)) s"
     tail -n 4 "$OUT/$name.log"
 }
-run smoke "${SMOKE_S:-400}" python3 scripts/gpu_smoke.py
+run smoke "${SMOKE_S:-540}" python3 scripts/gpu_smoke.py
 run kernels "${KERNELS_S:-170}" python3 -m wide.benchmarks.kernels --out-dir "$OUT"
 run attention "${ATTENTION_S:-170}" python3 -m wide.benchmarks.attention --out "$OUT"
 run e2e "${E2E_S:-200}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --sparsities 0.5,0.75,0.25 \
     --prompt-lens 4096,1024,16384 --batches 1,8,32 --reps 3 --decode-steps 16 --budget-s 150 --profile
+# The modes: fine and hybrid (thresholds set to the target rate on random tokens, no trained
+# weights; the hybrid's routers and thresholds at 29 % each) beside coarse, every record with its mode
+run e2e_modes "${E2E_MODES_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_modes \
+    --modes coarse,fine,hybrid --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 \
+    --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --budget-s 450
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
     && python3 -m wide.benchmarks.bounds --results '$OUT'"

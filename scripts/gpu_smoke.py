@@ -15,19 +15,32 @@ the same model in fp32 (TF32 dots in the kernels), the first token in bf16 (late
 implementations round apart, and a random model's flat logits turn that into other argmaxes). Then the kernel
 tests that only run on a GPU (Llama-width fused norm + router over racing programs, the
 deferred router, the 4096-token TF32x3 prefill router: ``pytest -k on_gpu``), and the split-K
-tickets must all be back at zero. Exit 1 on a failure.
+tickets must all be back at zero.
+
+The per-element modes (``wide.accelerate(mode="fine" | "hybrid")``, the decode GEMVs of
+``wide.kernels.fine_gemv``) on the same models with routers at 29 % and thresholds dropping 29 %
+of every projection's input (the hybrid's even split of 50 %): graph replay = eager decode
+(batch 2, 1 and 5, where the GEMMs on thresholded inputs take over), new thresholds reach a
+captured graph through ``setup_cache``, and in fp32 the kernels' greedy tokens equal the PyTorch
+path's (``backend="torch"``, which the CPU tests hold equal to the masked HF path). Last,
+``wide generate --mode hybrid`` on a tiny checkpoint saved with thresholds prints the same text on
+the kernels as on the PyTorch path. Exit 1 on a failure.
 
     PYTHONPATH=src python3 scripts/gpu_smoke.py
 """
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 import wide
 from wide import arch
+from wide import fine as wf
 from wide.kernels import routing
 
 BASE = dict(num_hidden_layers=4, vocab_size=512, max_position_embeddings=1024, head_dim=128,
@@ -39,38 +52,54 @@ MODELS = {
     "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=8, num_key_value_heads=2),
 }
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"  # (a CPU dry run of the checks under TRITON_INTERPRET=1 sets "cpu" and small MODELS)
+HYBRID_SHARE = 0.29  # routers and thresholds each: 1 - sqrt(1 - 0.5), the hybrid's even split of 50 %
 
 
 def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def build(model_type: str, dtype=torch.bfloat16):
+def build(model_type: str, dtype=torch.bfloat16, target: float = 0.5, batch: int = 2, **over):
     # The test suite's tiny random models (nonzero q/k/v biases, q/k norm weights around 1)
     # at these sizes, on the GPU.
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import tiny_model
 
-    model = tiny_model(model_type, **BASE, **MODELS[model_type]).to("cuda", dtype)
+    model = tiny_model(model_type, **{**BASE, **MODELS[model_type], **over}).to(DEVICE, dtype)
     # Random routers (input-dependent masks once the offsets are calibrated; a dense start's are not)
     model = wide.wrap(model, wide.WideConfig(ffn_group_size=128, router_init="random"))
-    ids = torch.randint(0, 512, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    wide.calibrate_offsets(model, [ids], target=0.5, mode="per_module", rounds=1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 64), device=DEVICE,
+                        generator=torch.Generator(DEVICE).manual_seed(0))
+    wide.calibrate_offsets(model, [ids], target=target, mode="per_module", rounds=1)
     return model, ids
 
 
-def graphs_equal_eager(eng, ids) -> bool:
+def with_thresholds(model, ids, share: float = HYBRID_SHARE):
+    """Thresholds dropping ``share`` of every projection's input, at quantiles of the dense
+    model's |x| on ``ids`` (routers off while scoring: skipped groups' zeros would set 0)."""
+    wf.attach(model, wf.FineConfig(target=share))
+    model.wide_state.mask_fn = lambda *a: None
+    try:
+        scores = wf.collect_scores(model, [ids])
+    finally:
+        model.wide_state.mask_fn = None
+    wf.set_thresholds(model, scores, wf.uniform_sparsity(model.wide_state.geometry.dims, share))
+    return model
+
+
+def graphs_equal_eager(eng, ids, batches=(2, 1)) -> bool:
     ok = True
-    for B in (2, 1):  # batch 1: the GEMVs finish the router (deferred), batch 2: the norm kernel
+    for B in batches:  # batch 1: the GEMVs finish the router (deferred), batch 2: the norm kernel
         eng.setup_cache(B, 128)
         eng.prefill(ids[:B, :32])
-        pos = torch.full((B,), 32, dtype=torch.long, device="cuda")
+        pos = torch.full((B,), 32, dtype=torch.long, device=DEVICE)
         eager = eng.decode(ids[:B, 32], pos, record=[]).clone()  # record=...: an eager step
         for _ in range(3):  # replays re-arm every ticket
             graphed = eng.decode(ids[:B, 32], pos).clone()
         err = rel(graphed, eager)
         print(f"  graph vs eager decode, batch {B}: rel err {err:.2e}")
-        ok &= err == 0.0 if B > 1 else err < 1e-2
+        ok &= err == 0.0 if B > 1 or eng.fine is not None else err < 1e-2
     # a short prefill replays a CUDA graph (captured on a bucket's second use) of the prompt
     # right-padded to the bucket: the second and third prompt through one graph == the eager
     # prefill of the same padded rows (WIDE_PREFILL_GRAPHS=0), exactly. (Against an unpadded
@@ -99,13 +128,13 @@ def greedy_tokens(model, eng, ids, n: int = 8) -> tuple:
     """(engine's greedy tokens, greedy decoding of the masked HF path) after a 16-token prompt."""
     prompt = ids[0, :16].tolist()
     got = eng.generate([prompt], max_new_tokens=n).tokens[0]
-    seq = torch.tensor([prompt], device="cuda")
+    seq = torch.tensor([prompt], device=DEVICE)
     want = []
     with torch.no_grad():
         for _ in range(n):
             nxt = int(model(input_ids=seq).logits[0, -1].argmax())
             want.append(nxt)
-            seq = torch.cat([seq, torch.tensor([[nxt]], device="cuda")], dim=1)
+            seq = torch.cat([seq, torch.tensor([[nxt]], device=DEVICE)], dim=1)
     return got, want
 
 
@@ -142,7 +171,7 @@ def as_close_to_fp32_as_hf(model, eng, ids) -> bool:
     state, geo = model.wide_state, model.wide_state.geometry
     g = torch.Generator().manual_seed(1)
     T = ids.shape[1]
-    fixed = {(i, k): (torch.rand(T, geo.groups(k), generator=g) > 0.5).to("cuda")
+    fixed = {(i, k): (torch.rand(T, geo.groups(k), generator=g) > 0.5).to(DEVICE)
              for i in range(geo.dims.num_layers) for k in arch.KINDS}
     state.mask_fn = lambda layer, kind, x: fixed[(layer, kind)][:x.shape[1]][None].expand(x.shape[0], -1, -1)
     params = [p for n, p in model.named_parameters() if "wide_routers" not in n]
@@ -163,6 +192,103 @@ def as_close_to_fp32_as_hf(model, eng, ids) -> bool:
     e_hf, e_eng = rel(hf16, ref), rel(got, ref)
     print(f"  vs fp32 (fixed masks): HF bf16 {e_hf:.2e}, engine bf16 {e_eng:.2e}, engine vs HF {rel(got, hf16):.2e}")
     return e_eng <= max(1e-2, 1.25 * e_hf)
+
+
+def thresholds_reach_graphs(model, eng, ids) -> bool:
+    """Thresholds moved after a decode graph was captured: ``setup_cache`` of the same size reads
+    them into the tensor the captured GEMVs read, so the replay equals an eager step with them."""
+    B = 2
+    eng.setup_cache(B, 128)
+    eng.prefill(ids[:B, :32])
+    pos = torch.full((B,), 32, dtype=torch.long, device=DEVICE)
+    before = eng.decode(ids[:B, 32], pos).clone()
+    graphs = dict(eng._graphs)
+    with torch.no_grad():
+        model.wide_fine.log_threshold += 0.25
+    try:
+        eng.setup_cache(B, 128)
+        kept = eng._graphs == graphs
+        graphed = eng.decode(ids[:B, 32], pos).clone()
+        eager = eng.decode(ids[:B, 32], pos, record=[]).clone()
+    finally:
+        with torch.no_grad():
+            model.wide_fine.log_threshold -= 0.25
+        eng.setup_cache(B, 128)
+    err, moved = rel(graphed, eager), rel(graphed, before)
+    print(f"  thresholds moved after capture: replay vs eager rel err {err:.2e} (graph kept: {kept}; "
+          f"logits moved {moved:.2e})")
+    return kept and err == 0.0 and moved > 0
+
+
+def fine_modes_ok(model_type: str) -> bool:
+    """Fine and hybrid decode: bf16 graphs against eager steps, then fp32 kernels against the
+    PyTorch path (greedy tokens; logits at batch 2 and at 5, past the GEMVs' 4)."""
+    ok = True
+    model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
+    with_thresholds(model, ids)
+    for mode in ("fine", "hybrid"):
+        eng = wide.accelerate(model, mode=mode)
+        print(f"  {mode} (bf16): backend {eng.backend}")
+        ok &= graphs_equal_eager(eng, ids, batches=(2, 1, 5))
+        ok &= thresholds_reach_graphs(model, eng, ids)
+        eng.free_cache()
+    del model, eng
+    model, ids = build(model_type, torch.float32, target=HYBRID_SHARE, batch=5)
+    with_thresholds(model, ids)
+    for mode in ("fine", "hybrid"):
+        kern, ref = wide.accelerate(model, mode=mode), wide.accelerate(model, mode=mode, backend="torch")
+        prompt = ids[0, :16].tolist()
+        got, want = (e.generate([prompt], max_new_tokens=16).tokens[0] for e in (kern, ref))
+        agree = sum(a == b for a, b in zip(got, want))
+        errs = []
+        for B in (2, 5):
+            outs = []
+            for e in (kern, ref):
+                e.setup_cache(B, 128)
+                e.prefill(ids[:B, :32])
+                outs.append(e.decode(ids[:B, 32], torch.full((B,), 32, dtype=torch.long, device=DEVICE), record=[]))
+            errs.append(rel(*outs))
+        print(f"  {mode} (fp32): greedy tokens kernels {got}, PyTorch path {want} ({agree}/16 equal); decode "
+              f"logits rel err batch 2 {errs[0]:.2e}, batch 5 {errs[1]:.2e}")
+        ok &= got[:8] == want[:8] and max(errs) < 1e-2
+        kern.free_cache()
+        ref.free_cache()
+    return ok
+
+
+def cli_hybrid_matches_torch() -> bool:
+    """``wide generate --mode hybrid`` on a tiny Llama checkpoint (routers and thresholds saved
+    with it, word-level tokenizer): the same text on the kernels as on the PyTorch path (fp32)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from wide.cli import main
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TINY_WORDS
+
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(TINY_WORDS)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, ids = build("llama", torch.float32, target=HYBRID_SHARE, vocab_size=len(vocab))
+        with_thresholds(model, ids)
+        wide.save_routers(model, Path(tmp) / "routers")
+        wide.unwrap(model)  # (its thresholds too): the base model's directory holds the backbone only
+        model.save_pretrained(Path(tmp) / "model")
+        tok.save_pretrained(Path(tmp) / "model")
+        texts = {}
+        for backend in ("triton", "torch"):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                rc = main(["generate", "--model", str(Path(tmp) / "model"), "--routers", str(Path(tmp) / "routers"),
+                           "--mode", "hybrid", "--device", DEVICE, "--backend", backend, "--max-new-tokens", "8",
+                           "--prompt", "the cat sat on a mat and then the dog"])
+            out = buf.getvalue()
+            texts[backend] = out.split("--- ")[1].splitlines()[1] if rc == 0 and "--- " in out else f"(exit {rc})"
+            print(f"  {backend}: {texts[backend]!r}  {out.strip().splitlines()[-1] if out.strip() else ''}")
+    return texts["triton"] == texts["torch"] and not texts["torch"].startswith("(exit")
 
 
 def gpu_kernel_tests() -> bool:
@@ -195,10 +321,13 @@ def main() -> int:
                   as_close_to_fp32_as_hf(model, eng, ids)]
         del eng
         checks.append(greedy_matches_hf_fp32(model_type))
+        checks.append(fine_modes_ok(model_type))
         print(f"  {model_type}: {'OK' if all(checks) else 'FAILED'}")
         ok &= all(checks)
         del model
         torch.cuda.empty_cache()
+    print("wide generate --mode hybrid, kernels vs the PyTorch path:")
+    ok &= cli_hybrid_matches_torch()
     print("kernel tests on the GPU (pytest -k on_gpu):")
     ok &= gpu_kernel_tests()
     torch.cuda.synchronize()

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (alone or in a suite)
 
@@ -111,3 +112,60 @@ def test_e2e_group_sizes(tmp_path):
     assert "FFN groups of 16 channels, attention groups of 1 head" in meta["routers"]
     routed = [r for r in meta["records"] if r["engine"] == "routed" and r["op"] == "e2e_tpot"]
     assert routed and 0.2 < routed[0]["active_frac_per_token"] < 0.8
+
+
+def test_e2e_modes_carry_mode_and_split(tmp_path):
+    # Fine and hybrid beside coarse, against the dense engine at each decode context; thresholds
+    # from a calibration pass on random tokens (no trained weights); every record names its mode.
+    argv = ["--tiny", "--modes", "coarse,fine,hybrid", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1",
+            "--decode-ctxs", "8,12", "--decode-steps", "1", "--reps", "1", "--no-hf", "--out-dir", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    meta = json.loads((tmp_path / "e2e.json").read_text())
+    assert meta["errors"] == [] and meta["modes"] == ["dense", "coarse", "fine", "hybrid"]
+    recs = meta["records"]
+    assert {(r["op"], r["mode"], r["prompt_len"]) for r in recs} == {
+        *(("e2e_ttft", m, 16) for m in ("dense", "coarse", "fine", "hybrid")),
+        *(("e2e_tpot", m, c) for m in ("dense", "coarse", "fine", "hybrid") for c in (8, 12))}
+    for r in recs:
+        assert r["engine"] == {"coarse": "routed"}.get(r["mode"], r["mode"])
+        assert r["routing"] == ("token" if r["mode"] in ("coarse", "hybrid") else None)
+        if r["mode"] != "dense":
+            assert r["speedup"] > 0 and r["dense_ms"] > 0
+        if r["mode"] in ("fine", "hybrid"):  # the linear MACs kept: 1 - target
+            assert abs((1 - r["router_sparsity"]) * (1 - r["fine_sparsity"]) - 0.5) < 1e-9
+    for r in recs:
+        if r["op"] == "e2e_tpot" and r["mode"] == "fine":  # thresholds at half of every input, read by the GEMVs
+            assert 0.35 < r["active_frac_per_token"] < 0.65
+            assert r["active_frac_per_token"] <= r["weight_bytes_frac_kernel"] == r["weight_bytes_frac_union"] < 1
+    assert "Hybrid at 0.5: routers at 0.293" in (tmp_path / "e2e.md").read_text()
+
+
+def test_e2e_mode_options_refused():
+    with pytest.raises(SystemExit):
+        e2e.main(["--tiny", "--modes", "coarse,teal"])
+    with pytest.raises(SystemExit):  # routers alone past the target
+        e2e.main(["--tiny", "--modes", "hybrid", "--sparsities", "0.5", "--hybrid-router-sparsity", "0.6"])
+    assert e2e.hybrid_split(0.5, 0.25) == (0.25, 1 - 0.5 / 0.75)
+
+
+def test_fine_bytes_fraction_reads_the_union_up_to_the_gemv_limit():
+    # one layer-less model's shares: q reads 0.5 of its rows for the batch, one token 0.25
+    class Cfg:
+        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads = 8, 16, 2, 1
+        num_hidden_layers, vocab_size = 1, 4
+
+    class Head:
+        weight = torch.zeros(1, dtype=torch.bfloat16)
+
+    class M:
+        config, lm_head = Cfg, Head
+
+    shares = {p: torch.tensor([0.5, 0.25]) for p in ("q", "k", "v", "o", "gate", "up", "down")}
+    recs = [(0, 0, p, s) for p, s in shares.items()]
+    wb = e2e.weight_bytes(M)
+    layers = wb["q"] + wb["o"] + wb["kv"] + wb["gate_up"] + wb["down"]
+    out = e2e.fine_bytes_fraction(M, recs, 1, "fine")
+    assert out["weight_bytes_frac_union"] == pytest.approx((0.5 * layers + wb["lm_head"]) / (layers + wb["lm_head"]))
+    assert out["active_frac_per_token"] == pytest.approx(0.25)
+    assert out["weight_bytes_frac_kernel"] == out["weight_bytes_frac_union"]
+    assert e2e.fine_bytes_fraction(M, recs, 8, "fine")["weight_bytes_frac_kernel"] == 1.0  # GEMMs on every row

@@ -1,8 +1,9 @@
-"""End-to-end benchmark: TTFT and TPOT of the accelerated engine, routed vs dense, and HF generate.
+"""End-to-end benchmark: TTFT and TPOT of the engine's modes against its dense mode, and HF generate.
 
     PYTHONPATH=src python3 -m wide.benchmarks.e2e --out-dir bench/results      # H200
     PYTHONPATH=src python3 -m wide.benchmarks.e2e --model llama-3.1-8b,qwen2.5-7b --out-dir /tmp/e2e
     python -m wide.benchmarks.e2e --tiny --out-dir /tmp/e2e                      # CPU smoke run
+    python -m wide.benchmarks.e2e --modes coarse,fine,hybrid --sparsities 0.5 --decode-ctxs 4096,16384
 
 Models: ``--model``, named shapes of ``wide.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
 no llama3 frequency scaling, which the timing does not depend on), one after the other in one
@@ -15,15 +16,29 @@ i.i.d. draws. Realised rates are measured and reported.
 Engines, all in one process and run: ``dense`` = the same static-cache engine with no routing
 (fused QKV and gate/up cuBLAS GEMMs, SDPA flash prefill, flash-decoding attention with all
 heads, same fused norm and RoPE/cache kernels, same CUDA-graph decode); ``routed`` = the
-routed kernels; ``hf`` = plain ``transformers`` ``model.generate()`` on the dense model (SDPA,
-its default dynamic cache, no routing). The benchmark only times the engine's public API; its
-correctness is checked by the tests (``tests/test_inference.py``, ``tests/test_kernels_*.py``, on
-the CPU) and on a GPU by ``scripts/gpu_smoke.py`` (graph replay = eager, greedy tokens = the
-masked HF path, the fused norm / router kernels against PyTorch, bf16 error against fp32).
+routed kernels (mode ``coarse``); ``hf`` = plain ``transformers`` ``model.generate()`` on the
+dense model (SDPA, its default dynamic cache, no routing). ``--modes`` adds ``fine`` (dense
+prefill, per-element sparse decode GEMVs) and ``hybrid`` (routed prefill, per-element decode
+inside the routed groups); every record carries its ``mode`` (dense, coarse, fine, hybrid; HF
+generate's records are dense). Their thresholds need no trained weights: the model gets a
+``wide_fine`` whose thresholds are the quantiles of the dense model's |x| on a few random-token
+batches that drop the target share of every projection's input (TEAL's uniform allocation). A
+hybrid at target s splits it between routers and thresholds so that the linear MACs kept are
+1 - s: routers at ``1 - sqrt(1 - s)`` and thresholds dropping as much inside the kept groups, or
+with ``--hybrid-router-sparsity R`` routers at R and thresholds at ``1 - (1 - s) / (1 - R)``; its
+records carry ``router_sparsity`` and ``fine_sparsity``.
+
+The benchmark only times the engine's public API; its correctness is checked by the tests
+(``tests/test_inference.py``, ``tests/test_engine_fine.py``, ``tests/test_kernels_*.py``, on the
+CPU) and on a GPU by ``scripts/gpu_smoke.py`` (graph replay = eager, greedy tokens = the masked
+HF path, the fused norm / router kernels against PyTorch, bf16 error against fp32, fine and
+hybrid decode against their PyTorch path).
 
 TTFT = prefill of one prompt to its first token's logits. TPOT = one CUDA-graph decode step
 plus greedy sampling, averaged over ``--decode-steps`` steps after a ``--decode-ctx``-token
-prompt. Records are written after every measurement, so a run cut short keeps what it did.
+prompt (each of ``--decode-ctxs``, where given; a batch whose KV cache would not fit the GPU's
+free memory is skipped and listed). Records are written after every measurement, so a run cut
+short keeps what it did.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import re
 import statistics
 import sys
@@ -129,6 +145,87 @@ def bytes_fraction(model, records, B: int, shared: bool = False) -> dict:
             "active_frac_per_token": statistics.mean(tok) if tok else 1.0, "dense_weight_bytes": dense}
 
 
+def fine_bytes_fraction(model, records, B: int, mode: str) -> dict:
+    """Weight bytes a fine or hybrid decode step reads, over dense, from the read shares of its
+    eager steps (``decode(record=...)`` adds ``(layer, projection, [union, per token])``).
+    ``union``: the weight rows (and, for gate/up, output channels) some sequence keeps: what the
+    GEMVs read up to 4 sequences a step. ``kernel``: what this batch's kernels read: the union up
+    to 4 sequences, above that the GEMMs on thresholded inputs (every weight in fine; the routed
+    kernels' reads, from the step's group masks, in hybrid). ``active_frac_per_token``: the
+    MAC-weighted share of the layers' weights one token needs."""
+    from wide.fine_engine import MAX_T
+    from wide.modeling import PROJECTIONS
+
+    wb = weight_bytes(model)
+    L = wb["layers"]
+    per = {"q": wb["q"], "k": wb["kv"] / 2, "v": wb["kv"] / 2, "o": wb["o"], "gate": wb["gate_up"] / 2,
+           "up": wb["gate_up"] / 2, "down": wb["down"]}
+    layers = L * sum(per.values())
+    dense = layers + wb["lm_head"]
+    steps: dict = {}
+    for step, layer, kind, m in records:
+        if kind in PROJECTIONS:
+            steps.setdefault(step, []).append((kind, m))
+    union, token = [], []
+    for items in steps.values():
+        union.append((wb["lm_head"] + sum(float(m[0]) * per[k] for k, m in items)) / dense)
+        token.append(sum(float(m[1]) * per[k] for k, m in items) / layers)
+    out = {"weight_bytes_frac_union": statistics.mean(union), "active_frac_per_token": statistics.mean(token),
+           "dense_weight_bytes": dense}
+    if B <= MAX_T:
+        out["weight_bytes_frac_kernel"] = out["weight_bytes_frac_union"]
+    elif mode == "fine":
+        out["weight_bytes_frac_kernel"] = 1.0
+    else:
+        masks = [r for r in records if r[2] in ("attn", "ffn")]
+        out["weight_bytes_frac_kernel"] = bytes_fraction(model, masks, B)["weight_bytes_frac_kernel"]
+    return out
+
+
+def hybrid_split(target: float, router_sparsity=None) -> tuple:
+    """(router sparsity, threshold share) of a hybrid at ``target``: kept linear MACs
+    (1 - r)(1 - f) = 1 - target, with r even with f unless given."""
+    if router_sparsity is None:
+        r = 1 - math.sqrt(1 - target)
+        return r, r
+    if not 0 <= router_sparsity <= target:
+        raise ValueError(f"--hybrid-router-sparsity {router_sparsity} must lie in [0, {target}] (the target)")
+    return router_sparsity, 1 - (1 - target) / (1 - router_sparsity)
+
+
+def fine_thresholds(model, batches, shares) -> dict:
+    """share -> log thresholds [L, 7] that drop that share of every projection's input scores
+    (TEAL's uniform allocation) on ``batches``, scored on the dense model (routers off). The
+    model keeps a ``wide_fine`` with its hooks off (``enabled = False``): the engines read the
+    thresholds, and the HF baseline and router offsets stay what they were."""
+    from wide import fine as wf
+    from wide.modeling import get_state
+
+    fine = wf.get_fine(model) or wf.attach(model, wf.FineConfig())
+    state = model.wide_state
+    state.mask_fn = lambda *a: None
+    try:
+        scores = wf.collect_scores(model, batches, per_key=1 << 16)
+    finally:
+        state.mask_fn = None
+    out = {}
+    for share in shares:
+        wf.set_thresholds(model, scores, wf.uniform_sparsity(get_state(model).geometry.dims, share))
+        out[share] = fine.log_threshold.detach().clone()
+    fine.enabled = False
+    return out
+
+
+def kv_cache_bytes(model, batch: int, length: int) -> int:
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = model.lm_head.weight.element_size()
+    return 2 * cfg.num_hidden_layers * batch * length * cfg.num_key_value_heads * d * elem
+
+
+MODES = ("coarse", "fine", "hybrid")
+
+
 def tile_routing(name: str):
     """(route_tile, tile_source) of a routing named tile<N> or tile<N>prev (N > 1), else None."""
     m = re.fullmatch(r"tile(\d+)(prev)?", name)
@@ -165,7 +262,17 @@ def main(argv=None) -> int:
                          "(bench/results/group_size_cpu) at a kernel cost this measures")
     ap.add_argument("--attn-group-size", type=int, default=None,
                     help="query heads per attention group (default: one GQA pack)")
+    ap.add_argument("--modes", default="coarse",
+                    help="engine modes timed against the dense engine, comma-separated: coarse (the routers' groups), "
+                         "fine (per-element sparse decode, dense prefill), hybrid (routed prefill, per-element decode "
+                         "inside the routed groups); default: %(default)s")
+    ap.add_argument("--hybrid-router-sparsity", type=float, default=None,
+                    help="the hybrid's routers at this group sparsity and its thresholds at what reaches the target "
+                         "(default: the two even, 1 - sqrt(1 - target) each)")
     ap.add_argument("--decode-ctx", type=int, default=512)
+    ap.add_argument("--decode-ctxs", default=None,
+                    help="prompt lengths before the timed decode steps, comma-separated (TPOT at each with every "
+                         "batch; default: --decode-ctx)")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
@@ -203,12 +310,24 @@ def main(argv=None) -> int:
     bad = [r for r in routings if not (r in ("token", "batch_shared") or tile_routing(r))]
     if bad or not routings:
         ap.error(f"--routings takes token, tile<N>, tile<N>prev (N > 1) and batch_shared, got {args.routings!r}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes takes {', '.join(MODES)} (dense is always timed), got {args.modes!r}")
+    if "hybrid" in modes:
+        for s in sparsities:
+            try:
+                hybrid_split(s, args.hybrid_router_sparsity)
+            except ValueError as e:
+                ap.error(str(e))
     prompt_lens = [int(s) for s in args.prompt_lens.split(",") if s]
     batches = [int(s) for s in args.batches.split(",") if s]
+    decode_ctxs = ([int(s) for s in args.decode_ctxs.split(",") if s] if args.decode_ctxs
+                   else [args.decode_ctx])
     if args.tiny:
         prompt_lens = list(dict.fromkeys(min(p, 48) for p in prompt_lens))[:1]
         sparsities = sparsities[:2]
         args.decode_ctx = min(args.decode_ctx, 32)
+        decode_ctxs = list(dict.fromkeys(min(c, 32) for c in decode_ctxs))
         args.decode_steps = min(args.decode_steps, 4)
         args.reps = min(args.reps, 2)
         batches = list(dict.fromkeys(min(b, 4) for b in batches))
@@ -225,7 +344,13 @@ def main(argv=None) -> int:
             "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)"
                        + _groups_note(args),
             "ffn_group_size": _ffn_group_size(args), "attn_group_size": args.attn_group_size,
-            "records": [], "errors": []}
+            "modes": ["dense"] + modes, "decode_ctxs": decode_ctxs, "records": [], "errors": []}
+    if set(modes) & {"fine", "hybrid"}:
+        meta["thresholds"] = ("per-element thresholds at quantiles of the dense model's |x| on 2 random-token "
+                              "batches, the same share of every projection's input (TEAL uniform)")
+    if "hybrid" in modes:
+        meta["hybrid_split"] = {str(s): dict(zip(("router_sparsity", "fine_sparsity"),
+                                                 hybrid_split(s, args.hybrid_router_sparsity))) for s in sparsities}
 
     def save():
         (out_dir / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
@@ -249,7 +374,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(models):
         guarded(f"model {name}", lambda: _bench_model(name, i == 0, args, device, dtype, sparsities,
                                                       prompt_lens, batches, meta, save, over_budget,
-                                                      guarded, t_start, routings))
+                                                      guarded, t_start, routings, modes, decode_ctxs))
         gc.collect()  # the engines reference the model (model.wide_engine): free both now
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -284,7 +409,8 @@ def _groups_note(args) -> str:
 
 
 def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, prompt_lens, batches,
-                 meta, save, over_budget, guarded, t_start, routings=("token",)) -> None:
+                 meta, save, over_budget, guarded, t_start, routings=("token",), modes=("coarse",),
+                 decode_ctxs=None) -> None:
     """Calibration and measurements of one preset, appended to ``meta`` (the ``first`` model's
     profiles and realised rates keep the keys of a single-model run)."""
     import wide
@@ -312,6 +438,15 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         realised[s] = tr.summary().as_dict()
         realised[s].pop("per_layer")
     realised = {str(k): v for k, v in realised.items()}
+    # The hybrid's routers at their share of each target, and the thresholds of fine and hybrid.
+    split = {s: hybrid_split(s, args.hybrid_router_sparsity) for s in sparsities} if "hybrid" in modes else {}
+    for r, _ in split.values():
+        if r not in offsets:
+            offsets[r] = wide.calibrate_offsets(model, [calib], target=r, mode="per_module", rounds=2)
+    shares = ([s for s in sparsities if "fine" in modes] + [f for _, f in split.values()])
+    thresholds = {}
+    if shares:
+        thresholds = fine_thresholds(model, [rand_ids(1, calib.shape[1]) for _ in range(2)], sorted(set(shares)))
     meta.setdefault("realised_sparsity_by_model", {})[model_name] = realised
     if first:
         meta["realised_sparsity"] = realised
@@ -321,6 +456,10 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     routed = accelerate(model)
     dense = AcceleratedModel(model, mode="dense")
     engines = {"token": routed}
+    by_mode = {"dense": dense, "routed": routed}
+    for m in ("fine", "hybrid"):
+        if m in modes:  # (the Triton backend's transposed weights: laid out once, shared by both)
+            by_mode[m] = AcceleratedModel(model, mode=m)
     for r in routings:
         if r == "batch_shared":
             engines[r] = AcceleratedModel(model, batch_shared=True)
@@ -356,11 +495,19 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         return {"op": "e2e_ttft", "B": 1, "prompt_len": T, "engine": engine_name, "sparsity": s,
                 "ms": sec * 1e3, "routing": routing}
 
-    def tpot(engine, B, engine_name, s, record_masks: bool):
+    def tpot(engine, B, ctx, engine_name, s, record_masks: bool):
         engine_name, routing = engine_name.split("/") if "/" in engine_name else (engine_name, None)
-        ctx, n = args.decode_ctx, args.decode_steps
+        n = args.decode_steps
+        max_len = -(-(ctx + n + 8) // 128) * 128
+        if device.type == "cuda":
+            need, free = kv_cache_bytes(model, B, max_len), torch.cuda.mem_get_info(device)[0]
+            if need > 0.85 * free:
+                meta["errors"].append({"what": f"tpot B={B} ctx={ctx} {engine_name} {s}",
+                                       "error": f"skipped: a KV cache of {need / 2**30:.1f} GiB, "
+                                                f"{free / 2**30:.1f} GiB free"})
+                return None
         ids = rand_ids(B, ctx)
-        engine.setup_cache(B, -(-(ctx + n + 8) // 128) * 128)
+        engine.setup_cache(B, max_len)
         first = engine.prefill(ids).argmax(-1)
         start = torch.full((B,), ctx, dtype=torch.long, device=device)
 
@@ -383,12 +530,15 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             engine.pos.copy_(start)
             tok = first
             with torch.no_grad():
-                for step in range(4):
+                for step in range(min(4, n)):
                     rec_list = []
                     tok = engine.decode(tok, record=rec_list).argmax(-1)  # eager, masks recorded
                     engine.pos += 1
                     masks += [(step, layer, kind, m) for layer, kind, m in rec_list]
-            rec.update(bytes_fraction(model, masks, B, shared=routing == "batch_shared"))
+            if engine.fine is not None:
+                rec.update(fine_bytes_fraction(model, masks, B, engine.mode))
+            else:
+                rec.update(bytes_fraction(model, masks, B, shared=routing == "batch_shared"))
         engine.free_cache()
         return rec
 
@@ -411,7 +561,11 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     def add(rec, base_key=None):
         rec["model"] = model_name
         # The routing rule the record measures (docs/routing_structure.md); None: no routing.
-        rec["routing"] = None if rec["engine"] != "routed" else rec.get("routing") or "token"
+        rec["routing"] = None if rec["engine"] not in ("routed", "hybrid") else rec.get("routing") or "token"
+        rec["mode"] = {"routed": "coarse", "hf_generate": "dense"}.get(rec["engine"], rec["engine"])
+        if rec["engine"] in ("fine", "hybrid"):
+            r, f = split[rec["sparsity"]] if rec["engine"] == "hybrid" else (0.0, rec["sparsity"])
+            rec.update(router_sparsity=r, fine_sparsity=f)
         # speedup = dense engine time over this engine's, same run, model and shape
         if rec["engine"] != "dense":
             for r in records:
@@ -430,22 +584,24 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     # Order: what the targets need first (4k TTFT and B=1 TPOT at 50 %), then the rest.
     s0 = sparsities[0]
+    ctxs = decode_ctxs or [args.decode_ctx]
+    timed = [{"coarse": "routed"}.get(m, m) for m in modes]
+
+    def each_mode(kind, x):
+        return [(kind, x, "dense", None)] + [(kind, x, m, s) for m in timed for s in sparsities]
+
     plan = []
     for j, T in enumerate(prompt_lens):
-        plan.append(("ttft", T, "dense", None))
-        for s in sparsities:
-            plan.append(("ttft", T, "routed", s))
+        plan += each_mode("ttft", T)
         if j == 0:
             for B in batches[:1]:
-                plan.append(("tpot", B, "dense", None))
-                for s in sparsities:
-                    plan.append(("tpot", B, "routed", s))
+                plan += each_mode("tpot", (B, ctxs[0]))
             if not args.no_hf:
                 plan += [("hf", batches[0], "hf", None), ("hf_ttft", T, "hf", None)]
-    for B in batches[1:]:
-        plan.append(("tpot", B, "dense", None))
-        for s in sparsities:
-            plan.append(("tpot", B, "routed", s))
+    for ctx in ctxs:
+        for B in batches:
+            if (B, ctx) != (batches[0], ctxs[0]):
+                plan += each_mode("tpot", (B, ctx))
     if not args.no_hf:
         plan += [("hf_ttft", T, "hf", None) for T in prompt_lens[1:2]]
         plan += [("hf", B, "hf", None) for B in batches[1:]]
@@ -457,24 +613,27 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             continue
         if r != "batch_shared":
             plan += [("ttft", T, "routed/" + r, s0) for T in prompt_lens]
-        plan += [("tpot", B, "routed/" + r, s0) for B in batches]
+        plan += [("tpot", (B, ctxs[0]), "routed/" + r, s0) for B in batches]
+    fine = getattr(model, "wide_fine", None)
     for kind, x, eng_name, s in plan:
         if over_budget():
             meta["errors"].append({"what": f"{kind} {x} {eng_name} {s}", "error": "skipped: time budget"})
             continue
         if s is not None:
-            set_offsets(model, offsets[s])
-        eng = (dense if eng_name == "dense" else engines[eng_name.split("/")[1]] if "/" in eng_name
-               else routed)
+            r, f = split[s] if eng_name == "hybrid" else (s, s)
+            set_offsets(model, offsets[r])
+            if eng_name in ("fine", "hybrid"):  # read by the engine's next setup_cache
+                fine.log_threshold.data.copy_(thresholds[f])
+        eng = engines[eng_name.split("/")[1]] if "/" in eng_name else by_mode[eng_name] if eng_name in by_mode else None
         if kind == "ttft":
             rec = guarded(f"ttft {x} {eng_name} {s}", lambda: ttft(eng, x, eng_name, s))
         elif kind == "tpot":
-            rec = guarded(f"tpot {x} {eng_name} {s}", lambda: tpot(eng, x, eng_name, s, True))
+            rec = guarded(f"tpot {x} {eng_name} {s}", lambda: tpot(eng, x[0], x[1], eng_name, s, True))
         elif kind == "hf":
-            r = guarded(f"hf B={x}", lambda: hf_times(x, args.decode_ctx, min(args.decode_steps, 16)))
+            r = guarded(f"hf B={x}", lambda: hf_times(x, ctxs[0], min(args.decode_steps, 16)))
             rec = None
             if r is not None:
-                add({"op": "e2e_tpot", "B": x, "prompt_len": args.decode_ctx, "engine": "hf_generate",
+                add({"op": "e2e_tpot", "B": x, "prompt_len": ctxs[0], "engine": "hf_generate",
                      "sparsity": None, "ms": r[1] * 1e3})
         else:
             r = guarded(f"hf ttft {x}", lambda: hf_times(1, x, 1))
@@ -489,8 +648,15 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         profiles = meta.setdefault("profile", {})
         T_p = 4096 if not args.tiny else 32
         pre = "" if first else f"{model_name}: "  # (the bounds script reads the first model's)
+        for m in ("fine", "hybrid"):  # at the first target's thresholds (and the hybrid's routers)
+            if m in by_mode:
+                r, f = split[s0] if m == "hybrid" else (s0, s0)
+                set_offsets(model, offsets[r])
+                fine.log_threshold.data.copy_(thresholds[f])
+                profiles[pre + m] = guarded(f"profile {m}", lambda: profile_decode(by_mode[m], rand_ids(1, ctxs[0])))
+        set_offsets(model, offsets[s0])
         for name, eng in (("dense", dense), ("routed", routed)):
-            profiles[pre + name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, args.decode_ctx)))
+            profiles[pre + name] = guarded(f"profile {name}", lambda: profile_decode(eng, rand_ids(1, ctxs[0])))
             profiles[f"{pre}{name} prefill {T_p}"] = guarded(
                 f"profile prefill {name}", lambda: profile_prefill(eng, rand_ids(1, T_p)))
         for name, eng in engines.items():  # a tile prefill is where (tile, group) blocks may be skipped
@@ -501,7 +667,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             Bp = batches[-1]
             for name, eng in (("dense", dense), ("routed", routed), ("routed batch_shared", engines["batch_shared"])):
                 profiles[f"{pre}{name} decode B={Bp}"] = guarded(
-                    f"profile {name} B={Bp}", lambda: profile_decode(eng, rand_ids(Bp, args.decode_ctx)))
+                    f"profile {name} B={Bp}", lambda: profile_decode(eng, rand_ids(Bp, ctxs[0])))
         save()
 
 
@@ -560,6 +726,11 @@ def markdown(meta: dict) -> str:
     lines = [f"# End-to-end TTFT / TPOT ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
              f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
+    if meta.get("thresholds"):
+        split = meta.get("hybrid_split", {})
+        lines += [f"Modes {', '.join(meta.get('modes', []))}; {meta['thresholds']}."
+                  + "".join(f" Hybrid at {t}: routers at {v['router_sparsity']:.3f}, thresholds dropping "
+                            f"{v['fine_sparsity']:.3f} inside the kept groups." for t, v in split.items()), ""]
     if meta.get("prefill_graph_max_tokens") is not None:
         lines += [f"Prefills of up to {meta['prefill_graph_max_tokens']} tokens (batch x length "
                   "rounded up to 128) replay a CUDA graph in both engines; longer ones run eagerly.", ""]
@@ -647,17 +818,21 @@ def plot(meta: dict, path) -> None:
     for ax, op, key, title in ((axes[0], "e2e_ttft", "prompt_len", "TTFT speedup over dense engine"),
                                (axes[1], "e2e_tpot", "B", "TPOT speedup over dense engine")):
         models = list(dict.fromkeys(r.get("model") for r in recs))
-        lines = sorted({(r["sparsity"], r.get("routing") or "token") for r in recs
-                        if r["op"] == op and r["engine"] == "routed"})
+        # one line per engine (routed: mode coarse), target and routing rule; TPOT at the first
+        # decode context (the others are in the table)
+        ctx0 = next((r["prompt_len"] for r in recs if r["op"] == op), None)
+        lines = sorted({(r["engine"], r["sparsity"], r.get("routing") or "token") for r in recs
+                        if r["op"] == op and r["engine"] in ("routed", "fine", "hybrid")})
         for m in models:
-            for s, routing in lines:
-                rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "routed" and r.get("model") == m
+            for eng, s, routing in lines:
+                rows = sorted((r for r in recs if r["op"] == op and r["engine"] == eng and r.get("model") == m
                                and r["sparsity"] == s and (r.get("routing") or "token") == routing
-                               and "speedup" in r), key=lambda r: r[key])
+                               and "speedup" in r and (op == "e2e_ttft" or r["prompt_len"] == ctx0)),
+                              key=lambda r: r[key])
                 if rows:
                     ax.plot([str(r[key]) for r in rows], [r["speedup"] for r in rows],
-                            "o-" if routing == "token" else "^--",
-                            label=(f"{m} " if len(models) > 1 else "") + f"routed {s:.0%}"
+                            {"routed": "o-", "fine": "s-", "hybrid": "D-"}[eng] if routing == "token" else "^--",
+                            label=(f"{m} " if len(models) > 1 else "") + f"{eng} {s:.0%}"
                             + ("" if routing == "token" else f" {routing}"))
         rows = sorted((r for r in recs if r["op"] == op and r["engine"] == "hf_generate"
                        and r.get("model") == models[0]), key=lambda r: r[key])
