@@ -138,3 +138,35 @@ def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
     assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
     assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
     assert demo.explanation(records[:2], {}) == ""  # no routers of its own: nothing to explain
+
+
+def _routers_for(model_dir, out, **config):
+    """Routers of a model loaded from ``model_dir`` (so they record it as their base), saved to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32, **config), seed=0)
+    wide.save_routers(model, out)
+    return out
+
+
+def test_a_local_directory_overwritten_in_place_is_refused_before_anything_loads(tmp_path, capsys):
+    # issue 41, defect 1: 64 KiB of routers.safetensors overwritten, its size unchanged; the
+    # directory's own manifest catches it, in Python and on the command line before any load
+    opts = write_tiny_run(tmp_path)
+    d = _routers_for(opts[1], tmp_path / "r", router_rank=128)  # a file well over 64 KiB
+    f = d / "routers.safetensors"
+    size = f.stat().st_size
+    assert size > 96 * 1024
+    with open(f, "r+b") as fh:
+        fh.seek(16 * 1024)
+        fh.write(torch.randint(0, 256, (64 * 1024,), generator=torch.Generator().manual_seed(0),
+                               dtype=torch.uint8).numpy().tobytes())
+    assert f.stat().st_size == size
+    with pytest.raises(CheckpointError, match="routers.safetensors is corrupt or was changed"):
+        wide.load(tiny_model(), d)
+    capsys.readouterr()
+    assert main(["eval", *opts, "--routers", str(d), "--tasks"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "--routers" in err and "routers.safetensors is corrupt" in err, err
+    assert "loaded " not in out and "Traceback" not in err, out  # refused before the model or data loads

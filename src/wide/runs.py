@@ -168,11 +168,14 @@ def check_out(flag: str, out, *, stem: bool = False) -> None:
 
 
 def check_routers(flag: str, path) -> dict:
-    """A router directory ``wide`` wrote; returns its metadata."""
-    from .serialization import read_meta
+    """A router directory ``wide`` wrote, its files as its manifest sealed them (hashing a few
+    MB costs less than the model load a damaged file would waste); returns its metadata."""
+    from .serialization import read_meta, verify_manifest
 
     try:
-        return read_meta(path)
+        meta = read_meta(path)
+        verify_manifest(path)
+        return meta
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
 
