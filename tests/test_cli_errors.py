@@ -26,9 +26,10 @@ def w(tmp_path_factory):
         (root / "afile").write_text("not a directory\n")
         (root / "empty_dir").mkdir()
         (root / "other.jsonl").write_text(json.dumps({"body": "the cat sat"}) + "\n")
-        # What `wide demo` (30 steps) leaves, without running it on the default model.
+        # What `wide demo` (30 steps) leaves, without running it on the default model: settings
+        # and a checkpoint (settings alone are no run: nothing was trained yet).
         demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
-        (root / "demo").mkdir()
+        shutil.copytree(root / "done" / "checkpoint", root / "demo" / "checkpoint")
         (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
         for name, text in (("empty_meta", "{}"), ("bad_json", "{not json")):
             shutil.copytree(root / "done" / "routers", root / name)
@@ -63,6 +64,9 @@ CASES = [
     ("compare-target-1", lambda w: ["compare", *w.model, "--targets", "0.5", "1"], "--targets: must lie in (0, 1)"),
     ("dry-run-mfu-0", lambda w: ["calibrate", "--dry-run", "--model", "llama-3.1-8b", "--mfu", "0", "--out", "x"],
      "--mfu: must lie in (0, 1]"),
+    ("lr-inf", lambda w: [*w.calibrate, "--lr", "inf", "--out", f"{w.root}/x"],
+     "--lr: must be a finite number, got inf"),
+    ("lr-nan", lambda w: [*w.calibrate, "--lr", "nan", "--out", f"{w.root}/x"], "--lr: must be a finite number"),
     ("seq-len-1", lambda w: [*w.calibrate, "--seq-len", "1", "--out", f"{w.root}/x"], "--seq-len: must be >= 2"),
     ("heldout-fraction-1", lambda w: [*w.calibrate, "--heldout-fraction", "1", "--out", f"{w.root}/x"],
      "--heldout-fraction: must lie in [0.0, 1.0)"),
@@ -165,3 +169,28 @@ def test_an_unexpected_error_keeps_its_traceback(w, monkeypatch):
     monkeypatch.setattr(runs, "check_model", bug)
     with pytest.raises(KeyError):
         main(["eval", *w.model])
+
+
+def _float_options(parser):
+    """(command, flag) of every option that converts its value to a float, on every command."""
+    import argparse
+
+    for sub in (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)):
+        for command, p in sub.choices.items():
+            for action in p._actions:
+                if action.option_strings and getattr(action.type, "__name__", None) == "float":
+                    yield command, action.option_strings[0]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_float_option_refuses_a_non_finite_value(value, capsys):
+    # issue 41, defect 2: a NaN passes no range check but reaches the ones that have none, and inf
+    # passes every lower bound (--lr inf trained to a FloatingPointError at step 1)
+    options = list(_float_options(build_parser()))
+    assert ("calibrate", "--lr") in options and ("compare", "--targets") in options and len(options) > 20
+    for command, flag in options:
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([command, f"{flag}={value}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, (command, flag, err)
+        assert f"argument {flag}: must be a finite number, got {value}" in err, (command, flag, err)

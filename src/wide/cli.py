@@ -597,6 +597,10 @@ def main(argv=None) -> int:
         # Bad input is the user's to fix: say what is wrong, on one line, without a traceback.
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        # A loss gone non-finite (wide.train): the settings, not the code, are what to change.
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -184,6 +184,10 @@ def check_routers(flag: str, path) -> dict:
 
 SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
 RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
+# What makes a directory hold a run: settings alone are written before the first step, so a run
+# that failed before its first checkpoint (a loss gone non-finite, a kill) left nothing to resume
+# or lose, and the corrected command starts over there without --overwrite.
+RESULT_FILES = ("run.json", "history.json")
 
 
 def _normalised(key: str, value):
@@ -201,7 +205,7 @@ def _run_parts(out: Path, final_dir: str) -> list:
     from .serialization import leftovers
     from .train import CHECKPOINT_DIR
 
-    parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RUN_FILES)]
+    parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RESULT_FILES)]
     return [p for p in parts if p.exists()] + leftovers(out / CHECKPOINT_DIR) + leftovers(out / final_dir)
 
 
@@ -236,7 +240,8 @@ def prepare_run(args, final_dir: str, settings: dict) -> None:
 
 
 def start_run(args, final_dir: str, settings: dict) -> None:
-    """Right before training: clear the old run for --overwrite and record ``settings``."""
+    """Right before training: clear the old run for --overwrite and record ``settings`` (those of
+    the run resumed, where there is one: :func:`prepare_run` checked that they are the same)."""
     from .serialization import atomic_write_text, remove_directory
     from .train import CHECKPOINT_DIR
 
@@ -247,7 +252,7 @@ def start_run(args, final_dir: str, settings: dict) -> None:
         for f in RUN_FILES:
             (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / SETTINGS_FILE).is_file():
+    if not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir):
         atomic_write_text(out / SETTINGS_FILE, json.dumps(settings, indent=1))
 
 
