@@ -194,3 +194,24 @@ def test_every_float_option_refuses_a_non_finite_value(value, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, (command, flag, err)
         assert f"argument {flag}: must be a finite number, got {value}" in err, (command, flag, err)
+
+
+def test_eval_takes_its_results_stem_literally_and_replaces_results_only_with_overwrite(w, capsys):
+    # issue 41, defect 3: --out run.v1 and --out run.v2 both wrote run.json / run.md, and an
+    # existing result was replaced without a word
+    res = w.root / "results"
+    argv = ["eval", *w.common, "--tasks", "--max-eval-sequences", "2"]
+    for stem in ("run.v1", "run.v2"):
+        assert main([*argv, "--out", str(res / stem)]) == 0
+    assert sorted(p.name for p in res.iterdir()) == ["run.v1.json", "run.v1.md", "run.v2.json", "run.v2.md"]
+    assert (res / "run.v1.md").read_text().startswith("# run.v1\n")
+    before = (res / "run.v1.json").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--out", str(res / "run.v1")]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"--out {res / 'run.v1'}: {res / 'run.v1.json'} already exists" in err, err
+    assert "--overwrite" in err and "loaded " not in out  # refused before the model loads
+    assert (res / "run.v1.json").read_text() == before
+    (res / "run.v1.json").write_text("stale")
+    assert main([*argv, "--out", str(res / "run.v1"), "--overwrite"]) == 0
+    assert json.loads((res / "run.v1.json").read_text())["records"]

@@ -216,7 +216,7 @@ def check_eval(args) -> None:
     for rdir in args.routers or []:
         runs.check_routers("--routers", rdir)
     if args.out:
-        runs.check_out("--out", args.out, stem=True)
+        runs.check_results("--out", args.out, args.overwrite)
 
 
 def check_generate(args) -> None:
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace OUT.json and OUT.md where they exist (without this, existing results are refused)")
     e.add_argument("--analyze", action="store_true",
                    help="also analyse each router directory's routing on held-out text: per-layer sparsity, "
                         "group fire rates, distinct masks (heat map PNG + JSON beside OUT, or in the directory)")

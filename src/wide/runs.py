@@ -442,6 +442,23 @@ def machine() -> dict:
     return d
 
 
+def results_files(stem) -> tuple:
+    """(STEM.json, STEM.md) of a results stem, taken literally: ``run.v1`` gives run.v1.json, where
+    ``Path.with_suffix`` would take ``.v1`` for a suffix and write run.json."""
+    stem = Path(stem).expanduser()
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+
+
+def check_results(flag: str, stem, overwrite: bool) -> None:
+    """Results can be written at ``stem``: nothing in the way, and no earlier results there
+    unless ``overwrite`` (a results file is an hour of evaluation, and nothing rewrites it)."""
+    check_out(flag, stem, stem=True)
+    existing = [f for f in results_files(stem) if f.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{flag} {stem}: {existing[0]} already exists: pass --overwrite to replace it, or give "
+                         f"another {flag}")
+
+
 def write_results(args, records) -> None:
     """``args.out``.json (records, device, date, command) and .md (table); nothing without --out."""
     import torch
@@ -450,20 +467,20 @@ def write_results(args, records) -> None:
 
     if not args.out:
         return
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    json_file, md_file = results_files(args.out)
+    json_file.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": machine().get("gpu", platform.processor() or "cpu"), "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command(), "records": records}
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
-    md = [f"# {out.stem}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
+    json_file.write_text(json.dumps(doc, indent=2))
+    md = [f"# {Path(args.out).name}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
           f"device {doc['device']}", "", markdown_table(records, args.tasks or ()), ""]
     if args.limit:
         md.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    md_file.write_text("\n".join(md) + "\n")
+    print(f"wrote {json_file} and {md_file}")
 
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
-           "check_model", "check_data", "check_out", "check_routers", "run_settings", "prepare_run", "start_run",
+           "check_model", "check_data", "check_out", "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
-           "heldout", "evaluate_one", "command", "machine", "write_results", "default_device"]
+           "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]
