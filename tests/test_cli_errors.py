@@ -31,6 +31,11 @@ def w(tmp_path_factory):
         demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
         shutil.copytree(root / "done" / "checkpoint", root / "demo" / "checkpoint")
         (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
+        (root / "gpt2").mkdir()
+        (root / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        shutil.copytree(root / "model", root / "truncated")
+        with open(root / "truncated" / "model.safetensors", "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
         for name, text in (("empty_meta", "{}"), ("bad_json", "{not json")):
             shutil.copytree(root / "done" / "routers", root / name)
             (root / name / "wide_config.json").write_text(text)
@@ -139,6 +144,30 @@ CASES = [
      "--decontaminate: invalid choice"),
     ("eval-data-missing", lambda w: [*w.calibrate, "--eval-data", f"{w.root}/nowhere.jsonl", "--out", f"{w.root}/x"],
      "--eval-data"),
+    # checked from the model's config.json before any load, naming the flag (issue 41, defect 5)
+    ("ffn-group-size-not-dividing", lambda w: [*w.calibrate, "--ffn-group-size", "64", "--out", f"{w.root}/x"],
+     "--ffn-group-size=64 does not divide intermediate_size=96; sizes that divide it and suit the GPU kernels "
+     "(multiples of 16): [16, 32, 48, 96]"),
+    ("ffn-group-size-24", lambda w: [*w.calibrate, "--ffn-group-size", "24", "--out", f"{w.root}/x"],
+     "--ffn-group-size 24 is not a multiple of 16"),
+    ("compare-ffn-group-size-24", lambda w: ["compare", *w.common, "--ffn-group-size", "24", "--methods", "wide",
+                                             "--targets", "0.5", "--steps", "1", "--tasks", "--quiet",
+                                             "--runs", f"{w.root}/cr", "--out", f"{w.root}/c"],
+     "--ffn-group-size 24 is not a multiple of 16"),
+    ("attn-group-size-3", lambda w: [*w.calibrate, "--attn-group-size", "3", "--out", f"{w.root}/x"],
+     "--attn-group-size=3 does not divide the model's 4 query heads; valid sizes: [1, 2, 4]"),
+    ("unsupported-architecture", lambda w: [*w.calibrate, "--model", f"{w.root}/gpt2", "--out", f"{w.root}/x"],
+     f"this model is 'gpt2'"),
+    ("generate-unsupported-architecture", lambda w: ["generate", "--model", f"{w.root}/gpt2", "--prompt", "a"],
+     "this model is 'gpt2'"),
+    ("truncated-safetensors", lambda w: [*w.calibrate, "--model", f"{w.root}/truncated", "--out", f"{w.root}/x"],
+     "/truncated/model.safetensors is cut short"),
+    ("eval-truncated-safetensors", lambda w: ["eval", *w.common, "--model", f"{w.root}/truncated"],
+     "/truncated/model.safetensors is cut short"),
+    ("empty-prompt", lambda w: ["generate", *w.model, "--prompt", "the cat", "--prompt", ""],
+     "argument --prompt: must not be empty"),
+    ("routers-for-another-shape", lambda w: ["eval", *w.common, "--routers", "smollm2-135m-50"],
+     "trained for a different model"),
     ("sample-tokens-0", lambda w: ["sample-data", *w.model, "--tokens", "0", "--out", f"{w.root}/x"],
      "--tokens: must be >= 1, got 0"),
     ("sample-temperature-0", lambda w: ["sample-data", *w.model, "--temperature", "0", "--out", f"{w.root}/x"],
@@ -150,6 +179,10 @@ CASES = [
 ]
 # Beyond the flag, what the one line must also say.
 ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing": "does not exist",
+        "ffn-group-size-24": "[16, 32, 48, 96]", "compare-ffn-group-size-24": "[16, 32, 48, 96]",
+        "unsupported-architecture": "--model", "generate-unsupported-architecture": "--model",
+        "truncated-safetensors": "--model", "eval-truncated-safetensors": "--model",
+        "routers-for-another-shape": "--routers",
         "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt", "eval-data-missing": "does not exist"}
 
 
@@ -193,11 +226,12 @@ def _float_options(parser):
 def test_every_float_option_refuses_a_non_finite_value(value, capsys):
     # issue 41, defect 2: a NaN passes no range check but reaches the ones that have none, and inf
     # passes every lower bound (--lr inf trained to a FloatingPointError at step 1)
-    options = list(_float_options(build_parser()))
+    parser = build_parser()
+    options = list(_float_options(parser))
     assert ("calibrate", "--lr") in options and ("compare", "--targets") in options and len(options) > 20
     for command, flag in options:
         with pytest.raises(SystemExit) as e:
-            build_parser().parse_args([command, f"{flag}={value}"])
+            parser.parse_args([command, f"{flag}={value}"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, (command, flag, err)
         assert f"argument {flag}: must be a finite number, got {value}" in err, (command, flag, err)

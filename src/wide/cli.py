@@ -51,6 +51,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (the model continues a prompt: give it a word)")
+    return text
+
+
 def _add_run_dir_args(p: argparse.ArgumentParser, writes: str) -> None:
     p.add_argument("--out", required=True, help=f"run directory: {writes}")
     p.add_argument("--resume", action="store_true",
@@ -183,9 +189,10 @@ def demo_args(args) -> argparse.Namespace:
 def check_calibrate(args) -> None:
     if getattr(args, "dry_run", False):
         return  # an estimate: --model may name a preset, and nothing is read or written
-    runs.check_model(args)
+    model = runs.model_config(args)
     runs.check_data(args)
-    calibrate_config(args)  # the checks that span several options (both separate targets, ...)
+    # the checks that span several options (both separate targets, ...), then the model's shape
+    runs.check_geometry(model, calibrate_config(args))
     if getattr(args, "hybrid", False):
         from_args(FineConfig, args, allocation="learned")
         if getattr(args, "fsdp", False):
@@ -202,40 +209,40 @@ def check_demo(args) -> None:
 def check_recover(args) -> None:
     from .recovery import FINAL_DIR
 
-    runs.check_model(args)
+    model = runs.model_config(args)
     runs.check_data(args)
-    runs.check_routers("--routers", args.routers)
+    runs.check_routers("--routers", args.routers, model)
     if args.merge_out:
         runs.check_out("--merge-out", args.merge_out)
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, RECOVER_SETTINGS))
 
 
 def check_eval(args) -> None:
-    runs.check_model(args)
+    model = runs.model_config(args, routed=bool(args.routers))  # the dense model: any causal LM
     runs.check_data(args)
     for rdir in args.routers or []:
-        runs.check_routers("--routers", rdir)
+        runs.check_routers("--routers", rdir, model)
     if args.out:
         runs.check_results("--out", args.out, args.overwrite)
 
 
 def check_generate(args) -> None:
-    runs.check_model(args)
+    model = runs.model_config(args)  # the engine runs wide's architectures only, dense or routed
     if args.routers:
-        runs.check_routers("--routers", args.routers)
+        runs.check_routers("--routers", args.routers, model)
     elif args.batch_shared:
         raise ValueError("--batch-shared routes the decode batch: give --routers")
 
 
 def check_compare(args) -> None:
-    runs.check_model(args)
+    runs.check_geometry(runs.model_config(args), from_args(WideConfig, args))
     runs.check_data(args)
     runs.check_out("--out", args.out, stem=True)
     runs.check_out("--runs", args.runs)
 
 
 def check_sample_data(args) -> None:
-    runs.check_model(args)
+    runs.model_config(args, routed=False)
     runs.check_data(args)
     runs.check_out("--out", args.out)
     from_args(SampleArgs, args)
@@ -356,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(gn, runs.ModelArgs)
     gn.add_argument("--routers", default=None,
                     help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
-    gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gn.add_argument("--prompt", action="append", required=True, type=_prompt,
+                    help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
     gn.add_argument("--temperature", type=bounded(float, min=0.0), default=0.0, help="0 = greedy")
     gn.add_argument("--top-k", type=bounded(int, min=0), default=None, help="sample from the K likeliest tokens; 0 = all")

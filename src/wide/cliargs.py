@@ -161,14 +161,18 @@ def from_args(cls, args, **overrides):
     try:
         return cls(**values)
     except ValueError as e:
-        # The dataclass names its fields; the user typed flags. Names with an underscore only:
-        # a short name like "r" would also match ordinary words.
-        text = str(e)
-        for f in options(cls):
-            if "_" in f.name:
-                text = re.sub(rf"\b{f.name}\b", flag(f), text)
-        raise ValueError(text) from None
+        raise ValueError(with_flags(cls, str(e))) from None
 
 
-__all__ = ["add_fields", "from_args", "options", "flag", "dest", "flag_of", "default", "bounded", "check_fields",
+def with_flags(cls, text: str) -> str:
+    """A message that names fields of dataclass ``cls`` (its own checks', or code reading it)
+    with the flags the user typed instead. Names with an underscore only: a short name like "r"
+    would also match ordinary words."""
+    for f in options(cls):
+        if "_" in f.name:
+            text = re.sub(rf"\b{f.name}\b", flag(f), text)
+    return text
+
+
+__all__ = ["add_fields", "from_args", "with_flags", "options", "flag", "dest", "flag_of", "default", "bounded", "check_fields",
            "range_error", "RANGE_KEYS"]

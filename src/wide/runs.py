@@ -21,6 +21,8 @@ from .data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
 from .evaluate import TASKS
 
 DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
+DEFAULT_SHAPE = "smollm2-135m"  # the default model's entry in wide.arch.PRESETS: checked before it is fetched
+FFN_TILE = 16  # channels of the routed GPU kernels' FFN tile: FFN group sizes are multiples of it
 DTYPES = ("float32", "bfloat16", "float16")
 OFFSET_MODES = ("global", "per_module", "none")
 
@@ -121,6 +123,77 @@ def check_model(args) -> None:
         raise ValueError(f"--model {path} has no config.json: not a Hugging Face model directory")
 
 
+def model_config(args, *, routed: bool = True):
+    """The transformers config of --model, read from its config.json alone (the default model:
+    its known shape, so nothing is fetched yet), once the checks that need no weights loaded
+    have passed: every safetensors file whole and, with ``routed``, an architecture wide routes."""
+    from . import arch
+
+    check_model(args)
+    if args.model == DEFAULT:
+        cfg = arch.hf_config(DEFAULT_SHAPE)
+    else:
+        from transformers import AutoConfig
+
+        path = Path(args.model).expanduser()
+        try:
+            cfg = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"--model {path}: its config.json cannot be read ({e})") from None
+        check_safetensors("--model", path)
+    if routed:
+        try:
+            arch.spec_for(cfg)
+        except arch.UnsupportedArchitecture as e:
+            raise ValueError(f"--model {args.model}: {e}") from None
+    return cfg
+
+
+def check_safetensors(flag: str, directory) -> None:
+    """Every ``*.safetensors`` file of ``directory`` exactly as long as its header says: a copy or
+    download cut short fails here, in milliseconds, not after the data is packed."""
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = fh.read(n) if 8 + n <= size else None
+        need = 8 + n
+        if header is not None:
+            try:
+                entries = json.loads(header)
+                need += max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                raise ValueError(f"{flag} {directory}: {f} is not a safetensors file (its header does not "
+                                 "parse)") from None
+        if size < need:
+            raise ValueError(f"{flag} {directory}: {f} is cut short ({size} of the {need} bytes its header "
+                             "promises): copy or download it again")
+        if size > need:
+            raise ValueError(f"{flag} {directory}: {f} holds {size - need} bytes more than its header describes "
+                             "(damaged?): copy or download it again")
+
+
+def check_geometry(hf_config, config) -> None:
+    """The group sizes of WideConfig ``config`` against the model's config, naming the flags:
+    dividing its query heads and FFN channels, and for the FFN a multiple of 16, which the GPU
+    kernels need (ops.kernel_shape_error) and the help promises."""
+    from .cliargs import with_flags
+    from .config import WideConfig
+    from .modeling import ModelDims, resolve_geometry
+
+    dims = ModelDims.from_hf_config(hf_config)
+    ffn = config.ffn_group_size
+    if ffn is not None and ffn % FFN_TILE:
+        sizes = [d for d in range(FFN_TILE, dims.intermediate_size + 1, FFN_TILE) if dims.intermediate_size % d == 0]
+        raise ValueError(f"--ffn-group-size {ffn} is not a multiple of {FFN_TILE}, which the GPU kernels need; the "
+                         f"multiples of {FFN_TILE} that divide this model's {dims.intermediate_size} FFN channels: "
+                         f"{sizes}")
+    try:
+        resolve_geometry(dims, config)
+    except ValueError as e:
+        raise ValueError(with_flags(WideConfig, str(e))) from None
+
+
 def check_data(args) -> None:
     """--data (and --eval-data) exist; a JSONL file's first record holds --text-field (the whole
     file is read, and checked again, only after this)."""
@@ -167,17 +240,21 @@ def check_out(flag: str, out, *, stem: bool = False) -> None:
             break
 
 
-def check_routers(flag: str, path) -> dict:
+def check_routers(flag: str, path, hf_config=None) -> dict:
     """A router directory ``wide`` wrote, its files as its manifest sealed them (hashing a few
-    MB costs less than the model load a damaged file would waste); returns its metadata."""
-    from .serialization import read_meta, verify_manifest
+    MB costs less than the model load a damaged file would waste) and, given the model's
+    ``hf_config``, trained for that shape; returns its metadata."""
+    from .serialization import read_meta, shape_differences, verify_manifest
 
     try:
         meta = read_meta(path)
         verify_manifest(path)
-        return meta
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
+    desc = shape_differences(meta, hf_config) if hf_config is not None else ""
+    if desc:
+        raise ValueError(f"{flag} {path}: routers trained for a different model than --model ({desc})")
+    return meta
 
 
 # ------------------------------------------------------------------ run directories
@@ -481,6 +558,7 @@ def write_results(args, records) -> None:
 
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
-           "check_model", "check_data", "check_out", "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
+           "model_config", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
+           "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
            "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]

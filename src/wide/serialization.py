@@ -321,17 +321,22 @@ def verify_manifest(path) -> None:
                           "directory was written; restore it or write the directory again")
 
 
+def shape_differences(meta: dict, hf_config) -> str:
+    """How the model shape recorded in a router directory's metadata differs from a transformers
+    config's ("num_layers: checkpoint 2 vs model 3, ..."); empty when they agree."""
+    saved = meta["model"]
+    actual = asdict(ModelDims.from_hf_config(hf_config))
+    return ", ".join(f"{k}: checkpoint {saved.get(k)} vs model {v}" for k, v in actual.items() if saved.get(k) != v)
+
+
 def load(model, path):
     """Wrap ``model`` with the routers saved in ``path`` (or load them into an already
     wrapped model with the same config), with their per-element thresholds where the directory
     has them. Refuses routers made for another model shape, and damaged files."""
     meta = read_meta(path)
     verify_manifest(path)
-    saved = meta["model"]
-    actual = asdict(ModelDims.from_hf_config(model.config))
-    diffs = {k: (saved.get(k), actual[k]) for k in actual if saved.get(k) != actual[k]}
-    if diffs:
-        desc = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diffs.items())
+    desc = shape_differences(meta, model.config)
+    if desc:
         raise CheckpointError(f"routers in {path} were trained for a different model ({desc})")
     try:
         config = WideConfig.from_dict(meta["wide_config"])
