@@ -31,6 +31,10 @@ def w(tmp_path_factory):
         demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
         shutil.copytree(root / "done" / "checkpoint", root / "demo" / "checkpoint")
         (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
+        (root / "latin1.txt").write_bytes("the cat sat on the café mat".encode("latin-1"))
+        (root / "latin1.jsonl").write_bytes(b'{"text": "the cat"}\n\n{"text": "a mat"}\n' +
+                                            '{"text": "the café"}\n'.encode("latin-1"))
+        (root / "garbage.bin").write_bytes(bytes(range(256)))
         (root / "gpt2").mkdir()
         (root / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         shutil.copytree(root / "model", root / "truncated")
@@ -168,6 +172,16 @@ CASES = [
      "argument --prompt: must not be empty"),
     ("routers-for-another-shape", lambda w: ["eval", *w.common, "--routers", "smollm2-135m-50"],
      "trained for a different model"),
+    # one line naming the flag, the file and the byte (issue 41, defect 6)
+    ("data-not-utf8", lambda w: [*w.calibrate, "--data", f"{w.root}/latin1.txt", "--out", f"{w.root}/x"],
+     "/latin1.txt is not UTF-8 text: byte 22 (line 1)"),
+    ("data-not-utf8-on-a-later-line", lambda w: [*w.calibrate, "--data", f"{w.root}/latin1.jsonl",
+                                                 "--out", f"{w.root}/x"],
+     "/latin1.jsonl is not UTF-8 text: byte 56 (line 4)"),
+    ("eval-data-not-utf8", lambda w: ["eval", *w.common, "--eval-data", f"{w.root}/latin1.txt"],
+     "--eval-data "),
+    ("data-garbage", lambda w: [*w.calibrate, "--data", f"{w.root}/garbage.bin", "--out", f"{w.root}/x"],
+     "/garbage.bin: not a text source: give 'wiki' or 'sotu', a .txt or .jsonl file"),
     ("sample-tokens-0", lambda w: ["sample-data", *w.model, "--tokens", "0", "--out", f"{w.root}/x"],
      "--tokens: must be >= 1, got 0"),
     ("sample-temperature-0", lambda w: ["sample-data", *w.model, "--temperature", "0", "--out", f"{w.root}/x"],
@@ -183,6 +197,8 @@ ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing":
         "unsupported-architecture": "--model", "generate-unsupported-architecture": "--model",
         "truncated-safetensors": "--model", "eval-truncated-safetensors": "--model",
         "routers-for-another-shape": "--routers",
+        "data-not-utf8": "--data ", "data-not-utf8-on-a-later-line": "--data ", "data-garbage": "--data ",
+        "eval-data-not-utf8": "latin1.txt is not UTF-8 text: byte 22",
         "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt", "eval-data-missing": "does not exist"}
 
 

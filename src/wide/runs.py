@@ -209,13 +209,27 @@ def check_data(args) -> None:
 
 
 def _check_source(flag: str, source: str, text_field: str) -> None:
+    from .data import TEXT_SUFFIXES, check_utf8, valid_sources
+
     if source in BUILTIN_SOURCES:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{flag} {path} does not exist (give {' or '.join(map(repr, BUILTIN_SOURCES))}, "
-                                "a .txt or .jsonl file, a directory of .txt files, a datasets directory or a "
-                                "wide sample-data directory)")
+        raise FileNotFoundError(f"{flag} {path} does not exist (give {valid_sources()})")
+    if path.is_file() and path.suffix.lower() not in TEXT_SUFFIXES:
+        raise ValueError(f"{flag} {path}: not a text source: give {valid_sources()}")
+    # every byte, not the first record only: text that does not decode would otherwise stop the
+    # command after the tokenizer and data packing, with a codec message naming no file
+    if path.is_file():
+        texts = [path] if path.suffix.lower() in (".txt", ".jsonl") else []
+    else:  # a directory of .txt files, unless it holds arrow or parquet data (which the loader reads instead)
+        arrow = (path / "dataset_dict.json").is_file() or any(path.glob("*.arrow")) or any(path.glob("*.parquet"))
+        texts = [] if arrow else sorted(path.glob("*.txt"))
+    for f in texts:
+        try:
+            check_utf8(f)
+        except ValueError as e:
+            raise ValueError(f"{flag} {e}") from None
     if path.is_file() and path.suffix.lower() == ".jsonl":
         with open(path, encoding="utf-8") as f:
             lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, ""))
