@@ -540,7 +540,9 @@ def cmd_recover(args) -> dict:
         dense_sd = {k: v for k, v in model.state_dict().items() if not k.startswith("wide_routers.")}
         model.save_pretrained(args.merge_out, state_dict=dense_sd)
         tok.save_pretrained(args.merge_out)
-        save_routers(model, Path(args.merge_out) / "routers", extra={**extra, "merged": True},
+        # these routers belong to the merged model, not to the base they were trained on
+        save_routers(model, Path(args.merge_out) / "routers",
+                     extra={**extra, "merged": True, "base_model": str(Path(args.merge_out).resolve())},
                      write_more=write_more)
         print(f"merged model in {args.merge_out}; its routers in {Path(args.merge_out) / 'routers'}")
     return run
@@ -590,7 +592,29 @@ def cmd_eval(args) -> list:
     return records
 
 
+def _one_line(show):
+    """``warnings.showwarning`` that prints wide's own warnings as one ``warning:`` line, as the
+    command line prints its other warnings; the rest as before."""
+    from .serialization import BaseModelWarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, BaseModelWarning):
+            print(f"warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv=None) -> int:
+    import warnings
+
+    with warnings.catch_warnings():  # restores the warning machinery for a caller in the same process
+        warnings.showwarning = _one_line(warnings.showwarning)
+        return _main(argv)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .data import AssetError
