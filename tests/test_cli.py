@@ -299,3 +299,22 @@ def test_generate_batch_shared_needs_routers_and_runs_with_them(tiny_run, capsys
                  "--prompt", "a mat", "--max-new-tokens", "4", "--backend", "torch", "--batch-shared"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- ") == 2 and "[routed, batch_shared, backend torch]" in out
+
+
+def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):
+    # issue 41, defect 8: --decode-batches computed decode-mode perplexity and printed nothing of it
+    import wide
+    from transformers import AutoModelForCausalLM
+
+    tmp, common = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(common[1], dtype=torch.float32)
+    wide.save_routers(wide.wrap(model, WideConfig(ffn_group_size=32, router_init="random"), seed=0), tmp / "r")
+    capsys.readouterr()
+    assert main(["eval", *common, "--routers", str(tmp / "r"), "--dense", "--tasks", "--max-eval-sequences", "4",
+                 "--decode-batches", "2", "--decode-windows", "4"]) == 0
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ")]
+    head, dense, routed = (dict(zip(table[0], row)) for row in table)
+    assert "decode ppl" in head and "decode ppl, shared B=2" in head, table[0]
+    assert float(dense["decode ppl"]) > 1 and dense["decode ppl, shared B=2"] == "-"  # nothing to share
+    assert float(routed["decode ppl"]) > 1 and float(routed["decode ppl, shared B=2"]) > 1

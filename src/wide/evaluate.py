@@ -370,13 +370,20 @@ class _null:
 
 
 def markdown_table(rows: list[dict], tasks=TASKS) -> str:
-    """One row per method: sparsity, perplexity, bpb, each task's headline metric, average."""
-    head = ["method", "FLOP sparsity", "group sparsity", "ppl", "bpb", *tasks, "avg"]
+    """One row per method: sparsity, perplexity, bpb, each task's headline metric, average; and
+    where a record has them (``wide eval --decode-batches``), the decode-mode perplexities: the
+    routers' own masks and batch-shared over each batch size (:func:`decode_perplexity`)."""
+    shared = sorted({b for r in rows for b in (r.get("decode") or {}).get("batch_shared", {})}, key=int)
+    decode = ["decode ppl", *(f"decode ppl, shared B={b}" for b in shared)] if any(r.get("decode") for r in rows) else []
+    head = ["method", "FLOP sparsity", "group sparsity", "ppl", "bpb", *decode, *tasks, "avg"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for r in rows:
         cells = [r.get("label") or r.get("method", "?"), fmt(r.get("sparsity")), fmt(r.get("group_sparsity")),
                  fmt(r.get("ppl"), 2), fmt(r.get("bpb"))]
+        if decode:
+            d = r.get("decode") or {}
+            cells += [fmt(d.get("own"), 2), *(fmt(d.get("batch_shared", {}).get(b), 2) for b in shared)]
         cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
