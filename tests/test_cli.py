@@ -271,8 +271,17 @@ def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_noth
     assert "resumed" not in capsys.readouterr().out
     assert json.loads((tmp / "r" / "settings.json").read_text())["target"] == 0.3
     first = _saved_routers(tmp / "r")
+    recorded = json.loads((tmp / "r" / "run.json").read_text())
     assert main([*argv, "--target", "0.3", "--resume"]) == 0
-    assert "at step 2/2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "at step 2/2" in out
+    # issue 41, defect 9: the resumed process trained nothing, so the wall time is the one recorded
+    # when the run finished, not this process's (the demo said "0.0 min on this machine")
+    run = json.loads((tmp / "r" / "run.json").read_text())
+    assert (run["wall_s"], run["tokens_per_s"], run["date"]) == (recorded["wall_s"], recorded["tokens_per_s"],
+                                                                 recorded["date"])
+    assert run["recorded_earlier"] is True and "recorded_earlier" not in recorded
+    assert f"({recorded['wall_s'] / 60:.1f} min, recorded when the run finished" in out
     again = _saved_routers(tmp / "r")
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]

@@ -138,6 +138,9 @@ def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
     assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
     assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
     assert demo.explanation(records[:2], {}) == ""  # no routers of its own: nothing to explain
+    # a demo run again after it finished trains nothing: its time is the one recorded then (issue 41, defect 9)
+    text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0, "recorded_earlier": True})
+    assert "after 30 steps (31k tokens, 3.6 min, recorded when this run finished earlier)." in text
 
 
 def _routers_for(model_dir, out, **config):

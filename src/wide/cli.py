@@ -104,6 +104,7 @@ def cmd_calibrate(args) -> dict:
         ctx.shard(model, activation_checkpointing=getattr(args, "activation_checkpointing", False))
     if ctx is None or ctx.is_main:
         runs.start_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
+    earlier = _finished_run(args.out, args.steps) if args.resume else None
     t0 = time.perf_counter()
     result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
                    stop_at=getattr(args, "stop_at", None), dist=ctx)
@@ -122,13 +123,29 @@ def cmd_calibrate(args) -> dict:
         "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
         "decontamination": decontamination,
     }
+    if earlier is not None:  # this process trained nothing: the training's time is the recorded one
+        run.update({k: earlier[k] for k in ("wall_s", "machine", "date") if k in earlier}, recorded_earlier=True)
     if ctx is not None and not ctx.is_main:
         return run
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": args.steps, "run": run})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
-    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({wall / 60:.1f} min, "
+    when = ", recorded when the run finished earlier" if earlier is not None else ""
+    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({run['wall_s'] / 60:.1f} min{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _finished_run(out, steps: int):
+    """The run record (run.json) of a run in ``out`` that had finished all ``steps`` before this
+    invocation resumed it, else None: resuming it trains nothing."""
+    from .serialization import CheckpointError
+    from .train import trainer_step
+
+    record = Path(out) / "run.json"
+    try:
+        return json.loads(record.read_text()) if record.is_file() and trainer_step(out) == steps else None
+    except (CheckpointError, json.JSONDecodeError):
+        return None  # a damaged checkpoint or record: the resume itself says what is wrong
 
 
 def calibrate_config(args) -> WideConfig:
