@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 import warnings
@@ -33,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import START_ONLY, WideConfig, with_predating
 from .fileio import atomic_write_text as _write_text
-from .fileio import sha256_file
+from .fileio import sha256_file, umask_mode
 from .fine import FineConfig, attach, get_fine
 from .modeling import ModelDims, get_state, wrap
 
@@ -84,7 +83,10 @@ def _seal(tmp: Path, info: Optional[dict]) -> None:
     """Make ``tmp`` durable and mark it complete: every file fsync'd and hashed, then the
     manifest, written through a rename so that it is itself whole or absent."""
     files, listed = {}, _files(tmp)
+    mode = umask_mode()
     for p in listed:
+        if p.stat().st_mode & 0o777 != mode:  # shareable like every other output (safetensors writes 0600)
+            os.chmod(p, mode)
         _fsync(p)
         files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
         _pause()
@@ -176,7 +178,9 @@ def atomic_directory(path: Union[str, Path], info: Optional[dict] = None):
     into the manifest. Leftovers of earlier interrupted writes are removed after the switch."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
+    # not tempfile.mkdtemp, whose 0700 would stay with the directory once renamed into place
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
     try:
         yield tmp
         _seal(tmp, info)
