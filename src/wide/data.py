@@ -134,8 +134,14 @@ def valid_sources() -> str:
 
 
 def _not_utf8(path, offset: int) -> ValueError:
-    with open(path, "rb") as f:
-        line = f.read(offset).count(b"\n") + 1
+    line, left = 1, offset
+    with open(path, "rb") as f:  # in chunks: the byte may lie gigabytes in
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            line += block.count(b"\n")
+            left -= len(block)
     return ValueError(f"{path} is not UTF-8 text: byte {offset} (line {line}) does not decode; save it as UTF-8 "
                       "(e.g. iconv -f latin1 -t utf-8)")
 

@@ -150,21 +150,33 @@ def model_config(args, *, routed: bool = True):
 
 
 def check_safetensors(flag: str, directory) -> None:
-    """Every ``*.safetensors`` file of ``directory`` exactly as long as its header says: a copy or
-    download cut short fails here, in milliseconds, not after the data is packed."""
-    for f in sorted(Path(directory).glob("*.safetensors")):
+    """Every ``*.safetensors`` file of ``directory`` (and every shard its index lists) exactly as
+    long as its header says: a copy or download cut short fails here, in milliseconds, not after
+    the data is packed."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{flag} {directory}: {index} is not a safetensors index (damaged?)") from None
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise ValueError(f"{flag} {directory}: {index} lists {', '.join(missing)}, which it does not hold")
+    for f in sorted(directory.glob("*.safetensors")):
         size = f.stat().st_size
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = fh.read(n) if 8 + n <= size else None
-        need = 8 + n
-        if header is not None:
-            try:
-                entries = json.loads(header)
-                need += max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-                raise ValueError(f"{flag} {directory}: {f} is not a safetensors file (its header does not "
-                                 "parse)") from None
+        if header is None:
+            raise ValueError(f"{flag} {directory}: {f} is cut short or not a safetensors file ({size} bytes, fewer "
+                             "than its header alone would take): copy or download it again")
+        try:
+            entries = json.loads(header)
+            need = 8 + n + max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise ValueError(f"{flag} {directory}: {f} is not a safetensors file (its header does not "
+                             "parse)") from None
         if size < need:
             raise ValueError(f"{flag} {directory}: {f} is cut short ({size} of the {need} bytes its header "
                              "promises): copy or download it again")
@@ -195,8 +207,9 @@ def check_geometry(hf_config, config) -> None:
 
 
 def check_data(args) -> None:
-    """--data (and --eval-data) exist; a JSONL file's first record holds --text-field (the whole
-    file is read, and checked again, only after this)."""
+    """--data (and --eval-data) exist, are a kind of source the loader reads, and their text
+    files decode as UTF-8 (every byte: reading is cheap next to tokenising); a JSONL file's
+    first record holds --text-field (every record is checked again when the file is read)."""
     from .data import is_token_shards
 
     _check_source("--data", args.data, args.text_field)
