@@ -468,7 +468,8 @@ def test_read_meta_names_what_a_config_lacks(tmp_path, llama):
         serialization.read_meta(tmp_path / "r")
 
 
-@pytest.mark.parametrize("umask, dirs, files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+@pytest.mark.parametrize("umask, dirs, files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)],
+                         ids=["umask022", "umask077"])
 def test_router_and_checkpoint_directories_get_the_modes_the_umask_gives(tmp_path, llama, umask, dirs, files):
     # issue 41, defect 10: they were 0700 with 0600 files whatever the umask (mkdtemp; safetensors)
     import stat
