@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from seeds_summary import SAME, with_above_chance  # noqa: E402
+from seeds_summary import SAME, _cell, aggregate_records, with_above_chance  # noqa: E402
 
 STATS = ("ppl", "avg", "linear_sparsity", "attn_core_sparsity", "above_chance_kept", "gen_kl", "gen_match")
 # Methods whose records count routed groups only: their linear sparsity follows from the FLOP rate.
@@ -93,30 +91,60 @@ def records_of(docs: list, extra: list) -> list:
 
 
 def aggregate(records: list) -> list:
-    groups: dict = {}
-    for r in records:
-        groups.setdefault((r.get("name"), r.get("stage"), r.get("target")), []).append(r)
-    rows = []
-    for (name, stage, target), rs in groups.items():
-        row = {k: rs[0].get(k) for k in ("name", "label", "method", "stage", "target", "model", "loss", "tokens",
-                                         "routing", "source", "linear_sparsity_from")}
-        row["seeds"] = sorted({r.get("seed") for r in rs if r.get("seed") is not None}) or None
-        row["n"] = len(rs)
-        for k in STATS:
-            vals = [r[k] for r in rs if r.get(k) is not None]
-            if not vals:
-                continue
-            mean = statistics.mean(vals)
-            if k == "ppl" and min(vals) != max(vals):  # the mean of the held-out cross-entropy
-                mean = math.exp(statistics.mean(map(math.log, vals)))
-            row[k], row[f"{k}_min"], row[f"{k}_max"] = mean, min(vals), max(vals)
-        rows.append(row)
+    rows = aggregate_records(records, STATS, keep=("source", "linear_sparsity_from"))
     dense = next((r for r in rows if r.get("name") == "dense"), None)
     for r in rows:
         if dense is not None and r.get("ppl"):
             r["ppl_vs_dense"] = r["ppl"] / dense["ppl"]
     rows.sort(key=lambda r: (r.get("name") != "dense", r.get("name") or "", r.get("stage") or 0, r.get("target") or 0))
     return rows
+
+
+LEVELS = (0.25, 0.4, 0.5, 0.6)
+NEAR = 0.005  # a measured point this close to a level stands for it
+
+
+def at_levels(rows: list, levels=LEVELS) -> dict:
+    """(name, stage) -> {level: ppl} at exactly those linear sparsities, log-perplexity
+    interpolated between the two measured points around each level, or the point measured within
+    ``NEAR`` of it (none outside them): methods
+    land near, not on, their targets (TEAL's quantiles skip more of the held-out text than of the
+    calibration text), and the targets compare methods at equal sparsity."""
+    import math
+
+    out: dict = {}
+    for key in dict.fromkeys((r["name"], r.get("stage")) for r in rows if r.get("name") != "dense"):
+        pts = sorted((r["linear_sparsity"], r["ppl"]) for r in rows
+                     if (r["name"], r.get("stage")) == key and r.get("ppl") and r.get("linear_sparsity") is not None)
+        got = {}
+        for lv in levels:
+            near = [y for x, y in pts if abs(x - lv) <= NEAR]
+            if near:  # measured there (a shifted hybrid lands on its target)
+                got[lv] = near[0]
+                continue
+            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+                if x0 <= lv <= x1 and x1 > x0:
+                    f = (lv - x0) / (x1 - x0)
+                    got[lv] = math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+                    break
+        if got:
+            out[key] = got
+    return out
+
+
+def levels_table(rows: list, levels=LEVELS) -> str:
+    interp = at_levels(rows, levels)
+    dense = next((r["ppl"] for r in rows if r.get("name") == "dense"), None)
+    labels = {(r["name"], r.get("stage")): r.get("label") or r["name"] for r in rows}
+    head = ["method", "stage", *[f"ppl at {lv:.0%}" for lv in levels]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, got in interp.items():
+        cells = [labels[key], str(key[1])]
+        for lv in levels:
+            v = got.get(lv)
+            cells.append("-" if v is None else f"{v:.2f}" + (f" ({v / dense:.2f}x)" if dense else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def speed_columns(path) -> dict:
@@ -129,14 +157,6 @@ def speed_columns(path) -> dict:
         if r.get("op") == "e2e_tpot" and r.get("mode") in SPEED_MODES and r.get("speedup"):
             out.setdefault(r["mode"], {})[(r.get("B"), r.get("prompt_len"))] = r["speedup"]
     return {"device": doc.get("device"), "modes": out} if out else {}
-
-
-def _cell(r, k, fmt) -> str:
-    if r.get(k) is None:
-        return "-"
-    if r.get("n", 1) > 1 and r.get(f"{k}_min") != r.get(f"{k}_max"):
-        return f"{fmt(r[k])} ({fmt(r[f'{k}_min'])}-{fmt(r[f'{k}_max'])})"
-    return fmt(r[k])
 
 
 def table(rows: list) -> str:
@@ -236,6 +256,13 @@ def main(argv=None) -> int:
           f"WinoGrande, PIQA, OBQA and HellaSwag, against the same seed's dense row.", "",
           f"Command: `{cmd}`. Device: {doc['device']}; torch {doc['torch']}; last run {doc['date']}.", "",
           f"First input's command: `{doc['inputs'][0]['command']}`.", "", table(rows), ""]
+    if len(at_levels(rows)):
+        md += ["At equal linear sparsity: each method's perplexity at exactly 25/40/50/60 %, log-perplexity "
+               "interpolated between its two measured points around the level ('-': outside its measured range).", "",
+               levels_table(rows), ""]
+        doc["at_levels"] = {f"{name}|{stage}": {str(k): v for k, v in got.items()}
+                            for (name, stage), got in at_levels(rows).items()}
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     if any(r.get("linear_sparsity_from") for r in rows):
         md.append("Rows marked '(FLOP-axis target)' come from an earlier comparison whose targets were FLOP-weighted "
                   "routable shares; their linear sparsity is their realised FLOP rate x routable / linear MACs, which "

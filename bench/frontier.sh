@@ -37,27 +37,9 @@ mkdir -p "$RESULTS"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 complete=1 failed=0
 
+. bench/compare_run.sh
 phase() {  # SEED OUT_NAME METHODS TARGETS [compare arguments...]
-    local seed=$1 name=$2 methods=$3 targets=$4 rc=0 left=$(( END - $(date +%s) - 20 ))
-    shift 4
-    [ -n "$methods" ] || return 0
-    mkdir -p "$RUNS/seed$seed"
-    if [ -n "${CACHE_TO:-}" ] && [ ! -f "$RUNS/seed$seed/evals.json" ] && [ -f "$CACHE_TO/evals_seed$seed.json" ]; then
-        cp "$CACHE_TO/evals_seed$seed.json" "$RUNS/seed$seed/evals.json"
-    fi
-    if [ "$left" -lt 60 ]; then echo "incomplete: $name skipped, time is up"; complete=0; return 0; fi
-    # shellcheck disable=SC2086
-    timeout "$left" $PY -m wide.cli compare --axis linear --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet \
-        --seed "$seed" --methods $methods --targets $targets --runs "$RUNS/seed$seed" --out "$RESULTS/$name" "$@" || rc=$?
-    if [ -n "${CACHE_TO:-}" ] && [ -f "$RUNS/seed$seed/evals.json" ]; then
-        mkdir -p "$CACHE_TO"
-        cp "$RUNS/seed$seed/evals.json" "$CACHE_TO/evals_seed$seed.json"
-    fi
-    case $rc in
-        0) ;;
-        124|137) echo "incomplete: $name stopped by the time limit (rerun to resume)"; complete=0 ;;
-        *) echo "failed: $name exit $rc"; failed=1 ;;
-    esac
+    compare_run "$1" "$2" "$3" "$4" --axis linear "${@:5}"
 }
 
 seeds=($SEEDS)

@@ -57,27 +57,12 @@ mkdir -p "$RESULTS"
 ALL="dense wide wide_lora dynamic_depth dynamic_depth_lora module_skip module_skip_lora static_width static_width_lora"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 complete=1 failed=0
+. bench/compare_run.sh
 one_seed() {  # SEED METHODS OUT [compare arguments...]
-    local left=$(( END - $(date +%s) - 20 )) rc=0 seed=$1 methods=$2 out=$3
+    local seed=$1 methods=$2 out=$3
+    shift 3
     [ "$methods" = all ] && methods=$ALL
-    mkdir -p "$RUNS/seed$seed"
-    if [ -n "${CACHE_TO:-}" ] && [ ! -f "$RUNS/seed$seed/evals.json" ] && [ -f "$CACHE_TO/evals_seed$seed.json" ]; then
-        cp "$CACHE_TO/evals_seed$seed.json" "$RUNS/seed$seed/evals.json"
-    fi
-    if [ "$left" -lt 60 ]; then echo "incomplete: seed $seed ($methods) skipped, time is up"; complete=0; return 0; fi
-    # shellcheck disable=SC2086
-    timeout "$left" $PY -m wide.cli compare --device "${DEVICE:-cuda}" --limit "${LIMIT:-500}" --quiet --seed "$seed" \
-        --methods $methods --targets $TARGETS --runs "$RUNS/seed$seed" --out "$RESULTS/$out" "${@:4}" || rc=$?
-    if [ -n "${CACHE_TO:-}" ] && [ -f "$RUNS/seed$seed/evals.json" ]; then
-        mkdir -p "$CACHE_TO"
-        cp "$RUNS/seed$seed/evals.json" "$CACHE_TO/evals_seed$seed.json"
-    fi
-    case $rc in
-        0) ;;
-        124|137) echo "incomplete: seed $seed ($methods) stopped by the time limit (rerun to resume)"; complete=0 ;;
-        *) echo "failed: seed $seed ($methods) exit $rc"; failed=1 ;;  # an error, not the clock: rerunning won't help
-    esac
-    return 0
+    compare_run "$seed" "$out" "$methods" "$TARGETS" "$@"
 }
 inputs=()
 seeds=($SEEDS)

@@ -58,17 +58,22 @@ def with_above_chance(records: list) -> None:
 
 
 def aggregate(docs) -> list:
+    return aggregate_records([r for _, d in docs for r in d["records"]])
+
+
+def aggregate_records(records: list, stats=STATS, keep=()) -> list:
+    """One row per (name, stage, target): the mean of each of ``stats`` over the records (of
+    ``ppl``, the geometric mean), its min and max, the seeds; ``keep`` more fields of the first."""
     groups: dict = {}
-    for _, d in docs:
-        for r in d["records"]:
-            groups.setdefault((r.get("name"), r.get("stage"), r.get("target")), []).append(r)
+    for r in records:
+        groups.setdefault((r.get("name"), r.get("stage"), r.get("target")), []).append(r)
     out = []
     for (name, stage, target), rs in groups.items():
         agg = {k: rs[0].get(k) for k in ("name", "label", "method", "stage", "target", "model", "loss", "tokens",
-                                         "routing")}
-        agg["seeds"] = sorted(r.get("seed") for r in rs if r.get("seed") is not None) or None
+                                         "routing", *keep)}
+        agg["seeds"] = sorted({r.get("seed") for r in rs if r.get("seed") is not None}) or None
         agg["n"] = len(rs)
-        for k in STATS:
+        for k in stats:
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
                 mean = statistics.mean(vals)

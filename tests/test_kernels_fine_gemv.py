@@ -205,6 +205,25 @@ def test_segments(T, bounds, dtype, split):
         assert rel_err(y[:, lo:hi], seg) < tol(dtype) or (th == float("inf") and torch.all(y[:, lo:hi] == 0))
 
 
+CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
+           fg._cfg(128, 8, 2, 4, 4, True)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.kwargs.items()))
+def test_tile_configs(config):
+    # the tuned tile shapes (with and without prefetch, one row per thread-row, one step per
+    # thread), not only the interpreter's default
+    T = 3
+    x, w, _ = _inputs(T, K_RAGGED, 2 * 45, torch.float32, 97)
+    wt = fine_layout(w)
+    bounds, ths = [0, 50, 70, 90], [0.3, 1.0, 0.6]
+    y = fine_gemv(x, wt, segments=bounds, thresholds=ths, config=config)
+    assert rel_err(y, fine_gemv_reference(x, wt, segments=bounds, thresholds=ths)) < 1e-5
+    wg = fine_layout(w[:45], w[45:])
+    y = fine_ffn_up(x, wg, thresholds=(0.4, 0.9), config=config)
+    assert rel_err(y, fine_ffn_up_reference(x, wg, thresholds=(0.4, 0.9))) < 1e-5
+
+
 def test_threshold_tensors_are_read_on_the_device():
     T = 3
     x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 90)

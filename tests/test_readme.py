@@ -53,7 +53,7 @@ def test_readme_command_lines_parse():
 def test_readme_block_is_found_and_names_the_calls_it_shows():
     code = python_api_block()
     for call in ("wide.wrap(", "train(", "wide.calibrate_offsets(", "wide.save_routers(",
-                 "wide.from_pretrained("):
+                 "wide.from_pretrained(", "wide.fine.attach(", "wide.fine.calibrate("):
         assert call in code
 
 
@@ -72,6 +72,7 @@ def test_readme_python_example_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "'flop_rate'" in printed and "'per_layer'" in printed
     assert (tmp_path / "mine" / "routers" / "routers.safetensors").is_file()
+    assert (tmp_path / "mine" / "teal40" / "thresholds.safetensors").is_file()  # the TEAL lines
     reloaded = ns["model"]  # the example's last line rebinds model to the one loaded back
     n_routers = sum(isinstance(m, TokenRouter) for m in reloaded.modules())
     assert n_routers == 2 * reloaded.config.num_hidden_layers  # attention + FFN, every layer

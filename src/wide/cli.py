@@ -366,10 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks of the routed kernels and the engine (GPU; bounds reads results)",
                        description="Run a benchmark of wide.benchmarks; extra arguments go to it (see its --help). "
-                                   "kernels, attention, e2e, read_floors and fsdp time on a CUDA GPU; train_speed "
+                                   "kernels, fine_gemv (per-element sparse decode GEMVs), attention, e2e, read_floors "
+                                   "and fsdp time on a CUDA GPU; train_speed "
                                    "(stage-1 tokens/s) on a GPU or, with --tiny, the CPU; bounds derives speed "
                                    "bounds from a results folder.")
-    b.add_argument("which", choices=["kernels", "attention", "e2e", "read_floors", "bounds", "fsdp", "train_speed"],
+    b.add_argument("which", choices=["kernels", "fine_gemv", "attention", "e2e", "read_floors", "bounds", "fsdp",
+                                     "train_speed"],
                    help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench, check=lambda args: None)
@@ -579,6 +581,7 @@ def cmd_eval(args) -> list:
     tok, _ = runs.load_tokenizer(args)
     heldout, bpt = runs.heldout(args, tok)
     model, tok, model_path = runs.load_model(args, tok)
+    dense = model  # the reference of --generation
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
@@ -588,7 +591,7 @@ def cmd_eval(args) -> list:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
         model = load_recovered(model.to(args.device or runs.default_device()), rdir)
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
-                                         meta.get("stage", 1)))
+                                         meta.get("stage", 1), reference=dense))
         records[-1].update(runs.training_fields(meta))
         shipped = pretrained.name_of(rdir)
         records[-1]["routers"] = shipped or str(rdir)

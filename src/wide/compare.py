@@ -276,7 +276,10 @@ class Comparison:
                "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp, "sparsity_warmup": a.sparsity_warmup,
                "eval_data": runs.eval_source(a), "decontaminate": a.decontaminate,
                "text_field": a.text_field, "max_train_tokens": a.max_train_tokens,
-               **fine_settings(a, METHOD_ROWS[name][0])}
+               **fine_settings(a, METHOD_ROWS[name][0]),
+               # only when asked, so that earlier caches keep their keys
+               **({"generation": [a.generation, a.generation_tokens, a.generation_prompt]}
+                  if getattr(a, "generation", 0) else {})}
         h = hashlib.sha1(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
         return f"{name}@{target}|{h}"
 
@@ -296,7 +299,9 @@ class Comparison:
             model = load_recovered(self.fresh(), final)
         t_build = time.perf_counter() - t0
         print(f"  evaluating {label} at {target if target is not None else 0:.0%}", flush=True)
-        rec = runs.evaluate_one(model, self.tok, self.args, self.heldout, self.bpt, family or "dense", stage)
+        reference = self.fresh() if getattr(self.args, "generation", 0) and family is not None else None
+        rec = runs.evaluate_one(model, self.tok, self.args, self.heldout, self.bpt, family or "dense", stage,
+                                reference=reference)
         rec["model"] = Path(self.model_path).name
         rec.update(name=name, label=label, target=target, build_s=t_build,
                    eval_s=time.perf_counter() - t0 - t_build)

@@ -352,6 +352,84 @@ def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_l
     return res
 
 
+@torch.no_grad()
+def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int, batch_size: int = 8) -> torch.Tensor:
+    """[N, new_tokens] greedy tokens after each equal-length prompt [N, P], one token per step on
+    the KV cache (the model's own decode path: per-token routing and per-element thresholds as a
+    server runs them). No end-of-text stop, so every row has the same length to compare."""
+    device = next(model.parameters()).device
+    out_rows = []
+    for i in range(0, prompts.shape[0], batch_size):
+        x = prompts[i:i + batch_size].to(device)
+        out = model(input_ids=x, use_cache=True)
+        toks = [out.logits[:, -1].float().argmax(-1)]
+        for _ in range(new_tokens - 1):
+            out = model(input_ids=toks[-1][:, None], use_cache=True, **cache_kwargs(model, out))
+            toks.append(out.logits[:, -1].float().argmax(-1))
+        out_rows.append(torch.stack(toks, 1).cpu())
+    return torch.cat(out_rows)
+
+
+def distinct_n(rows: torch.Tensor, n: int = 2) -> float:
+    """Mean over rows of (distinct n-grams / n-grams): 1.0 never repeats, low values loop."""
+    vals = []
+    for r in rows.tolist():
+        grams = [tuple(r[j:j + n]) for j in range(len(r) - n + 1)]
+        if grams:
+            vals.append(len(set(grams)) / len(grams))
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+@torch.no_grad()
+def generation_quality(model, reference, ids: torch.Tensor, *, prompts: int, prompt_len: int = 32,
+                       new_tokens: int = 32, seed: int = 0, batch_size: int = 8, progress: bool = True) -> dict:
+    """How free text degrades, which multiple-choice accuracy hides: ``prompts`` held-out windows
+    of ``ids`` (chosen with ``seed``) cut to ``prompt_len`` tokens, continued greedily for
+    ``new_tokens`` by the dense ``reference`` and by ``model``.
+
+    * ``gen_kl``: KL(dense || model) of the next-token distributions at every step of the dense
+      model's own continuation, teacher-forced, mean over steps and prompts (nats);
+    * ``gen_match``: share of positions where the two greedy continuations agree;
+    * ``gen_prefix``: mean number of leading tokens that agree (the point where the texts part);
+    * ``gen_distinct2`` (and ``gen_distinct2_dense``): distinct bigrams / bigrams of each text,
+      which falls when a pruned model loops.
+    Deterministic for a seed (greedy decoding, fixed prompts)."""
+    if ids.dim() != 2 or ids.shape[1] < prompt_len + new_tokens:
+        raise ValueError(f"generation needs held-out windows of at least {prompt_len + new_tokens} tokens "
+                         f"(prompt + continuation), got {list(ids.shape)}")
+    if prompts < 1 or new_tokens < 2 or prompt_len < 1:
+        raise ValueError("generation needs at least one prompt, one prompt token and two new tokens")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(ids.shape[0], generator=g)[:prompts]
+    P = ids[pick, :prompt_len]
+    was = model.training, reference.training
+    model.eval()
+    reference.eval()
+    try:
+        dense = greedy_continuations(reference, P, new_tokens, batch_size)
+        mine = dense if model is reference else greedy_continuations(model, P, new_tokens, batch_size)
+        full = torch.cat([P, dense], 1)
+        kl_sum, steps = 0.0, 0
+        for i in tqdm(range(0, full.shape[0], batch_size), disable=not progress, desc="generation KL", leave=False):
+            x = full[i:i + batch_size]
+            # the logits that predict the continuation's tokens: positions P-1 .. P+new-2
+            sl = slice(prompt_len - 1, prompt_len + new_tokens - 1)
+            lp = F.log_softmax(reference(input_ids=x.to(next(reference.parameters()).device)).logits[:, sl].float(), -1)
+            lq = F.log_softmax(model(input_ids=x.to(next(model.parameters()).device)).logits[:, sl].float(), -1)
+            kl_sum += float((lp.exp() * (lp - lq.to(lp.device))).sum())
+            steps += x.shape[0] * new_tokens
+    finally:
+        model.train(was[0])
+        reference.train(was[1])
+    same = mine == dense
+    prefix = torch.where(same.all(1), torch.full((same.shape[0],), new_tokens),
+                         (~same).float().argmax(1))
+    return {"gen_kl": kl_sum / steps, "gen_match": float(same.float().mean()), "gen_prefix": float(prefix.float().mean()),
+            "gen_distinct2": distinct_n(mine), "gen_distinct2_dense": distinct_n(dense),
+            "gen_settings": {"prompts": int(P.shape[0]), "prompt_len": prompt_len, "new_tokens": new_tokens,
+                             "seed": seed}}
+
+
 def cache_kwargs(model, out) -> dict:
     """The keyword that hands forward output ``out``'s KV cache to the next ``model`` call:
     transformers 5.x renamed ``past_key_values`` to ``cache`` (in 5.2x); both are accepted."""
@@ -370,21 +448,23 @@ class _null:
 
 
 def markdown_table(rows: list[dict], tasks=TASKS) -> str:
-    """One row per method: sparsity, perplexity, bpb, each task's headline metric, average; and
-    where a record has them (``wide eval --decode-batches``), the decode-mode perplexities: the
-    routers' own masks and batch-shared over each batch size (:func:`decode_perplexity`)."""
+    """One row per method: sparsity (FLOP-weighted, group, linear), perplexity, bpb, each task's
+    headline metric, average; and where a record has them, the decode-mode perplexities (``wide
+    eval --decode-batches``: the routers' own masks and batch-shared over each batch size,
+    :func:`decode_perplexity`) and the generation measures (``--generation``)."""
     shared = sorted({b for r in rows for b in (r.get("decode") or {}).get("batch_shared", {})}, key=int)
     decode = (["decode ppl", *(f"decode ppl, shared B={b}" for b in shared)] if any(r.get("decode") for r in rows)
               else [])
-    head = ["method", "FLOP sparsity", "group sparsity", "ppl", "bpb", *decode, *tasks, "avg"]
+    gen = [k for k in ("gen_kl", "gen_match", "gen_prefix", "gen_distinct2") if any(r.get(k) is not None for r in rows)]
+    head = ["method", "FLOP sparsity", "group sparsity", "linear sparsity", "ppl", "bpb", *decode, *tasks, "avg", *gen]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for r in rows:
         cells = [r.get("label") or r.get("method", "?"), fmt(r.get("sparsity")), fmt(r.get("group_sparsity")),
-                 fmt(r.get("ppl"), 2), fmt(r.get("bpb"))]
+                 fmt(r.get("linear_sparsity")), fmt(r.get("ppl"), 2), fmt(r.get("bpb"))]
         if decode:
             d = r.get("decode") or {}
             cells += [fmt(d.get("own"), 2), *(fmt(d.get("batch_shared", {}).get(b), 2) for b in shared)]
-        cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))]
+        cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))] + [fmt(r.get(k)) for k in gen]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from . import arch
 from .cliargs import check_fields
 from .modeling import PROJECTIONS, ModelDims, get_state, install_hooks, projection_shapes
+from .routers import Float32Module
 
 CRITERIA = ("magnitude", "wina")
 ALLOCATIONS = ("uniform", "greedy", "learned")
@@ -97,7 +98,7 @@ class FineConfig:
         return cls(**d)
 
 
-class FineSparsity(nn.Module):
+class FineSparsity(Float32Module):
     """Per-layer, per-projection log thresholds [L, 7] (columns in ``PROJECTIONS`` order), the
     share of each projection's input they were set to zero (``sparsity``, for the record and for
     recalibration), and per-channel log scales of the score where the criterion has them."""
@@ -116,14 +117,6 @@ class FineSparsity(nn.Module):
                 self.log_scale[p] = nn.Parameter(torch.zeros(L, shapes[p][1]), requires_grad=config.per_channel)
         self.enabled = True
         self.progress = 0.0  # share of training done (the surrogate's temperature), set by wide.train
-
-    def _apply(self, fn, *args, **kwargs):
-        # like the routers: model.to(bfloat16) moves the thresholds but keeps them fp32
-        super()._apply(fn, *args, **kwargs)
-        for t in list(self.parameters()) + list(self.buffers()):
-            if t.is_floating_point() and t.dtype != torch.float32:
-                t.data = t.data.float()
-        return self
 
     def learnable(self) -> list:
         """The parameters training moves: learned thresholds, and per-channel scales."""
@@ -310,13 +303,16 @@ class _Scores:
     def __init__(self, per_key: int, seed: int = 0):
         self.per_key = per_key
         self.parts: dict = {}
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.gens: dict = {}  # device -> generator: sampling where the activations are
 
     def add(self, key, values: torch.Tensor, share: int) -> None:
         v = values.flatten()
         if v.numel() > share:
-            idx = torch.randperm(v.numel(), generator=self.gen)[:share].to(v.device)
-            v = v[idx]
+            g = self.gens.get(v.device)
+            if g is None:
+                g = self.gens[v.device] = torch.Generator(device=v.device).manual_seed(self.seed)
+            v = v[torch.randint(0, v.numel(), (share,), generator=g, device=v.device)]
         self.parts.setdefault(key, []).append(v.float())
 
     def sorted(self) -> dict:

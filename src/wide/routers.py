@@ -14,7 +14,20 @@ import torch.nn.functional as F
 from .kernels.reference import batch_shared_runs  # noqa: F401  (the rule lives beside its kernel's tests)
 
 
-class TokenRouter(nn.Module):
+class Float32Module(nn.Module):
+    """A module whose parameters and buffers stay float32 when the model around it moves to
+    another dtype: ``model.to(torch.bfloat16)`` moves it but does not downcast it (decisions
+    compared against thresholds flip under bf16 rounding)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
+
+
+class TokenRouter(Float32Module):
     """Linear(hidden -> rank, bias) -> Linear(rank -> 2*groups, bias), no activation.
 
     ``offset`` is added to (logit_exec - logit_skip) at inference only; calibrating it moves
@@ -43,14 +56,6 @@ class TokenRouter(nn.Module):
         with torch.no_grad():
             self.up.weight.zero_()
             self.up.bias.view(self.num_groups, 2).copy_(torch.tensor([gap / 2, -gap / 2]))
-
-    def _apply(self, fn, *args, **kwargs):
-        # model.to(torch.bfloat16) must move routers but not downcast them.
-        super()._apply(fn, *args, **kwargs)
-        for t in list(self.parameters()) + list(self.buffers()):
-            if t.is_floating_point() and t.dtype != torch.float32:
-                t.data = t.data.float()
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., groups, 2] with index 0 = execute, 1 = skip."""

@@ -81,6 +81,14 @@ class EvalArgs:
                 "unrelated windows (its quality cost; docs/routing_structure.md); e.g. 8 32"})
     decode_windows: int = field(default=64, metadata={
         "help": "held-out windows the decode-mode perplexity reads (with --decode-batches)", "min": 1})
+    generation: int = field(default=0, metadata={
+        "help": "also measure free-text quality on this many held-out prompts: greedy continuations of the dense "
+                "and the pruned model, KL(dense || pruned) per step on dense's text, the share of matching tokens, "
+                "the matching prefix and distinct bigrams (0: off)", "min": 0})
+    generation_tokens: int = field(default=32, metadata={
+        "help": "new tokens of each continuation (with --generation)", "min": 2})
+    generation_prompt: int = field(default=32, metadata={
+        "help": "prompt tokens cut from each held-out window (with --generation)", "min": 1})
 
 
 @dataclass
@@ -445,10 +453,11 @@ def heldout(args, tok) -> tuple:
     return ids, bpt
 
 
-def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, stage) -> dict:
+def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, stage, reference=None) -> dict:
     """One quality record: held-out perplexity, bits per byte, realised sparsity and, with
-    ``args.tasks``, zero-shot accuracy."""
-    from .evaluate import decode_perplexity, perplexity, zero_shot
+    ``args.tasks``, zero-shot accuracy; with ``args.generation``, free-text quality against
+    ``reference`` (the dense model; the model itself when None)."""
+    from .evaluate import decode_perplexity, generation_quality, perplexity, zero_shot
 
     rec = {"op": "quality", "model": Path(args.model).name if args.model != DEFAULT else MODEL_NAME,
            "method": method, "stage": stage}
@@ -467,6 +476,10 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
                          "ffn": geo.ffn_groups, "ffn_group_size": geo.ffn_group_size}
     if getattr(args, "decode_batches", None):
         rec["decode"] = decode_perplexity(model, heldout_ids[:args.decode_windows], batch_sizes=args.decode_batches)
+    if getattr(args, "generation", 0):
+        rec.update(generation_quality(model, model if reference is None else reference, heldout_ids,
+                                      prompts=args.generation, prompt_len=args.generation_prompt,
+                                      new_tokens=args.generation_tokens, batch_size=args.batch_size))
     if args.tasks:
         zs = zero_shot(model, tok, args.tasks, limit=args.limit, batch_size=args.batch_size)
         for t in args.tasks:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .env import autotune_enabled, interpret_mode, num_sms
-from .routing import next_pow2, split_tickets
+from .routing import split_tickets
 
 __all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_ffn_up", "fine_gemv_reference",
            "fine_ffn_up_reference", "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
@@ -481,6 +481,11 @@ def _bk(c: triton.Config) -> int:
 # threads (BR * BN = 8 * 32 * warps puts one vector per thread) and BU rows per thread.
 # Narrow slices (BN 32..128, a 64..256-byte piece of each row) give many column slices, so
 # few splits and a short reduction. PPS: programs per SM the split factor aims at.
+# Provenance: a sweep of the first version of this kernel (a [BK, BN] fp32 accumulator per
+# token, no prefetch; H100, Llama-3.1-8B, T = 1, 50 % kept) was fastest with 64-column slices
+# on down, o and q|k|v and with 256..1024-column ones on up, at 1.36-1.76x the plain-read
+# floor. This list (present kernel) is a guess from that; `python -m wide.benchmarks.fine_gemv
+# --sweep` times it and more on a GPU.
 _CONFIGS = [
     _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
     _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
