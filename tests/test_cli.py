@@ -271,8 +271,17 @@ def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_noth
     assert "resumed" not in capsys.readouterr().out
     assert json.loads((tmp / "r" / "settings.json").read_text())["target"] == 0.3
     first = _saved_routers(tmp / "r")
+    recorded = json.loads((tmp / "r" / "run.json").read_text())
     assert main([*argv, "--target", "0.3", "--resume"]) == 0
-    assert "at step 2/2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "at step 2/2" in out
+    # issue 41, defect 9: the resumed process trained nothing, so the wall time is the one recorded
+    # when the run finished, not this process's (the demo said "0.0 min on this machine")
+    run = json.loads((tmp / "r" / "run.json").read_text())
+    assert (run["wall_s"], run["tokens_per_s"], run["date"]) == (recorded["wall_s"], recorded["tokens_per_s"],
+                                                                 recorded["date"])
+    assert run["recorded_earlier"] is True and "recorded_earlier" not in recorded
+    assert f"({recorded['wall_s'] / 60:.1f} min, recorded when the run finished" in out
     again = _saved_routers(tmp / "r")
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]
@@ -299,3 +308,22 @@ def test_generate_batch_shared_needs_routers_and_runs_with_them(tiny_run, capsys
                  "--prompt", "a mat", "--max-new-tokens", "4", "--backend", "torch", "--batch-shared"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- ") == 2 and "[routed, batch_shared, backend torch]" in out
+
+
+def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):
+    # issue 41, defect 8: --decode-batches computed decode-mode perplexity and printed nothing of it
+    import wide
+    from transformers import AutoModelForCausalLM
+
+    tmp, common = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(common[1], dtype=torch.float32)
+    wide.save_routers(wide.wrap(model, WideConfig(ffn_group_size=32, router_init="random"), seed=0), tmp / "r")
+    capsys.readouterr()
+    assert main(["eval", *common, "--routers", str(tmp / "r"), "--dense", "--tasks", "--max-eval-sequences", "4",
+                 "--decode-batches", "2", "--decode-windows", "4"]) == 0
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ")]
+    head, dense, routed = (dict(zip(table[0], row)) for row in table)
+    assert "decode ppl" in head and "decode ppl, shared B=2" in head, table[0]
+    assert float(dense["decode ppl"]) > 1 and dense["decode ppl, shared B=2"] == "-"  # nothing to share
+    assert float(routed["decode ppl"]) > 1 and float(routed["decode ppl, shared B=2"]) > 1

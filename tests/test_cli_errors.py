@@ -26,10 +26,20 @@ def w(tmp_path_factory):
         (root / "afile").write_text("not a directory\n")
         (root / "empty_dir").mkdir()
         (root / "other.jsonl").write_text(json.dumps({"body": "the cat sat"}) + "\n")
-        # What `wide demo` (30 steps) leaves, without running it on the default model.
+        # What `wide demo` (30 steps) leaves, without running it on the default model: settings
+        # and a checkpoint (settings alone are no run: nothing was trained yet).
         demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
-        (root / "demo").mkdir()
+        shutil.copytree(root / "done" / "checkpoint", root / "demo" / "checkpoint")
         (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
+        (root / "latin1.txt").write_bytes("the cat sat on the café mat".encode("latin-1"))
+        (root / "latin1.jsonl").write_bytes(b'{"text": "the cat"}\n\n{"text": "a mat"}\n' +
+                                            '{"text": "the café"}\n'.encode("latin-1"))
+        (root / "garbage.bin").write_bytes(bytes(range(256)))
+        (root / "gpt2").mkdir()
+        (root / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        shutil.copytree(root / "model", root / "truncated")
+        with open(root / "truncated" / "model.safetensors", "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
         for name, text in (("empty_meta", "{}"), ("bad_json", "{not json")):
             shutil.copytree(root / "done" / "routers", root / name)
             (root / name / "wide_config.json").write_text(text)
@@ -51,9 +61,16 @@ CASES = [
     ("eval-batch-size-0", lambda w: ["eval", *w.model, "--batch-size", "0"], "--batch-size: must be >= 1"),
     ("steps-0", lambda w: [*w.calibrate, "--steps", "0", "--out", f"{w.root}/x"], "--steps: must be >= 1"),
     ("target-above-1", lambda w: [*w.calibrate, "--target", "1.5", "--out", f"{w.root}/x"],
-     "--target: must lie in [0.0, 1.0], got 1.5"),
+     "--target: must lie in [0.0, 1.0), got 1.5"),
+    # a router set that skips every group is not a model (issue 41, defect 4)
+    ("target-1", lambda w: [*w.calibrate, "--target", "1", "--out", f"{w.root}/x"],
+     "--target: must lie in [0.0, 1.0), got 1"),
+    ("attn-target-1", lambda w: [*w.calibrate, "--attn-target", "1", "--ffn-target", "0.5", "--out", f"{w.root}/x"],
+     "--attn-target: must lie in [0.0, 1.0), got 1"),
+    ("ffn-target-1", lambda w: [*w.calibrate, "--attn-target", "0.5", "--ffn-target", "1.0", "--out", f"{w.root}/x"],
+     "--ffn-target: must lie in [0.0, 1.0), got 1.0"),
     ("target-negative", lambda w: [*w.calibrate, "--ffn-target", "-0.1", "--out", f"{w.root}/x"],
-     "--ffn-target: must lie in [0.0, 1.0]"),
+     "--ffn-target: must lie in [0.0, 1.0)"),
     ("attn-target-alone", lambda w: [*w.calibrate, "--attn-target", "0.3", "--out", f"{w.root}/x"],
      "set both --attn-target and --ffn-target"),
     ("lora-r-0", lambda w: ["recover", *w.model, "--routers", f"{w.root}/done/routers", "--lora-r", "0",
@@ -63,6 +80,9 @@ CASES = [
     ("compare-target-1", lambda w: ["compare", *w.model, "--targets", "0.5", "1"], "--targets: must lie in (0, 1)"),
     ("dry-run-mfu-0", lambda w: ["calibrate", "--dry-run", "--model", "llama-3.1-8b", "--mfu", "0", "--out", "x"],
      "--mfu: must lie in (0, 1]"),
+    ("lr-inf", lambda w: [*w.calibrate, "--lr", "inf", "--out", f"{w.root}/x"],
+     "--lr: must be a finite number, got inf"),
+    ("lr-nan", lambda w: [*w.calibrate, "--lr", "nan", "--out", f"{w.root}/x"], "--lr: must be a finite number"),
     ("seq-len-1", lambda w: [*w.calibrate, "--seq-len", "1", "--out", f"{w.root}/x"], "--seq-len: must be >= 2"),
     ("heldout-fraction-1", lambda w: [*w.calibrate, "--heldout-fraction", "1", "--out", f"{w.root}/x"],
      "--heldout-fraction: must lie in [0.0, 1.0)"),
@@ -128,6 +148,40 @@ CASES = [
      "--decontaminate: invalid choice"),
     ("eval-data-missing", lambda w: [*w.calibrate, "--eval-data", f"{w.root}/nowhere.jsonl", "--out", f"{w.root}/x"],
      "--eval-data"),
+    # checked from the model's config.json before any load, naming the flag (issue 41, defect 5)
+    ("ffn-group-size-not-dividing", lambda w: [*w.calibrate, "--ffn-group-size", "64", "--out", f"{w.root}/x"],
+     "--ffn-group-size=64 does not divide intermediate_size=96; sizes that divide it and suit the GPU kernels "
+     "(multiples of 16): [16, 32, 48, 96]"),
+    ("ffn-group-size-24", lambda w: [*w.calibrate, "--ffn-group-size", "24", "--out", f"{w.root}/x"],
+     "--ffn-group-size 24 is not a multiple of 16"),
+    ("compare-ffn-group-size-24", lambda w: ["compare", *w.common, "--ffn-group-size", "24", "--methods", "wide",
+                                             "--targets", "0.5", "--steps", "1", "--tasks", "--quiet",
+                                             "--runs", f"{w.root}/cr", "--out", f"{w.root}/c"],
+     "--ffn-group-size 24 is not a multiple of 16"),
+    ("attn-group-size-3", lambda w: [*w.calibrate, "--attn-group-size", "3", "--out", f"{w.root}/x"],
+     "--attn-group-size=3 does not divide the model's 4 query heads; valid sizes: [1, 2, 4]"),
+    ("unsupported-architecture", lambda w: [*w.calibrate, "--model", f"{w.root}/gpt2", "--out", f"{w.root}/x"],
+     f"this model is 'gpt2'"),
+    ("generate-unsupported-architecture", lambda w: ["generate", "--model", f"{w.root}/gpt2", "--prompt", "a"],
+     "this model is 'gpt2'"),
+    ("truncated-safetensors", lambda w: [*w.calibrate, "--model", f"{w.root}/truncated", "--out", f"{w.root}/x"],
+     "/truncated/model.safetensors is cut short"),
+    ("eval-truncated-safetensors", lambda w: ["eval", *w.common, "--model", f"{w.root}/truncated"],
+     "/truncated/model.safetensors is cut short"),
+    ("empty-prompt", lambda w: ["generate", *w.model, "--prompt", "the cat", "--prompt", ""],
+     "argument --prompt: must not be empty"),
+    ("routers-for-another-shape", lambda w: ["eval", *w.common, "--routers", "smollm2-135m-50"],
+     "trained for a different model"),
+    # one line naming the flag, the file and the byte (issue 41, defect 6)
+    ("data-not-utf8", lambda w: [*w.calibrate, "--data", f"{w.root}/latin1.txt", "--out", f"{w.root}/x"],
+     "/latin1.txt is not UTF-8 text: byte 22 (line 1)"),
+    ("data-not-utf8-on-a-later-line", lambda w: [*w.calibrate, "--data", f"{w.root}/latin1.jsonl",
+                                                 "--out", f"{w.root}/x"],
+     "/latin1.jsonl is not UTF-8 text: byte 56 (line 4)"),
+    ("eval-data-not-utf8", lambda w: ["eval", *w.common, "--eval-data", f"{w.root}/latin1.txt"],
+     "--eval-data "),
+    ("data-garbage", lambda w: [*w.calibrate, "--data", f"{w.root}/garbage.bin", "--out", f"{w.root}/x"],
+     "/garbage.bin: not a text source: give 'wiki' or 'sotu', a .txt or .jsonl file"),
     ("sample-tokens-0", lambda w: ["sample-data", *w.model, "--tokens", "0", "--out", f"{w.root}/x"],
      "--tokens: must be >= 1, got 0"),
     ("sample-temperature-0", lambda w: ["sample-data", *w.model, "--temperature", "0", "--out", f"{w.root}/x"],
@@ -139,6 +193,12 @@ CASES = [
 ]
 # Beyond the flag, what the one line must also say.
 ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing": "does not exist",
+        "ffn-group-size-24": "[16, 32, 48, 96]", "compare-ffn-group-size-24": "[16, 32, 48, 96]",
+        "unsupported-architecture": "--model", "generate-unsupported-architecture": "--model",
+        "truncated-safetensors": "--model", "eval-truncated-safetensors": "--model",
+        "routers-for-another-shape": "--routers",
+        "data-not-utf8": "--data ", "data-not-utf8-on-a-later-line": "--data ", "data-garbage": "--data ",
+        "eval-data-not-utf8": "latin1.txt is not UTF-8 text: byte 22",
         "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt", "eval-data-missing": "does not exist"}
 
 
@@ -165,3 +225,50 @@ def test_an_unexpected_error_keeps_its_traceback(w, monkeypatch):
     monkeypatch.setattr(runs, "check_model", bug)
     with pytest.raises(KeyError):
         main(["eval", *w.model])
+
+
+def _float_options(parser):
+    """(command, flag) of every option that converts its value to a float, on every command."""
+    import argparse
+
+    for sub in (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)):
+        for command, p in sub.choices.items():
+            for action in p._actions:
+                if action.option_strings and getattr(action.type, "__name__", None) == "float":
+                    yield command, action.option_strings[0]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_float_option_refuses_a_non_finite_value(value, capsys):
+    # issue 41, defect 2: a NaN passes no range check but reaches the ones that have none, and inf
+    # passes every lower bound (--lr inf trained to a FloatingPointError at step 1)
+    parser = build_parser()
+    options = list(_float_options(parser))
+    assert ("calibrate", "--lr") in options and ("compare", "--targets") in options and len(options) > 20
+    for command, flag in options:
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([command, f"{flag}={value}"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, (command, flag, err)
+        assert f"argument {flag}: must be a finite number, got {value}" in err, (command, flag, err)
+
+
+def test_eval_takes_its_results_stem_literally_and_replaces_results_only_with_overwrite(w, capsys):
+    # issue 41, defect 3: --out run.v1 and --out run.v2 both wrote run.json / run.md, and an
+    # existing result was replaced without a word
+    res = w.root / "results"
+    argv = ["eval", *w.common, "--tasks", "--max-eval-sequences", "2"]
+    for stem in ("run.v1", "run.v2"):
+        assert main([*argv, "--out", str(res / stem)]) == 0
+    assert sorted(p.name for p in res.iterdir()) == ["run.v1.json", "run.v1.md", "run.v2.json", "run.v2.md"]
+    assert (res / "run.v1.md").read_text().startswith("# run.v1\n")
+    before = (res / "run.v1.json").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--out", str(res / "run.v1")]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"--out {res / 'run.v1'}: {res / 'run.v1.json'} already exists" in err, err
+    assert "--overwrite" in err and "loaded " not in out  # refused before the model loads
+    assert (res / "run.v1.json").read_text() == before
+    (res / "run.v1.json").write_text("stale")
+    assert main([*argv, "--out", str(res / "run.v1"), "--overwrite"]) == 0
+    assert json.loads((res / "run.v1.json").read_text())["records"]

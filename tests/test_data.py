@@ -251,6 +251,33 @@ def test_load_documents_errors(tmp_path):
         load_documents("wiki", split="test")
 
 
+def test_a_file_that_is_not_utf8_is_named_with_the_byte_and_line(tmp_path):
+    # issue 41, defect 6: a bare codec message named neither the file nor where
+    (tmp_path / "latin1.txt").write_bytes("the cat\nsat on the café mat".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt is not UTF-8 text: byte 22 \(line 2\)"):
+        load_documents(str(tmp_path / "latin1.txt"))
+    (tmp_path / "docs").mkdir()
+    shutil.copy(tmp_path / "latin1.txt", tmp_path / "docs" / "b.txt")
+    (tmp_path / "docs" / "a.txt").write_text("the cat")
+    with pytest.raises(ValueError, match=r"b.txt is not UTF-8 text: byte 22 \(line 2\)"):
+        load_documents(str(tmp_path / "docs"))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "a"}\n' + '{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not UTF-8 text: byte 27 \(line 2\)"):
+        load_documents(str(tmp_path / "latin1.jsonl"))
+    data.check_utf8(tmp_path / "docs" / "a.txt")  # the check the command line runs first
+    with pytest.raises(ValueError, match=r"latin1.jsonl is not UTF-8 text: byte 27 \(line 2\)"):
+        data.check_utf8(tmp_path / "latin1.jsonl", chunk=16)  # the bad byte beyond the first chunk
+
+
+def test_every_message_listing_the_sources_lists_every_builtin_one(tmp_path):
+    # issue 41, defect 6: the list was spelled out by hand and had lost 'sotu'
+    (tmp_path / "x.bin").write_bytes(bytes(range(256)))
+    for source in (tmp_path / "x.bin", tmp_path / "missing.txt"):
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            load_documents(str(source))
+        assert all(repr(name) in str(e.value) for name in data.BUILTIN_SOURCES), e.value
+
+
 def test_load_zero_shot_unknown_task(tmp_path):
     with pytest.raises(ValueError, match="arc_easy.*hellaswag"):
         load_zero_shot("mmlu", cache_dir=tmp_path)

@@ -138,3 +138,91 @@ def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
     assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
     assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
     assert demo.explanation(records[:2], {}) == ""  # no routers of its own: nothing to explain
+    # a demo run again after it finished trains nothing: its time is the one recorded then (issue 41, defect 9)
+    text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0, "recorded_earlier": True})
+    assert "after 30 steps (31k tokens, 3.6 min, recorded when this run finished earlier)." in text
+
+
+def _routers_for(model_dir, out, **config):
+    """Routers of a model loaded from ``model_dir`` (so they record it as their base), saved to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wide.wrap(model, wide.WideConfig(ffn_group_size=32, **config), seed=0)
+    wide.save_routers(model, out)
+    return out
+
+
+def test_a_local_directory_overwritten_in_place_is_refused_before_anything_loads(tmp_path, capsys):
+    # issue 41, defect 1: 64 KiB of routers.safetensors overwritten, its size unchanged; the
+    # directory's own manifest catches it, in Python and on the command line before any load
+    opts = write_tiny_run(tmp_path)
+    d = _routers_for(opts[1], tmp_path / "r", router_rank=128)  # a file well over 64 KiB
+    f = d / "routers.safetensors"
+    size = f.stat().st_size
+    assert size > 96 * 1024
+    with open(f, "r+b") as fh:
+        fh.seek(16 * 1024)
+        fh.write(torch.randint(0, 256, (64 * 1024,), generator=torch.Generator().manual_seed(0),
+                               dtype=torch.uint8).numpy().tobytes())
+    assert f.stat().st_size == size
+    with pytest.raises(CheckpointError, match="routers.safetensors is corrupt or was changed"):
+        wide.load(tiny_model(), d)
+    capsys.readouterr()
+    assert main(["eval", *opts, "--routers", str(d), "--tasks"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "--routers" in err and "routers.safetensors is corrupt" in err, err
+    assert "loaded " not in out and "Traceback" not in err, out  # refused before the model or data loads
+
+
+def test_routers_record_their_base_model_as_an_absolute_path_and_load_from_anywhere(tmp_path, monkeypatch):
+    # issue 41, defect 7: a relative recorded path sent wide.from_pretrained to the hub when run
+    # from another working directory
+    write_tiny_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _routers_for("model", tmp_path / "runs" / "a" / "routers")  # --model model, as typed in tmp_path
+    meta_file = tmp_path / "runs" / "a" / "routers" / "wide_config.json"
+    assert json.loads(meta_file.read_text())["base_model"] == str(tmp_path / "model")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert wide.from_pretrained(tmp_path / "runs" / "a" / "routers").config.num_hidden_layers == 2
+    # what a checkpoint from before recorded: the path relative to where the command ran, found
+    # beside one of the router directory's parents
+    old = json.loads(meta_file.read_text())
+    (tmp_path / "runs" / "a" / "routers" / "wide_manifest.json").unlink()  # (the file below is edited)
+    meta_file.write_text(json.dumps({**old, "base_model": "model"}))
+    assert wide.from_pretrained(tmp_path / "runs" / "a" / "routers").config.num_hidden_layers == 2
+    # a base model that is nowhere here: one clear error, no hub lookup
+    for missing in ("gone/model", str(tmp_path / "gone"), "some-org/some-model"):
+        meta_file.write_text(json.dumps({**old, "base_model": missing}))
+        with pytest.raises(CheckpointError, match=f"trained on {missing}, which is not a model directory here.*"
+                                                  "base_model="):
+            wide.from_pretrained(tmp_path / "runs" / "a" / "routers")
+
+
+def test_loading_routers_onto_another_model_of_the_same_shape_warns(tmp_path, capsys):
+    # issue 41, defect 7: the recorded base model was never compared
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from wide.serialization import BaseModelWarning
+
+    opts = write_tiny_run(tmp_path)
+    shutil.copytree(tmp_path / "model", tmp_path / "other")  # same shape, another model
+    routers = _routers_for(tmp_path / "model", tmp_path / "r")
+    other = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "other", dtype=torch.float32)  # noqa: E731
+    with pytest.warns(BaseModelWarning) as caught:
+        wide.load(other(), routers)
+    text = str(caught[0].message)
+    assert "\n" not in text and str(tmp_path / "model") in text and str(tmp_path / "other") in text, text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BaseModelWarning)
+        wide.load(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), routers)  # its own base: silent
+        wide.from_pretrained(routers, base_model=other())  # another model, on purpose: silent
+        wide.load(other(), routers, check_base=False)
+    capsys.readouterr()
+    assert main(["eval", *opts, "--model", str(tmp_path / "other"), "--routers", str(routers), "--tasks",
+                 "--max-eval-sequences", "1"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "trained on" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: routers in {routers} were trained on "), warned

@@ -76,3 +76,12 @@ def test_readme_python_example_runs(tmp_path, capsys):
     reloaded = ns["model"]  # the example's last line rebinds model to the one loaded back
     n_routers = sum(isinstance(m, TokenRouter) for m in reloaded.modules())
     assert n_routers == 2 * reloaded.config.num_hidden_layers  # attention + FFN, every layer
+
+
+def test_readme_names_the_default_model_as_it_is():
+    # issue 41, defect 11: the README called it "SmolLM2-135M"; it is the instruct model, a Q4_1
+    # GGUF dequantised (docs/data.md)
+    text = README.read_text()
+    start = text.split("## Python API")[0]
+    assert data.MODEL_NAME == "SmolLM2-135M-Instruct" and data.MODEL_NAME in start and "Q4_1 GGUF" in start
+    assert not re.findall(r"SmolLM2-135M(?!-Instruct)", text)

@@ -7,6 +7,7 @@ temporary folder and the very routers an uninterrupted run with the same seed gi
 Children are forked from this process, which has imported everything, so each one costs a
 model load and a few steps, not an interpreter start."""
 
+import json
 import multiprocessing
 import os
 import random
@@ -166,3 +167,29 @@ def test_a_child_killed_inside_a_progress_bar_write_leaves_no_lock_behind():
     finally:  # a fresh shared lock for the tests after this one
         TqdmDefaultWriteLock.mp_lock = multiprocessing.RLock()
         _set_progress_lock(TqdmDefaultWriteLock())
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_corrected_one(tmp_path, monkeypatch,
+                                                                                       capsys):
+    # issue 41, defect 2: a learning rate that turns the loss non-finite at step 1 ended in a
+    # traceback and left settings.json behind, so the corrected command needed --overwrite. A run
+    # directory with settings but no checkpoint holds nothing trained: nothing to resume or lose.
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    out = tmp_path / "run"
+    argv = ["calibrate", *write_tiny_run(tmp_path), "--steps", "3", "--batch-size", "1", "--eval-every", "0",
+            "--offset-batches", "1", "--ffn-group-size", "32", "--out", str(out)]
+    capsys.readouterr()
+    assert main([*argv, "--lr", "1e30"]) == 1
+    err = capsys.readouterr().err  # (the progress bar above the error line)
+    assert "Traceback" not in err and err.endswith("\n") and err.splitlines()[-1].startswith(
+        "error: non-finite loss at step 1 ") and "lower the learning rate" in err, err
+    assert not (out / train_module.CHECKPOINT_DIR).exists()
+    for extra in ([], ["--resume"]):  # the corrected command, as typed again or as a resume
+        assert main([*argv, "--lr", "1e-3", *extra]) == 0, capsys.readouterr().err
+        assert json.loads((out / "settings.json").read_text())["lr"] == 1e-3  # the settings of the run made
+        assert main([*argv, "--lr", "1e30", "--overwrite"]) == 1
+    # a run with a checkpoint is still one: without --resume it is refused, with it continued
+    assert main([*argv, "--lr", "1e-3", "--stop-at", "1"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--lr", "1e-3"]) == 2 and "already holds a run" in capsys.readouterr().err
+    assert main([*argv, "--lr", "1e-2", "--resume"]) == 2 and "--lr was 0.001" in capsys.readouterr().err

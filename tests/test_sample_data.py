@@ -28,9 +28,18 @@ def shas(d):
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens(tiny):
+    import os
+    import stat
+
     tmp, common = tiny
-    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
-        assert main(["sample-data", *common[:2], *SAMPLE, "--seed", seed, "--out", str(tmp / name)]) == 0
+    old = os.umask(0o022)
+    try:
+        for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+            assert main(["sample-data", *common[:2], *SAMPLE, "--seed", seed, "--out", str(tmp / name)]) == 0
+    finally:
+        os.umask(old)
+    # outputs others may read: the modes the umask gives (issue 41, defect 10; shards were 0600)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp / "a").iterdir()} == {0o644}
     assert shas(tmp / "a") == shas(tmp / "b") and len(shas(tmp / "a")) == 3
     assert not set(shas(tmp / "a")) & set(shas(tmp / "c"))
     man = json.loads((tmp / "a" / "manifest.json").read_text())

@@ -466,3 +466,27 @@ def test_read_meta_names_what_a_config_lacks(tmp_path, llama):
     (tmp_path / "r" / "wide_config.json").write_text("[1]")
     with pytest.raises(CheckpointError, match="holds a list"):
         serialization.read_meta(tmp_path / "r")
+
+
+@pytest.mark.parametrize("umask, dirs, files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)],
+                         ids=["umask022", "umask077"])
+def test_router_and_checkpoint_directories_get_the_modes_the_umask_gives(tmp_path, llama, umask, dirs, files):
+    # issue 41, defect 10: they were 0700 with 0600 files whatever the umask (mkdtemp; safetensors)
+    import stat
+
+    wide.wrap(llama, WideConfig(ffn_group_size=32))
+
+    def more(tmp):  # what a checkpoint adds: trainer state, a sub-directory (DCP, adapters)
+        torch.save({"step": 1}, tmp / "trainer_state.pt")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "x.json").write_text("{}")
+
+    old = os.umask(umask)
+    try:
+        for _ in range(2):  # a new directory, then one replaced
+            wide.save_routers(llama, tmp_path / "r", write_more=more)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in [tmp_path / "r", *(tmp_path / "r").rglob("*")]}
+    assert modes == {k: dirs if (tmp_path / k).is_dir() else files for k in modes} and len(modes) == 7, modes

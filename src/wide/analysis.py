@@ -129,9 +129,11 @@ def analyze(model, batches: Iterable[torch.Tensor], out_stem=None, *, title: Opt
     if out_stem is not None:
         out_stem = Path(out_stem)
         out_stem.parent.mkdir(parents=True, exist_ok=True)
-        out_stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        plot(res, out_stem.with_suffix(".png"), title=title)
-        res["files"] = [str(out_stem.with_suffix(".json")), str(out_stem.with_suffix(".png"))]
+        # the stem as given: with_suffix would write run.json for the stem run.v1_analysis
+        json_file, png_file = (out_stem.parent / f"{out_stem.name}{ext}" for ext in (".json", ".png"))
+        json_file.write_text(json.dumps(res, indent=1))
+        plot(res, png_file, title=title)
+        res["files"] = [str(json_file), str(png_file)]
     return res
 
 

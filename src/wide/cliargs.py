@@ -6,8 +6,8 @@ builds the dataclass back from the parsed namespace.
 A field is an option when its metadata has ``help``. Other metadata keys: ``flag`` (the
 option string, default ``--field-name``), ``choices`` and ``nargs`` (passed to argparse), and
 the field's range: ``min`` / ``max`` (inclusive), ``gt`` / ``lt`` (exclusive). The parser
-refuses a value outside the range, naming the flag, before any command runs; the dataclass
-itself checks the same declaration with :func:`check_fields`.
+refuses a value outside the range, and a float that is not finite (inf, nan), naming the flag,
+before any command runs; the dataclass itself checks the same with :func:`check_fields`.
 The option's ``dest`` is argparse's own for the flag (``--target`` -> ``args.target``), so
 the namespace keeps the names the commands have always read.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import typing
 from typing import Any, Iterable, Optional
@@ -55,7 +56,10 @@ RANGE_KEYS = ("min", "max", "gt", "lt")
 
 
 def range_error(value, *, min=None, max=None, gt=None, lt=None) -> Optional[str]:
-    """Why ``value`` is outside the range ("must lie in [0, 1]"), or None when it is inside."""
+    """Why ``value`` is outside the range ("must lie in [0, 1]"), or None when it is inside.
+    A float must also be finite: inf passes every lower bound, and no option means either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
     lo = (min, "[") if min is not None else (gt, "(") if gt is not None else None
     hi = (max, "]") if max is not None else (lt, ")") if lt is not None else None
     inside = ((min is None or value >= min) and (gt is None or value > gt)
@@ -71,7 +75,8 @@ def range_error(value, *, min=None, max=None, gt=None, lt=None) -> Optional[str]
 
 def bounded(kind, **limits):
     """An argparse ``type`` that converts with ``kind`` and refuses values outside ``limits``
-    (``min``, ``max``, ``gt``, ``lt``); argparse then names the flag in its error."""
+    (``min``, ``max``, ``gt``, ``lt``) and, for floats, inf and nan; argparse then names the
+    flag in its error."""
     def convert(text):
         value = kind(text)
         why = range_error(value, **limits)
@@ -91,10 +96,10 @@ def check_fields(obj) -> None:
         if value is None:
             continue
         limits = {k: f.metadata[k] for k in RANGE_KEYS if k in f.metadata}
-        if limits:
-            why = range_error(value, **limits)
+        for v in value if isinstance(value, (list, tuple)) else [value]:  # nargs: each value
+            why = range_error(v, **limits) if limits or isinstance(v, float) else None
             if why:
-                raise ValueError(f"{f.name} {why}, got {value}")
+                raise ValueError(f"{f.name} {why}, got {v}")
         choices = f.metadata.get("choices")
         if choices is not None:
             values = value if "nargs" in f.metadata else [value]
@@ -142,7 +147,7 @@ def add_fields(container, cls, *, only: Optional[Iterable[str]] = None, skip: It
                 raise TypeError(f"{cls.__name__}.{name}: a boolean option must default to False (store_true)")
             kw["action"] = "store_true"
         else:
-            kw["type"] = bounded(kind, **limits) if limits else kind
+            kw["type"] = bounded(kind, **limits) if limits or kind is float else kind
             if value is not None and "(default" not in text:
                 text += " (default: %(default)s)"
         container.add_argument(flag(f), dest=dest(f), default=value, help=text, **kw)
@@ -156,14 +161,18 @@ def from_args(cls, args, **overrides):
     try:
         return cls(**values)
     except ValueError as e:
-        # The dataclass names its fields; the user typed flags. Names with an underscore only:
-        # a short name like "r" would also match ordinary words.
-        text = str(e)
-        for f in options(cls):
-            if "_" in f.name:
-                text = re.sub(rf"\b{f.name}\b", flag(f), text)
-        raise ValueError(text) from None
+        raise ValueError(with_flags(cls, str(e))) from None
 
 
-__all__ = ["add_fields", "from_args", "options", "flag", "dest", "flag_of", "default", "bounded", "check_fields",
-           "range_error", "RANGE_KEYS"]
+def with_flags(cls, text: str) -> str:
+    """A message that names fields of dataclass ``cls`` (its own checks', or code reading it)
+    with the flags the user typed instead. Names with an underscore only: a short name like "r"
+    would also match ordinary words."""
+    for f in options(cls):
+        if "_" in f.name:
+            text = re.sub(rf"\b{f.name}\b", flag(f), text)
+    return text
+
+
+__all__ = ["add_fields", "from_args", "with_flags", "options", "flag", "dest", "flag_of", "default", "bounded",
+           "check_fields", "range_error", "RANGE_KEYS"]

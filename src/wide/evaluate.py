@@ -449,14 +449,22 @@ class _null:
 
 def markdown_table(rows: list[dict], tasks=TASKS) -> str:
     """One row per method: sparsity (FLOP-weighted, group, linear), perplexity, bpb, each task's
-    headline metric, average, and the generation measures where they were taken."""
+    headline metric, average; and where a record has them, the decode-mode perplexities (``wide
+    eval --decode-batches``: the routers' own masks and batch-shared over each batch size,
+    :func:`decode_perplexity`) and the generation measures (``--generation``)."""
+    shared = sorted({b for r in rows for b in (r.get("decode") or {}).get("batch_shared", {})}, key=int)
+    decode = (["decode ppl", *(f"decode ppl, shared B={b}" for b in shared)] if any(r.get("decode") for r in rows)
+              else [])
     gen = [k for k in ("gen_kl", "gen_match", "gen_prefix", "gen_distinct2") if any(r.get(k) is not None for r in rows)]
-    head = ["method", "FLOP sparsity", "group sparsity", "linear sparsity", "ppl", "bpb", *tasks, "avg", *gen]
+    head = ["method", "FLOP sparsity", "group sparsity", "linear sparsity", "ppl", "bpb", *decode, *tasks, "avg", *gen]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=3: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
     for r in rows:
         cells = [r.get("label") or r.get("method", "?"), fmt(r.get("sparsity")), fmt(r.get("group_sparsity")),
                  fmt(r.get("linear_sparsity")), fmt(r.get("ppl"), 2), fmt(r.get("bpb"))]
+        if decode:
+            d = r.get("decode") or {}
+            cells += [fmt(d.get("own"), 2), *(fmt(d.get("batch_shared", {}).get(b), 2) for b in shared)]
         cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))] + [fmt(r.get(k)) for k in gen]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

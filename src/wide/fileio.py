@@ -1,5 +1,5 @@
 """Small file helpers shared by the asset cache (data), checkpoints (serialization) and
-sampled-data shards: one sha256 and one whole-file text replacement."""
+sampled-data shards: one sha256, one whole-file text replacement, and the mode the umask gives."""
 
 from __future__ import annotations
 
@@ -16,6 +16,20 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def umask_mode(directory: bool = False) -> int:
+    """The mode the process umask gives a new file (``0o666 & ~umask``) or directory (``0o777 &
+    ~umask``): 0644 / 0755 under the usual 022. What outputs get, whatever a library that wrote
+    them chose (safetensors writes 0600). Read from /proc on Linux: setting the umask to read it
+    would change it for every thread for an instant."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
 
 
 def atomic_write_text(path: Union[str, Path], text: str) -> None:

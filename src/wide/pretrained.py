@@ -82,9 +82,10 @@ def base_model_for(name_or_path, base_model=None):
     return base_model
 
 
-def load(model, name_or_path):
-    """``wide.load``: routers from a directory or a shipped name onto ``model``."""
-    return serialization.load(model, resolve(name_or_path))
+def load(model, name_or_path, *, check_base: bool = True):
+    """``wide.load``: routers from a directory or a shipped name onto ``model`` (warning when
+    they were trained on another model of its shape, unless ``check_base=False``)."""
+    return serialization.load(model, resolve(name_or_path), check_base=check_base)
 
 
 def from_pretrained(name_or_path, base_model=None, **hf_kwargs):

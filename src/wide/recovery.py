@@ -173,12 +173,13 @@ def save_recovered(model, path, *, extra: Optional[dict] = None, write_more=None
     return save_routers(model, path, extra=extra, write_more=write)
 
 
-def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
+def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool = True, **hf_kwargs):
     """Base model (a model or a local HF directory) + everything a method directory holds, in
     one call: routers, LoRA adapters if any (merged by default), a static pruning mask if any.
 
     Works on stage-1 router directories too, so it is the one loader for every method, and on
-    the names of shipped routers (wide.pretrained).
+    the names of shipped routers (wide.pretrained). A base model other than the one the
+    routers were trained on (same shape) loads with a warning unless ``check_base=False``.
     """
     from . import pretrained
     from .baselines import apply_static_file
@@ -186,7 +187,7 @@ def load_recovered(base, path, *, merge_adapters: bool = True, **hf_kwargs):
     base = pretrained.base_model_for(path, base)
     path = Path(pretrained.resolve(path))
     base = resolve_base_model(path, base, **hf_kwargs)
-    load(base, path)
+    load(base, path, check_base=check_base)
     if (path / ADAPTER_FILE).is_file():
         add_lora(base, lora_args_from_dir(path))
         read_adapters(base, path)

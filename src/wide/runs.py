@@ -21,6 +21,8 @@ from .data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
 from .evaluate import TASKS
 
 DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
+DEFAULT_SHAPE = "smollm2-135m"  # the default model's entry in wide.arch.PRESETS: checked before it is fetched
+FFN_TILE = 16  # channels of the routed GPU kernels' FFN tile: FFN group sizes are multiples of it
 DTYPES = ("float32", "bfloat16", "float16")
 OFFSET_MODES = ("global", "per_module", "none")
 
@@ -129,9 +131,93 @@ def check_model(args) -> None:
         raise ValueError(f"--model {path} has no config.json: not a Hugging Face model directory")
 
 
+def model_config(args, *, routed: bool = True):
+    """The transformers config of --model, read from its config.json alone (the default model:
+    its known shape, so nothing is fetched yet), once the checks that need no weights loaded
+    have passed: every safetensors file whole and, with ``routed``, an architecture wide routes."""
+    from . import arch
+
+    check_model(args)
+    if args.model == DEFAULT:
+        cfg = arch.hf_config(DEFAULT_SHAPE)
+    else:
+        from transformers import AutoConfig
+
+        path = Path(args.model).expanduser()
+        try:
+            cfg = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"--model {path}: its config.json cannot be read ({e})") from None
+        check_safetensors("--model", path)
+    if routed:
+        try:
+            arch.spec_for(cfg)
+        except arch.UnsupportedArchitecture as e:
+            raise ValueError(f"--model {args.model}: {e}") from None
+    return cfg
+
+
+def check_safetensors(flag: str, directory) -> None:
+    """Every ``*.safetensors`` file of ``directory`` (and every shard its index lists) exactly as
+    long as its header says: a copy or download cut short fails here, in milliseconds, not after
+    the data is packed."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{flag} {directory}: {index} is not a safetensors index (damaged?)") from None
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise ValueError(f"{flag} {directory}: {index} lists {', '.join(missing)}, which it does not hold")
+    for f in sorted(directory.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = fh.read(n) if 8 + n <= size else None
+        if header is None:
+            raise ValueError(f"{flag} {directory}: {f} is cut short or not a safetensors file ({size} bytes, fewer "
+                             "than its header alone would take): copy or download it again")
+        try:
+            entries = json.loads(header)
+            need = 8 + n + max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise ValueError(f"{flag} {directory}: {f} is not a safetensors file (its header does not "
+                             "parse)") from None
+        if size < need:
+            raise ValueError(f"{flag} {directory}: {f} is cut short ({size} of the {need} bytes its header "
+                             "promises): copy or download it again")
+        if size > need:
+            raise ValueError(f"{flag} {directory}: {f} holds {size - need} bytes more than its header describes "
+                             "(damaged?): copy or download it again")
+
+
+def check_geometry(hf_config, config) -> None:
+    """The group sizes of WideConfig ``config`` against the model's config, naming the flags:
+    dividing its query heads and FFN channels, and for the FFN a multiple of 16, which the GPU
+    kernels need (ops.kernel_shape_error) and the help promises."""
+    from .cliargs import with_flags
+    from .config import WideConfig
+    from .modeling import ModelDims, resolve_geometry
+
+    dims = ModelDims.from_hf_config(hf_config)
+    ffn = config.ffn_group_size
+    if ffn is not None and ffn % FFN_TILE:
+        sizes = [d for d in range(FFN_TILE, dims.intermediate_size + 1, FFN_TILE) if dims.intermediate_size % d == 0]
+        raise ValueError(f"--ffn-group-size {ffn} is not a multiple of {FFN_TILE}, which the GPU kernels need; the "
+                         f"multiples of {FFN_TILE} that divide this model's {dims.intermediate_size} FFN channels: "
+                         f"{sizes}")
+    try:
+        resolve_geometry(dims, config)
+    except ValueError as e:
+        raise ValueError(with_flags(WideConfig, str(e))) from None
+
+
 def check_data(args) -> None:
-    """--data (and --eval-data) exist; a JSONL file's first record holds --text-field (the whole
-    file is read, and checked again, only after this)."""
+    """--data (and --eval-data) exist, are a kind of source the loader reads, and their text
+    files decode as UTF-8 (every byte: reading is cheap next to tokenising); a JSONL file's
+    first record holds --text-field (every record is checked again when the file is read)."""
     from .data import is_token_shards
 
     _check_source("--data", args.data, args.text_field)
@@ -144,13 +230,27 @@ def check_data(args) -> None:
 
 
 def _check_source(flag: str, source: str, text_field: str) -> None:
+    from .data import TEXT_SUFFIXES, check_utf8, valid_sources
+
     if source in BUILTIN_SOURCES:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{flag} {path} does not exist (give {' or '.join(map(repr, BUILTIN_SOURCES))}, "
-                                "a .txt or .jsonl file, a directory of .txt files, a datasets directory or a "
-                                "wide sample-data directory)")
+        raise FileNotFoundError(f"{flag} {path} does not exist (give {valid_sources()})")
+    if path.is_file() and path.suffix.lower() not in TEXT_SUFFIXES:
+        raise ValueError(f"{flag} {path}: not a text source: give {valid_sources()}")
+    # every byte, not the first record only: text that does not decode would otherwise stop the
+    # command after the tokenizer and data packing, with a codec message naming no file
+    if path.is_file():
+        texts = [path] if path.suffix.lower() in (".txt", ".jsonl") else []
+    else:  # a directory of .txt files, unless it holds arrow or parquet data (which the loader reads instead)
+        arrow = (path / "dataset_dict.json").is_file() or any(path.glob("*.arrow")) or any(path.glob("*.parquet"))
+        texts = [] if arrow else sorted(path.glob("*.txt"))
+    for f in texts:
+        try:
+            check_utf8(f)
+        except ValueError as e:
+            raise ValueError(f"{flag} {e}") from None
     if path.is_file() and path.suffix.lower() == ".jsonl":
         with open(path, encoding="utf-8") as f:
             lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, ""))
@@ -175,20 +275,31 @@ def check_out(flag: str, out, *, stem: bool = False) -> None:
             break
 
 
-def check_routers(flag: str, path) -> dict:
-    """A router directory ``wide`` wrote; returns its metadata."""
-    from .serialization import read_meta
+def check_routers(flag: str, path, hf_config=None) -> dict:
+    """A router directory ``wide`` wrote, its files as its manifest sealed them (hashing a few
+    MB costs less than the model load a damaged file would waste) and, given the model's
+    ``hf_config``, trained for that shape; returns its metadata."""
+    from .serialization import read_meta, shape_differences, verify_manifest
 
     try:
-        return read_meta(path)
+        meta = read_meta(path)
+        verify_manifest(path)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
+    desc = shape_differences(meta, hf_config) if hf_config is not None else ""
+    if desc:
+        raise ValueError(f"{flag} {path}: routers trained for a different model than --model ({desc})")
+    return meta
 
 
 # ------------------------------------------------------------------ run directories
 
 SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
 RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
+# What makes a directory hold a run: settings alone are written before the first step, so a run
+# that failed before its first checkpoint (a loss gone non-finite, a kill) left nothing to resume
+# or lose, and the corrected command starts over there without --overwrite.
+RESULT_FILES = ("run.json", "history.json")
 
 
 def _normalised(key: str, value):
@@ -206,7 +317,7 @@ def _run_parts(out: Path, final_dir: str) -> list:
     from .serialization import leftovers
     from .train import CHECKPOINT_DIR
 
-    parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RUN_FILES)]
+    parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RESULT_FILES)]
     return [p for p in parts if p.exists()] + leftovers(out / CHECKPOINT_DIR) + leftovers(out / final_dir)
 
 
@@ -241,7 +352,8 @@ def prepare_run(args, final_dir: str, settings: dict) -> None:
 
 
 def start_run(args, final_dir: str, settings: dict) -> None:
-    """Right before training: clear the old run for --overwrite and record ``settings``."""
+    """Right before training: clear the old run for --overwrite and record ``settings`` (those of
+    the run resumed, where there is one: :func:`prepare_run` checked that they are the same)."""
     from .serialization import atomic_write_text, remove_directory
     from .train import CHECKPOINT_DIR
 
@@ -252,7 +364,7 @@ def start_run(args, final_dir: str, settings: dict) -> None:
         for f in RUN_FILES:
             (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / SETTINGS_FILE).is_file():
+    if not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir):
         atomic_write_text(out / SETTINGS_FILE, json.dumps(settings, indent=1))
 
 
@@ -447,6 +559,23 @@ def machine() -> dict:
     return d
 
 
+def results_files(stem) -> tuple:
+    """(STEM.json, STEM.md) of a results stem, taken literally: ``run.v1`` gives run.v1.json, where
+    ``Path.with_suffix`` would take ``.v1`` for a suffix and write run.json."""
+    stem = Path(stem).expanduser()
+    return stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
+
+
+def check_results(flag: str, stem, overwrite: bool) -> None:
+    """Results can be written at ``stem``: nothing in the way, and no earlier results there
+    unless ``overwrite`` (a results file is an hour of evaluation, and nothing rewrites it)."""
+    check_out(flag, stem, stem=True)
+    existing = [f for f in results_files(stem) if f.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{flag} {stem}: {existing[0]} already exists: pass --overwrite to replace it, or give "
+                         f"another {flag}")
+
+
 def write_results(args, records) -> None:
     """``args.out``.json (records, device, date, command) and .md (table); nothing without --out."""
     import torch
@@ -455,20 +584,21 @@ def write_results(args, records) -> None:
 
     if not args.out:
         return
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    json_file, md_file = results_files(args.out)
+    json_file.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": machine().get("gpu", platform.processor() or "cpu"), "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command(), "records": records}
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
-    md = [f"# {out.stem}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
+    json_file.write_text(json.dumps(doc, indent=2))
+    md = [f"# {Path(args.out).name}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
           f"device {doc['device']}", "", markdown_table(records, args.tasks or ()), ""]
     if args.limit:
         md.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    md_file.write_text("\n".join(md) + "\n")
+    print(f"wrote {json_file} and {md_file}")
 
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
-           "check_model", "check_data", "check_out", "check_routers", "run_settings", "prepare_run", "start_run",
+           "model_config", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
+           "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
-           "heldout", "evaluate_one", "command", "machine", "write_results", "default_device"]
+           "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]

@@ -41,7 +41,7 @@ import torch
 
 from .cliargs import check_fields
 from .data import SHARD_FORMAT, SHARD_MANIFEST, _separator_id, tokenizer_fingerprint
-from .fileio import sha256_file
+from .fileio import sha256_file, umask_mode
 from .serialization import atomic_write_text
 
 PROMPT_SOURCES = ("bos", "calibration")
@@ -185,6 +185,7 @@ def _write_shard(path: Path, shard: dict) -> str:
     os.close(fd)
     try:
         save_file({"tokens": shard["tokens"], "offsets": shard["offsets"]}, tmp)
+        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would stay: shards are an output others may read
         digest = sha256_file(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -19,9 +19,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import START_ONLY, WideConfig, with_predating
 from .fileio import atomic_write_text as _write_text
-from .fileio import sha256_file
+from .fileio import sha256_file, umask_mode
 from .fine import FineConfig, attach, get_fine
 from .modeling import ModelDims, get_state, wrap
 
@@ -51,6 +51,10 @@ SLOW_WRITE_ENV = "WIDE_TEST_SLOW_WRITE"
 
 class CheckpointError(ValueError):
     pass
+
+
+class BaseModelWarning(UserWarning):
+    """Routers loaded onto another model than the one they were trained on (same shape)."""
 
 
 def _pause() -> None:
@@ -79,7 +83,10 @@ def _seal(tmp: Path, info: Optional[dict]) -> None:
     """Make ``tmp`` durable and mark it complete: every file fsync'd and hashed, then the
     manifest, written through a rename so that it is itself whole or absent."""
     files, listed = {}, _files(tmp)
+    mode = umask_mode()
     for p in listed:
+        if p.stat().st_mode & 0o777 != mode:  # shareable like every other output (safetensors writes 0600)
+            os.chmod(p, mode)
         _fsync(p)
         files[p.relative_to(tmp).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
         _pause()
@@ -171,7 +178,9 @@ def atomic_directory(path: Union[str, Path], info: Optional[dict] = None):
     into the manifest. Leftovers of earlier interrupted writes are removed after the switch."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
+    # not tempfile.mkdtemp, whose 0700 would stay with the directory once renamed into place
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
     try:
         yield tmp
         _seal(tmp, info)
@@ -253,7 +262,8 @@ def save_routers(model, path, *, extra: Optional[dict] = None,
         "format_version": FORMAT_VERSION,
         "wide_config": state.config.to_dict(),
         "model": asdict(state.geometry.dims),
-        "base_model": getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None),
+        "base_model": base_model_id(getattr(model.config, "_name_or_path", None)
+                                    or getattr(model, "name_or_path", None)),
         **(extra or {}),
     }
     fine = get_fine(model)
@@ -321,18 +331,74 @@ def verify_manifest(path) -> None:
                           "directory was written; restore it or write the directory again")
 
 
-def load(model, path):
+def shape_differences(meta: dict, hf_config) -> str:
+    """How the model shape recorded in a router directory's metadata differs from a transformers
+    config's ("num_layers: checkpoint 2 vs model 3, ..."); empty when they agree."""
+    saved = meta["model"]
+    actual = asdict(ModelDims.from_hf_config(hf_config))
+    return ", ".join(f"{k}: checkpoint {saved.get(k)} vs model {v}" for k, v in actual.items() if saved.get(k) != v)
+
+
+def _default_model_dir(p: Path) -> bool:
+    """Whether ``p`` is wide's own copy of the default model (wide.data.fetch_default_model)."""
+    from .data import MODEL_NAME
+
+    return p.name == MODEL_NAME and (p / "wide_source.json").is_file()
+
+
+def base_model_id(name_or_path) -> Optional[str]:
+    """How a router directory names the model it was trained on: the default model's name for
+    wide's copy of it (every machine gets its own, wherever its cache is), an existing directory
+    as an absolute path (a relative one means nothing from another working directory), anything
+    else (a hub id) as given; None when the model does not say."""
+    from .data import MODEL_NAME
+
+    if not name_or_path:
+        return None
+    p = Path(str(name_or_path)).expanduser()
+    if p.is_dir():
+        return MODEL_NAME if _default_model_dir(p) else str(p.resolve())
+    return str(name_or_path)
+
+
+def recorded_base_model(path) -> tuple:
+    """(id, directory) of the base model recorded in router directory ``path``: the id as
+    :func:`base_model_id` gives it, and the local directory that holds it (None for the default
+    model, which wide fetches, and for a model that is not here). A relative path, which
+    checkpoints recorded before absolute ones, is looked for beside the router directory's
+    parents, nearest first, then in the working directory; a directory named like the default
+    model that is not here is wide's copy on the machine that trained them (the shipped routers)."""
+    from .data import MODEL_NAME
+
+    recorded = read_meta(path).get("base_model")
+    if not recorded or recorded == MODEL_NAME:
+        return (recorded or None), None
+    p = Path(recorded).expanduser()
+    candidates = [p] if p.is_absolute() else [*(d / p for d in Path(path).resolve().parents), Path.cwd() / p]
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is not None:
+        return base_model_id(found), (None if _default_model_dir(found) else found.resolve())
+    return (MODEL_NAME if p.name == MODEL_NAME else recorded), None
+
+
+def load(model, path, *, check_base: bool = True):
     """Wrap ``model`` with the routers saved in ``path`` (or load them into an already
     wrapped model with the same config), with their per-element thresholds where the directory
-    has them. Refuses routers made for another model shape, and damaged files."""
+    has them. Refuses routers made for another model shape, and damaged files. Routers of the
+    same shape trained on another model load with a :class:`BaseModelWarning` naming both,
+    unless ``check_base=False`` says that model is meant."""
     meta = read_meta(path)
     verify_manifest(path)
-    saved = meta["model"]
-    actual = asdict(ModelDims.from_hf_config(model.config))
-    diffs = {k: (saved.get(k), actual[k]) for k in actual if saved.get(k) != actual[k]}
-    if diffs:
-        desc = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diffs.items())
+    desc = shape_differences(meta, model.config)
+    if desc:
         raise CheckpointError(f"routers in {path} were trained for a different model ({desc})")
+    if check_base:
+        trained_on = recorded_base_model(path)[0]
+        given = base_model_id(getattr(model.config, "_name_or_path", None))
+        if trained_on and given and trained_on != given:
+            warnings.warn(f"routers in {path} were trained on {trained_on}, not on {given}, which has the same "
+                          "shape: loading them anyway (pass that model on purpose with check_base=False, or "
+                          "wide.from_pretrained(..., base_model=...))", BaseModelWarning, stacklevel=2)
     try:
         config = WideConfig.from_dict(meta["wide_config"])
     except (TypeError, ValueError) as e:
@@ -396,11 +462,18 @@ def load_thresholds(model, path, saved_config: dict) -> None:
 
 def resolve_base_model(path, base_model=None, **hf_kwargs):
     """The model a checkpoint applies to: ``base_model`` itself, a local HF directory to load,
-    or (None) the directory recorded in the checkpoint at save time."""
+    or (None) the model recorded in the checkpoint at save time (:func:`recorded_base_model`),
+    which must be here: a hub lookup is never tried for it."""
     if base_model is None:
-        base_model = read_meta(path).get("base_model")
-        if not base_model:
+        from .data import MODEL_NAME, fetch_default_model
+
+        trained_on, directory = recorded_base_model(path)
+        if not trained_on:
             raise CheckpointError(f"{path} records no base model: pass base_model=")
+        if directory is None and trained_on != MODEL_NAME:
+            raise CheckpointError(f"routers in {path} were trained on {trained_on}, which is not a model directory "
+                                  "here: pass base_model= (the model, or its directory)")
+        base_model = fetch_default_model() if directory is None else directory
     if isinstance(base_model, (str, Path)):
         from transformers import AutoModelForCausalLM
 
@@ -412,7 +485,7 @@ def resolve_base_model(path, base_model=None, **hf_kwargs):
 def from_pretrained(path, base_model=None, **hf_kwargs):
     """Load base model + routers in one call, like ``PeftModel.from_pretrained``.
 
-    ``base_model`` is a model, a local HF directory, or None to use the directory recorded
-    at save time.
+    ``base_model`` is a model, a local HF directory, or None to use the model recorded at save
+    time; one given here is meant, so another model than the recorded one loads silently.
     """
-    return load(resolve_base_model(path, base_model, **hf_kwargs), path)
+    return load(resolve_base_model(path, base_model, **hf_kwargs), path, check_base=base_model is None)
