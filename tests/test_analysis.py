@@ -113,3 +113,8 @@ def test_comparison_outputs(tmp_path):
     md = (tmp_path / "q.md").read_text()
     assert "| WIDE (calibration) | 1 | 50% |" in md and "+25.0%" in md
     assert (tmp_path / "q.png").stat().st_size > 1000
+    # stems with a dot are taken literally (run.v1 and run.v2 both wrote run.json before)
+    for stem in ("run.v1", "run.v2"):
+        compare.write_outputs(recs, tmp_path / "dots" / stem, args, command="wide compare")
+    assert sorted(p.name for p in (tmp_path / "dots").iterdir()) == [
+        "run.v1.json", "run.v1.md", "run.v1.png", "run.v2.json", "run.v2.md", "run.v2.png"]

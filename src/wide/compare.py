@@ -482,11 +482,13 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         "mix_weight": args.mix_weight, "amp": args.amp, "sparsity_warmup": args.sparsity_warmup,
                         # what else changes a number (the methods' WideConfig, stage 2, offsets): seeds of
                         # one comparison must agree on it (bench/seeds_summary.py checks)
-                        **wide_overrides(args), "lora_r": args.lora_r, "offsets": args.offsets,
+                        **wide_overrides(args), "axis": getattr(args, "axis", "flops"), "lora_r": args.lora_r,
+                        "offsets": args.offsets,
                         "data": args.data,
                         "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
            **(extra or {}), "records": records}
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    json_file, md_file = runs.results_files(out)  # the stem taken literally: run.v1 -> run.v1.json
+    json_file.write_text(json.dumps(doc, indent=2))
     tasks = list(args.tasks)
     lines = [f"# {out.stem}", "", f"Command: `{command}`", "",
              f"Date: {doc['date']}; torch {doc['torch']}; device {device}", "",
@@ -503,9 +505,9 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
             lines.append(f"- {r.get('label')} at {r['target']:.0%}: merged vs unmerged adapters, logits rel err "
                          f"{mc['logits_rel_err']:.2e} (stage 2 moved the logits by {mc['stage2_change_rel']:.2e}), "
                          f"greedy-token agreement {mc['argmax_agreement']:.4f} over {mc['tokens']} held-out tokens")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    md_file.write_text("\n".join(lines) + "\n")
     try:
-        plot(records, out.with_suffix(".png"))
+        plot(records, out.parent / f"{out.name}.png")
     except Exception as e:  # a missing plot must not lose the table of a long run
         print(f"warning: plot failed: {e}", file=sys.stderr)
 
@@ -546,7 +548,7 @@ def run(args) -> list:
             raise ValueError(f"targets must lie in (0, 1), got {t}")
     records = Comparison(args).run()
     print(table(records, list(args.tasks)))
-    print(f"wrote {Path(args.out).with_suffix('.md')}, .json and .png")
+    print(f"wrote {runs.results_files(args.out)[1]}, .json and .png")
     return records
 
 
