@@ -13,4 +13,4 @@ LIMIT=${LIMIT:-100}
 "$WIDE" calibrate --target 0.5 --loss-mode flops --steps "$STEPS" --batch-size 4 --seq-len 256 \
   --router-init random --sparsity-warmup 0 --eval-every 60 --eval-batches 4 --save-every 20 --out "$RUN" --resume
 "$WIDE" eval --routers "$RUN/routers" --dense --limit "$LIMIT" --batch-size 8 --overwrite \
-  --out bench/results/quality_smollm2_stage1
+  --out experiments/results/quality_smollm2_firstwave/quality_smollm2_stage1

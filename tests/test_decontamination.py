@@ -10,7 +10,7 @@ from conftest import TINY_WORDS, write_tiny_run
 from transformers import AutoTokenizer
 
 from wide import data, runs
-from wide.data import NGRAM, decontaminate, ngram_hashes
+from wide.data import NGRAM, decontam, decontaminate, ngram_hashes
 
 
 def test_ngrams_ignore_case_punctuation_and_spacing():
@@ -66,7 +66,7 @@ def planted(tmp_path, monkeypatch):
         pytest.fail("could not plant the documents in the calibration split")
     rows = {task: [{"question": "which one", "passage": passage if task == "boolq" else "unrelated words",
                     "choices": {"text": ["a", "b"]}}] for task in data.ZERO_SHOT_TASKS}
-    monkeypatch.setattr(data, "load_zero_shot", lambda task, cache_dir=None: rows[task])
+    monkeypatch.setattr(decontam, "load_zero_shot", lambda task, cache_dir=None: rows[task])
     tok = AutoTokenizer.from_pretrained(tmp_path / "model")
     args = SimpleNamespace(data=str(path), eval_data=None, text_field="text", heldout_fraction=0.25, seq_len=16,
                            decontaminate="all")

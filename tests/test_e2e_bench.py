@@ -100,7 +100,7 @@ def test_kernel_choices_read_per_routing():
 
 
 def test_e2e_group_sizes(tmp_path):
-    # Finer groups than the defaults (bench/results/group_size_cpu) time through the same kernels;
+    # Finer groups than the defaults (experiments/results/group_size_cpu) time through the same kernels;
     # the results say which sizes they timed.
     argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1", "--ffn-group-size", "16",
             "--attn-group-size", "1", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",

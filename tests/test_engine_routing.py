@@ -200,7 +200,7 @@ def test_decode_step_survives_a_graph_captures_warm_up(rule):
     # replay runs it once more: what the step leaves behind must be what one run leaves. The
     # previous-tile rule's running sums grow by the step's row, so the warm-up puts them back
     # (rule.step_state); on the H200 the graph missed that and drifted from eager by 0.65
-    # (bench/results/routing/routing_check_prev.json). Steps 10-13 cross a tile start at 12.
+    # (experiments/results/routing/routing_check_prev.json). Steps 10-13 cross a tile start at 12.
     from wide.graphs import warm_up
     tile = {"tile4": dict(route_tile=4), "tile4prev": dict(route_tile=4, tile_source="previous")}.get(rule, {})
     model = routed(**tile)

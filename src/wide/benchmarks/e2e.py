@@ -259,7 +259,7 @@ def main(argv=None) -> int:
                          "TPOT of each at every batch; default: %(default)s")
     ap.add_argument("--ffn-group-size", type=int, default=None,
                     help="FFN channels per group (default: 128, 32 with --tiny); finer groups route better "
-                         "(bench/results/group_size_cpu) at a kernel cost this measures")
+                         "(experiments/results/group_size_cpu) at a kernel cost this measures")
     ap.add_argument("--attn-group-size", type=int, default=None,
                     help="query heads per attention group (default: one GQA pack)")
     ap.add_argument("--modes", default="coarse",

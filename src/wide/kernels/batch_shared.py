@@ -33,7 +33,7 @@ def _batch_shared_kernel(m_ptr, out_ptr, score_ptr, B, G, stride_mb, stride_ob,
     # One program, written as runtime loops over the batch and over the groups: the first
     # version (a bitonic sort of a [groups, batch] tile and a [groups, groups] rank, ~3,000
     # straight-line PTX instructions) took 26 us per launch on an H200 (1.7 ms of a 6.2 ms
-    # decode step at B=32, bench/results/routing/e2e_routing_profile.md), far more than its
+    # decode step at B=32, experiments/results/routing/e2e_routing_profile.md), far more than its
     # arithmetic: instruction fetch of that much straight-line code is the likely cost.
     # Chunks of rows and of groups keep a few loads in flight per iteration without unrolling
     # the whole problem.
