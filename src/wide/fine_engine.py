@@ -8,12 +8,13 @@ weight row, so a thresholded prefill would read what a dense one reads.
 
 * ``fine``: every projection of a decode step reads only the weight rows its input keeps:
   q|k|v in one :func:`~wide.kernels.fine_gemv.fine_gemv` with a threshold per segment (TEAL's
-  greedy allocation gives q, k and v different ones), o, gate|up in one
-  :func:`~wide.kernels.fine_gemv.fine_ffn_up`, down. Routers, if the model has any, are not run.
+  greedy allocation gives q, k and v different ones), o, gate|up in one (SiLU*mul after it), down.
+  Routers, if the model has any, are not run.
 * ``hybrid``: the routers run as in ``coarse`` and their decode masks bound what the thresholds
   may keep: o and down read no input column of a skipped head / FFN group (the kernel's
-  ``group_mask`` over input columns), gate|up compute no output channel of a skipped FFN group
-  (``fine_ffn_up``'s output-channel mask), attention skips the skipped head groups, and inside
+  ``group_mask`` over input columns), gate|up's products are zeroed in a skipped FFN group (its
+  rows are still read: fine_ffn_up, which would skip them, does not compile at T = 1 on an H100),
+  attention skips the skipped head groups, and inside
   the kept groups the thresholds drop elements. The result is the masked HF path with both
   kinds of sparsity on. q computes every head: ``fine_gemv`` has no output-group mask, so the
   rows of a skipped head group are read whenever the input keeps them (their values are never
@@ -48,7 +49,7 @@ from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:
     from .kernels import silu_mul
-    from .kernels.fine_gemv import MAX_T, fine_ffn_up, fine_gemv, fine_layout, fine_segments
+    from .kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
 except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
     MAX_T = 4
 
@@ -286,8 +287,15 @@ class FineTritonOps(_FineDecode, TritonOps):
         if large:
             u = self._ffn_up_large(L, h, f, m, route)
         elif f.gu_one_scale:
-            u = fine_ffn_up(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], scale=f.scale[GATE], group_mask=m,
-                            group_size=None if m is None else gs)
+            # gate|up in one fine_gemv (a threshold per segment), then SiLU*mul with the router's
+            # groups zeroed: fine_ffn_up, the fused alternative, fails to compile at T = 1 on an
+            # H100 (Triton 3.6) and ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at
+            # T = 1 (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped
+            # FFN groups too; their products are zeroed.
+            inter = f.wgu_t.shape[1] // 2
+            gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                           scale=f.scale[GATE])
+            u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         else:
             inter = f.wgu_t.shape[1] // 2
             gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
