@@ -327,3 +327,31 @@ def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):
     assert "decode ppl" in head and "decode ppl, shared B=2" in head, table[0]
     assert float(dense["decode ppl"]) > 1 and dense["decode ppl, shared B=2"] == "-"  # nothing to share
     assert float(routed["decode ppl"]) > 1 and float(routed["decode ppl, shared B=2"]) > 1
+
+
+def test_compare_keeps_teal_greedy_paths_across_runs(tiny_run, monkeypatch):
+    """A comparison cut by a device call's time limit resumes in a new process: TEAL's greedy
+    search (minutes on a GPU) runs once per run directory, not once per process."""
+    from wide import fine
+
+    tmp, common = tiny_run
+    calls = []
+    search = fine.greedy_tables
+
+    def counted(*a, **k):
+        calls.append(a[3])
+        return search(*a, **k)
+
+    monkeypatch.setattr(fine, "greedy_tables", counted)
+    argv = ["compare", *common, "--methods", "teal_greedy", "--batch-size", "2", "--tasks", "--quiet",
+            "--fine-calib-sequences", "2", "--greedy-step", "0.5", "--runs", str(tmp / "g")]
+    assert main([*argv, "--targets", "0.5", "--out", str(tmp / "g1")]) == 0
+    stored = json.loads((tmp / "g" / "greedy_paths_magnitude.json").read_text())
+    assert calls == [0.5] and stored["up_to"] == 0.5
+    assert main([*argv, "--targets", "0.25", "--out", str(tmp / "g2")]) == 0  # a smaller target: the same walk
+    assert calls == [0.5]
+    first = json.loads((tmp / "g1.json").read_text())["records"][0]
+    assert first["method"] == "teal_greedy" and first["linear_sparsity"] > 0
+    assert main([*argv, "--targets", "0.6", "--out", str(tmp / "g3")]) == 0  # further than stored: searched again
+    assert calls == [0.5, 0.6]
+    assert json.loads((tmp / "g" / "greedy_paths_magnitude.json").read_text())["up_to"] == 0.6

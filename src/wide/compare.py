@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -251,8 +252,7 @@ class Comparison:
         if scores is None:
             scores = fine.collect_scores(model, self.fine_batches())
             if allocation == "greedy":
-                tables = fine.greedy_tables(model, self.fine_batches(), scores, max(self.args.targets),
-                                            progress=not self.args.quiet)
+                tables = self._greedy_tables(model, family, criterion, scores)
             self._fine_cache[(criterion, allocation)] = (scores, tables)
         dims = modeling.get_state(model).geometry.dims
         share = fine.greedy_sparsity(tables, target) if tables else fine.uniform_sparsity(dims, target)
@@ -261,6 +261,31 @@ class Comparison:
               f"{time.perf_counter() - t0:.1f}s", flush=True)
         save_recovered(model, final, extra=extra)
         return final
+
+    def _greedy_tables(self, model, family: str, criterion: str, scores: dict) -> list:
+        """TEAL's greedy paths, kept in RUNS beside the evaluation cache: the search is the
+        slow part of a greedy method (about 3 min of an H100 for SmolLM2 up to 60 %), and a
+        comparison cut by a device call's time limit must not redo it on the next call. A
+        stored path up to a larger target serves a smaller one (it is the same walk)."""
+        from . import fine
+
+        a = self.args
+        up_to = max(a.targets)
+        sig = {"key": self.eval_key(family, None).split("|")[1], "criterion": criterion}
+        path = self.root / f"greedy_paths_{criterion}.json"
+        if path.is_file():
+            try:
+                stored = json.loads(path.read_text())
+                if stored.get("sig") == sig and stored.get("up_to", 0) >= up_to - 1e-9:
+                    print(f"  {family}: greedy paths up to {stored['up_to']:.0%} from {path.name}", flush=True)
+                    return [[(e, list(sh)) for e, sh in layer] for layer in stored["tables"]]
+            except (ValueError, KeyError, TypeError):
+                pass  # unreadable or from other settings: searched again and rewritten below
+        tables = fine.greedy_tables(model, self.fine_batches(), scores, up_to, progress=not a.quiet)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"sig": sig, "up_to": up_to, "tables": tables}))
+        os.replace(tmp, path)
+        return tables
 
     # ------------------------------------------------------------ evaluation
 
