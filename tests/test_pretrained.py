@@ -131,13 +131,17 @@ def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
     assert demo.router_sets(own, default_model=False) == [own]  # shipped routers fit the default model only
     records = [{"method": "dense", "ppl": 27.5},
                {"method": "wide", "routers": "smollm2-135m-50", "ppl": 70.5, "sparsity": 0.502},
+               {"method": "learned", "routers": "smollm2-135m-fine-50", "ppl": 30.0, "sparsity": 0.0,
+                "linear_sparsity": 0.501},
                {"method": "wide", "routers": own, "ppl": 262.0, "sparsity": 0.505}]
     text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0})
+    assert "shipped `smollm2-135m-fine-50`: perplexity 30.0 here (1.09x dense) with 50% of the linear-layer MACs" in text
+    assert "on NVIDIA H100 80GB HBM3; no routers)" in text
     prov = pretrained.provenance("smollm2-135m-50")
     assert "shipped `smollm2-135m-50`: perplexity 70.5 here (2.6x dense)" in text
     assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
     assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
-    assert demo.explanation(records[:2], {}) == ""  # no routers of its own: nothing to explain
+    assert demo.explanation(records[:3], {}) == ""  # no routers of its own: nothing to explain
     # a demo run again after it finished trains nothing: its time is the one recorded then (issue 41, defect 9)
     text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0, "recorded_earlier": True})
     assert "after 30 steps (31k tokens, 3.6 min, recorded when this run finished earlier)." in text
@@ -226,3 +230,41 @@ def test_loading_routers_onto_another_model_of_the_same_shape_warns(tmp_path, ca
                  "--max-eval-sequences", "1"]) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "trained on" in line]
     assert len(warned) == 1 and warned[0].startswith(f"warning: routers in {routers} were trained on "), warned
+
+
+FINE_NAMES = ("smollm2-135m-fine-25", "smollm2-135m-fine-50")
+
+
+def test_shipped_learned_thresholds_trace_to_the_frontier():
+    root = pretrained.SHIPPED.parents[2]
+    for name in FINE_NAMES:
+        prov = pretrained.provenance(name)
+        meta = json.loads((pretrained.path(name) / "wide_config.json").read_text())
+        assert (prov["method"], prov["axis"], prov["stage"]) == (meta["method"], "linear", 1) == ("learned", "linear", 1)
+        assert prov["target_sparsity"] == meta["target"] == int(name[-2:]) / 100
+        assert prov["command"].startswith("wide compare") and "--axis linear" in prov["command"]
+        assert prov["tokens"] == prov["steps"] * 64 * 256 and prov["code_commit"]
+        ev = prov["evaluation"]
+        assert ev["routers"]["limit"] == ev["dense"]["limit"] == 500
+        assert abs(ev["routers"]["linear_sparsity"] - prov["target_sparsity"]) < 0.01
+        assert read_manifest(pretrained.path(name)) is not None
+        f = root / ev["results_file"]
+        if f.is_file():  # a source checkout: the numbers are the committed record's
+            rec = next(r for r in json.loads(f.read_text())["records"]
+                       if (r["method"], r.get("target")) == ("learned", prov["target_sparsity"]))
+            assert rec["ppl"] == ev["routers"]["ppl"] and rec["avg"] == ev["routers"]["avg"]
+
+
+def test_from_pretrained_restores_shipped_thresholds():
+    from wide import fine
+
+    model = wide.from_pretrained("smollm2-135m-fine-50", base_model=_smollm2_shape())
+    saved = load_file(str(pretrained.path("smollm2-135m-fine-50") / "thresholds.safetensors"))
+    f = fine.get_fine(model)
+    assert f is not None and torch.equal(f.log_threshold.detach().cpu(), saved["log_threshold"])
+    assert set(f.log_scale) and not any(p.numel() for p in model.wide_routers.parameters())  # thresholds only
+    ids = torch.randint(0, 1000, (1, 16))
+    with wide.track_sparsity(model) as tracker:
+        model(input_ids=ids)
+    sp = tracker.summary()
+    assert sp.flop_rate == 0.0 and 0.0 < sp.linear_rate < 1.0  # no group skipped, elements are

@@ -10,7 +10,7 @@ import torch
 
 from . import pretrained
 
-SHIPPED = ("smollm2-135m-50", "smollm2-135m-25")
+SHIPPED = ("smollm2-135m-50", "smollm2-135m-25", "smollm2-135m-fine-50", "smollm2-135m-fine-25")
 PROMPTS = (
     "The capital of France is",
     "To make a cup of tea, first",
@@ -71,11 +71,18 @@ def explanation(records: list, run: dict) -> str:
         name = r["routers"]
         prov = pretrained.provenance(name)
         ev = prov["evaluation"]
+        machine = prov.get("machine") or "an H200"  # the first shipped sets predate the field
+        tail = (f"on 500 documents per task its seven-task average was {ev['routers']['avg']:.3f} against dense's "
+                f"{ev['dense']['avg']:.3f}. Load it with wide.from_pretrained(\"{name}\").")
+        if prov.get("method") == "learned":  # per-element thresholds: no group skipped, so the FLOP rate is 0
+            lines.append(f"- shipped `{name}`: perplexity {r['ppl']:.1f} here ({r['ppl'] / dense['ppl']:.2f}x dense) "
+                         f"with {r.get('linear_sparsity') or 0:.0%} of the linear-layer MACs skipped, element by "
+                         f"element (thresholds learned on {prov['tokens'] / 1e6:.1f}M tokens, {prov['steps']} steps, "
+                         f"on {machine}; no routers); {tail}")
+            continue
         lines.append(f"- shipped `{name}`: perplexity {r['ppl']:.1f} here ({r['ppl'] / dense['ppl']:.1f}x dense) at "
                      f"{r['sparsity']:.0%} FLOP sparsity, calibrated on {prov['tokens'] / 1e6:.1f}M tokens "
-                     f"({prov['steps']} steps, --loss {prov['loss']}) on an H200; on 500 documents per task its "
-                     f"seven-task average was {ev['routers']['avg']:.3f} against dense's {ev['dense']['avg']:.3f}. "
-                     f"Load it with wide.from_pretrained(\"{name}\").")
+                     f"({prov['steps']} steps, --loss {prov['loss']}) on {machine}; {tail}")
     # a demo run again resumes its finished run, whose time is the one recorded when it trained
     when = ", recorded when this run finished earlier" if run.get("recorded_earlier") else " on this machine"
     lines.append(f"- this demo's routers: perplexity {own['ppl']:.1f} ({own['ppl'] / dense['ppl']:.0f}x dense) after "
