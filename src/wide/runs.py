@@ -68,7 +68,7 @@ class EvalArgs:
         "nargs": "*", "choices": TASKS,
         "help": "zero-shot tasks; pass --tasks with no names to skip zero-shot (default: all seven)"})
     limit: Optional[int] = field(default=None, metadata={
-        "help": "score only the first N documents of each task", "min": 1})
+        "help": "score only the first N documents of each task (the seven, and --harness's)", "min": 1})
     batch_size: int = field(default=8, metadata={"help": "sequences per forward pass", "min": 1})
     max_eval_sequences: Optional[int] = field(default=None, metadata={
         "help": "cap on held-out sequences for perplexity", "min": 1})
@@ -89,6 +89,32 @@ class EvalArgs:
         "help": "new tokens of each continuation (with --generation)", "min": 2})
     generation_prompt: int = field(default=32, metadata={
         "help": "prompt tokens cut from each held-out window (with --generation)", "min": 1})
+
+
+HARNESS_MODES = ("hf", "coarse", "fine", "hybrid", "dense")  # wide.harness.MODES, without importing lm-eval
+
+
+@dataclass
+class HarnessArgs:
+    """``wide eval --harness``: lm-evaluation-harness tasks on each evaluated model (wide.harness,
+    the optional extra wide[harness])."""
+
+    harness: list[str] = field(default_factory=list, metadata={
+        "nargs": "+",
+        "help": "also run these lm-evaluation-harness tasks, groups or tags (comma- or space-separated, e.g. "
+                "arc_easy,hellaswag) on each model; needs pip install 'wide[harness]'. --limit, --batch-size "
+                "apply; the datasets come from wherever the tasks say (the Hugging Face hub for lm-eval's own) "
+                "(default: none)"})
+    harness_include: Optional[str] = field(default=None, metadata={
+        "help": "a directory of lm-eval task YAMLs searched besides lm-eval's own tasks (lm-eval's --include_path)"})
+    harness_mode: str = field(default="hf", metadata={
+        "choices": HARNESS_MODES,
+        "help": "what computes the --harness scores: hf, the model with wide's hooks (routers and thresholds on "
+                "every token, as the rest of wide eval); or the engine (wide.accelerate) in mode coarse, fine, "
+                "hybrid or dense, whose prefill applies no per-element thresholds (fine: loglikelihood tasks "
+                "score the dense model); without a CUDA GPU the engine runs its PyTorch path"})
+    harness_fewshot: Optional[int] = field(default=None, metadata={
+        "help": "few-shot examples per --harness prompt (default: each task's own)", "min": 0})
 
 
 @dataclass
@@ -375,13 +401,18 @@ def resolve(args) -> tuple:
     """(model directory, device) of ``args`` (ModelArgs' options); sets the thread count."""
     import torch
 
-    from .data import fetch_default_model
-
     check_model(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = fetch_default_model() if args.model == DEFAULT else Path(args.model).expanduser()
-    return str(path), args.device or default_device()
+    return str(resolve_model_dir(args.model)), args.device or default_device()
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The directory of a --model value: the embedded default model (fetched once), or the
+    directory itself."""
+    from .data import fetch_default_model
+
+    return fetch_default_model() if model == DEFAULT else Path(model).expanduser()
 
 
 def load_tokenizer(args) -> tuple:
@@ -580,7 +611,7 @@ def write_results(args, records) -> None:
     """``args.out``.json (records, device, date, command) and .md (table); nothing without --out."""
     import torch
 
-    from .evaluate import markdown_table
+    from .evaluate import harness_table, markdown_table
 
     if not args.out:
         return
@@ -591,14 +622,18 @@ def write_results(args, records) -> None:
     json_file.write_text(json.dumps(doc, indent=2))
     md = [f"# {Path(args.out).name}", "", f"Command: `{doc['command']}`", f"Date: {doc['date']}; torch {doc['torch']}; "
           f"device {doc['device']}", "", markdown_table(records, args.tasks or ()), ""]
+    if any(r.get("harness") for r in records):
+        h = next(r["harness"] for r in records if r.get("harness"))
+        mode = getattr(args, "harness_mode", h["mode"])
+        md += [f"lm-evaluation-harness (lm-eval {h.get('lm_eval')}, mode {mode}):", "", harness_table(records), ""]
     if args.limit:
         md.append(f"Zero-shot scores use the first {args.limit} validation documents of each task.")
     md_file.write_text("\n".join(md) + "\n")
     print(f"wrote {json_file} and {md_file}")
 
 
-__all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
-           "model_config", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
+__all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
+           "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
            "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
            "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]
