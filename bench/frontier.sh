@@ -12,9 +12,12 @@
 # this call may take (a compare cut by it resumes next time; no summary until every phase ends).
 #
 # On the GPU (assets unpacked into /root/wc as bench/results/routing_quality/README.md says),
-# one call at a time until it prints the summary:
-#   env WIDE_CACHE_DIR=/root/wc RUNS=/root/f BUDGET_S=540 CACHE_TO=bench/results/frontier_runs \
-#       bash bench/frontier.sh --steps 100 --batch-size 64 --amp bf16 --lr 1e-2 --ffn-group-size 16
+# one call at a time until it prints the summary (bench/results/frontier_runs/README.md has the
+# calls of the committed run; put its evals_seed0.json in CACHE_TO to resume it):
+#   env WIDE_CACHE_DIR=/root/wc RUNS=/root/f RESULTS=/root/f/results CACHE_TO=/root/f/cache BUDGET_S=530 \
+#       FREE="teal teal_greedy wina" TRAINED="hybrid learned" STAGE2="hybrid_lora" TARGETS="0.5 0.25 0.4 0.6" \
+#       bash bench/frontier.sh --steps 100 --batch-size 64 --amp bf16 --lr 8.5e-3 --ffn-group-size 16 \
+#       --router-init dense --sparsity-warmup 0 --fine-per-channel --fine-lr-scale 1 --recovery-lr 1e-3
 # CPU smoke test (minutes):
 #   DEVICE=cpu LIMIT=2 TARGETS="0.25 0.5" SEED_TARGETS=0.5 SEEDS="0 1" STAGE2_TARGETS=0.5 \
 #       bash bench/frontier.sh --steps 2 --batch-size 2 --seq-len 64 --max-eval-sequences 4 --tasks arc_easy \
