@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..fileio import umask_mode
 from .assets import _cache
 from .shards import TokenDocuments
 
@@ -126,6 +127,7 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array)
+        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would stay: a shared cache is read by other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
