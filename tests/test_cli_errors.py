@@ -83,6 +83,9 @@ CASES = [
     ("lr-inf", lambda w: [*w.calibrate, "--lr", "inf", "--out", f"{w.root}/x"],
      "--lr: must be a finite number, got inf"),
     ("lr-nan", lambda w: [*w.calibrate, "--lr", "nan", "--out", f"{w.root}/x"], "--lr: must be a finite number"),
+    # finite for Python, not for the float32 optimiser: overflowed inside AdamW with a traceback
+    ("lr-1e300", lambda w: [*w.calibrate, "--lr", "1e300", "--out", f"{w.root}/x"],
+     "--lr: must lie within float32's range (|x| <= 3.4e38), got 1e300"),
     ("seq-len-1", lambda w: [*w.calibrate, "--seq-len", "1", "--out", f"{w.root}/x"], "--seq-len: must be >= 2"),
     ("heldout-fraction-1", lambda w: [*w.calibrate, "--heldout-fraction", "1", "--out", f"{w.root}/x"],
      "--heldout-fraction: must lie in [0.0, 1.0)"),

@@ -188,6 +188,10 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
         assert main([*argv, "--lr", "1e-3", *extra]) == 0, capsys.readouterr().err
         assert json.loads((out / "settings.json").read_text())["lr"] == 1e-3  # the settings of the run made
         assert main([*argv, "--lr", "1e30", "--overwrite"]) == 1
+    # a learning rate inside float32's range whose AdamW step is not: one line, exit 1, as above
+    assert main([*argv, "--lr", "1e38", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: the optimiser step overflowed float32 at step 1" in err, err
     # a run with a checkpoint is still one: without --resume it is refused, with it continued
     assert main([*argv, "--lr", "1e-3", "--stop-at", "1"]) == 0
     capsys.readouterr()

@@ -53,13 +53,19 @@ def default(f: dataclasses.Field) -> Any:
 
 
 RANGE_KEYS = ("min", "max", "gt", "lt")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def range_error(value, *, min=None, max=None, gt=None, lt=None) -> Optional[str]:
     """Why ``value`` is outside the range ("must lie in [0, 1]"), or None when it is inside.
-    A float must also be finite: inf passes every lower bound, and no option means either."""
+    A float must also be finite, and within float32's range: inf passes every lower bound, and no
+    option means either."""
     if isinstance(value, float) and not math.isfinite(value):
         return "must be a finite number"
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        # the models, optimiser steps and thresholds are float32: --lr 1e300 passed every range
+        # and overflowed inside AdamW's step with a traceback
+        return "must lie within float32's range (|x| <= 3.4e38)"
     lo = (min, "[") if min is not None else (gt, "(") if gt is not None else None
     hi = (max, "]") if max is not None else (lt, ")") if lt is not None else None
     inside = ((min is None or value >= min) and (gt is None or value > gt)

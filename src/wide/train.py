@@ -477,7 +477,15 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             raise FloatingPointError(f"non-finite loss at step {step} (ce={mean['ce']}, {args.loss}="
                                      f"{mean['task']}): lower the learning rate or check the data")
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-        opt.step()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            # AdamW's step is lr / (1 - beta1^t) in the parameters' float32: a learning rate that
+            # overflows it (1e38 at step 1) fails here, before any loss turns non-finite
+            if "overflow" not in str(e):
+                raise
+            raise FloatingPointError(f"the optimiser step overflowed float32 at step {step + 1} (lr {args.lr:g}): "
+                                     "lower the learning rate") from e
         sched.step()
         rec = {"step": step + 1, "ce": mean["ce"]}
         if args.loss != "ce":
