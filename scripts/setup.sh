@@ -13,4 +13,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     || "${PIP[@]}" install --index-url https://download.pytorch.org/whl/cpu torch
 fi
 "${PIP[@]}" install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, triton, transformers, lm_eval, wide; print('wide', wide.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| lm-eval', lm_eval.__version__)"
+.venv/bin/python -c "import torch, triton, transformers, lm_eval, xdist, wide; print('wide', wide.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| lm-eval', lm_eval.__version__)"

@@ -4,6 +4,54 @@ import torch
 from wide import arch
 
 
+def _interpret_device_calls_without_repatching():
+    """Triton's interpreter re-patches triton.language (inspect.getmembers over tl, tl.tensor and
+    tl.math) on every call of a @triton.jit helper from inside a kernel, although the launch has
+    patched the same modules already and the repatch changes nothing: about a tenth of this
+    suite's time. A helper whose module sees no language module the kernel's did not still
+    goes through Triton's own path, as does a Triton without these internals."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    grid, device = getattr(ti, "GridExecutor", None), getattr(ti, "InterpretedFunction", None)
+    if grid is None or device is None or not hasattr(device, "rewrite") \
+            or getattr(grid.__call__, "_wide_tracked", False):
+        return
+    patched = []  # per running launch: ids of the language modules it patched
+    seen = {}
+
+    def langs(fn):
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in getattr(fn, "__globals__", {}).values() if v is tl or v is tl.core)
+        return seen[fn]
+
+    launch, call = grid.__call__, device.__call__
+
+    def tracked_launch(self, *args, **kwargs):
+        patched.append(langs(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def device_call(self, *args, **kwargs):
+        if not patched or not langs(self.fn) <= patched[-1]:
+            return call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # as Triton's own device call reports it
+            raise ti.InterpreterError(repr(e)) from e
+
+    tracked_launch._wide_tracked = True
+    grid.__call__, device.__call__ = tracked_launch, device_call
+
+
+_interpret_device_calls_without_repatching()  # (the compiled path never calls these classes)
+
+
 def tiny_config(model_type: str = "llama", **kw):
     """A randomly initialised Llama-family config small enough for CPU unit tests."""
     from transformers import AutoConfig

@@ -12,11 +12,33 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (alo
 from wide.benchmarks import e2e  # noqa: E402
 
 
-def test_e2e_two_models_tiny(tmp_path):
+@pytest.fixture
+def once(monkeypatch):
+    """--tiny runs at half the benchmark's tiny widths, each timed prefill and decode loop run
+    once without a warm-up. These tests read what the benchmark records, not its times
+    (wide.timing's tests check reps and warm-ups), and under the interpreter every extra run or
+    column is paid for in whole decode steps; the kernels' own tests cover the shapes."""
+    import wide.timing
+
+    real = wide.timing.step_time_s
+    calls = []
+
+    def step_time_s(fn, reps, warmup=1, device="cuda"):
+        calls.append((reps, warmup))
+        return real(fn, reps=1, warmup=0, device=device)
+
+    monkeypatch.setattr(wide.timing, "step_time_s", step_time_s)
+    for key in ("vocab_size", "hidden_size", "intermediate_size"):
+        monkeypatch.setitem(e2e.TINY, key, e2e.TINY[key] // 2)
+    return calls
+
+
+def test_e2e_two_models_tiny(tmp_path, once):
     argv = ["--tiny", "--model", "llama-3.1-8b,qwen2.5-7b", "--sparsities", "0.5", "--prompt-lens", "16",
             "--batches", "1", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
             "--out-dir", str(tmp_path)]
     assert e2e.main(argv) == 0
+    assert once, "the benchmark no longer times through wide.timing.step_time_s: update the fixture"
     meta = json.loads((tmp_path / "e2e.json").read_text())
     assert meta["errors"] == [] and meta["models"] == ["llama-3.1-8b", "qwen2.5-7b"]
     recs = meta["records"]
@@ -47,7 +69,7 @@ def test_e2e_default_is_llama_only(tmp_path, monkeypatch):
         e2e.main(["--tiny", "--model", "gpt-9", "--out-dir", str(tmp_path)])
 
 
-def test_e2e_routings_time_every_batch(tmp_path):
+def test_e2e_routings_time_every_batch(tmp_path, once):
     # Tile routers are timed in prefill and at every decode batch, batch-shared decode at every
     # batch; each record names its rule.
     argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1,2", "--routings",
@@ -99,7 +121,7 @@ def test_kernel_choices_read_per_routing():
     assert "\nq 8x8 T<=1: routed\n" in md and "- token" not in md
 
 
-def test_e2e_group_sizes(tmp_path):
+def test_e2e_group_sizes(tmp_path, once):
     # Finer groups than the defaults (experiments/results/group_size_cpu) time through the same kernels;
     # the results say which sizes they timed.
     argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1", "--ffn-group-size", "16",
@@ -114,7 +136,7 @@ def test_e2e_group_sizes(tmp_path):
     assert routed and 0.2 < routed[0]["active_frac_per_token"] < 0.8
 
 
-def test_e2e_modes_carry_mode_and_split(tmp_path):
+def test_e2e_modes_carry_mode_and_split(tmp_path, once):
     # Fine and hybrid beside coarse, against the dense engine at each decode context; thresholds
     # from a calibration pass on random tokens (no trained weights); every record names its mode.
     argv = ["--tiny", "--modes", "coarse,fine,hybrid", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1",

@@ -75,7 +75,7 @@ def test_greedy_generation_matches_reference():
 def test_decode_steps_match_masked_path_across_column_chunks(router_input):
     # hidden 320 = one 256-column chunk + a ragged 64: the fused norm/router kernel splits each
     # row over two programs and the last one to finish adds the router's partial sums; two
-    # sequences, several steps, so the per-token tickets must re-arm between calls.
+    # sequences, three steps, so the per-token tickets must re-arm between calls (twice).
     model = tiny_model("llama", seed=7, hidden_size=320, head_dim=64, intermediate_size=128,
                        num_attention_heads=5, num_key_value_heads=1, vocab_size=96,
                        max_position_embeddings=256)
@@ -92,7 +92,7 @@ def test_decode_steps_match_masked_path_across_column_chunks(router_input):
     for B in (2, 1):
         eng.setup_cache(B, 32)
         eng.prefill(ids[:B, :10])
-        for t in range(10, 16):
+        for t in range(10, 13):
             out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long))
             assert rel(out, ref[:B, t]) < 1e-5, (B, t)
 
@@ -416,7 +416,7 @@ def test_every_family_matches_masked_path(model_type, backend):
     assert eng.generate([prompt], max_new_tokens=5).tokens == [hf_greedy(model, prompt, 5)]
     eng.setup_cache(1, 32)
     eng.prefill(ids[:, :14])
-    for t in range(14, 18):  # decode logits too: a few greedy tokens can agree by chance
+    for t in range(14, 16):  # decode logits too: a few greedy tokens can agree by chance
         assert rel(eng.decode(ids[:, t], torch.tensor([t])), ref[:, t]) < 1e-5, t
 
 
@@ -441,7 +441,7 @@ def test_seven_query_heads_per_kv_head(attn_gs):
     for B in (2, 1):
         eng.setup_cache(B, 32)
         assert rel(eng.prefill(ids[:B, :10]), ref[:B, 9]) < 1e-5, B
-        for t in range(10, 14):
+        for t in range(10, 12):
             record = []
             out = eng.decode(ids[:B, t], torch.full((B,), t, dtype=torch.long), record=record)
             assert rel(out, ref[:B, t]) < 1e-5, (B, t)
