@@ -5,11 +5,13 @@ from wide import arch
 
 
 def _interpret_device_calls_without_repatching():
-    """Triton's interpreter re-patches triton.language (inspect.getmembers over tl, tl.tensor and
-    tl.math) on every call of a @triton.jit helper from inside a kernel, although the launch has
-    patched the same modules already and the repatch changes nothing: about a tenth of this
-    suite's time. A helper whose module sees no language module the kernel's did not still
-    goes through Triton's own path, as does a Triton without these internals."""
+    """Triton's interpreter patches triton.language (inspect.getmembers over tl, tl.tensor and
+    tl.math) again on every call of a @triton.jit function from inside a kernel (a helper, or
+    tl.sum, tl.cdiv, tl.zeros: Triton's own), although within one launch the patches of the
+    first such call stay in place (Triton never restores them) and repatching changes nothing:
+    a third of the time of an interpreted engine test. Here a launch records the language
+    modules patched so far, and a call that needs no other patches runs directly. A Triton
+    without these internals runs as it is."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter as ti
@@ -19,7 +21,7 @@ def _interpret_device_calls_without_repatching():
     if grid is None or device is None or not hasattr(device, "rewrite") \
             or getattr(grid.__call__, "_wide_tracked", False):
         return
-    patched = []  # per running launch: ids of the language modules it patched
+    patched = []  # per running launch: ids of the language modules patched so far
     seen = {}
 
     def langs(fn):
@@ -30,7 +32,7 @@ def _interpret_device_calls_without_repatching():
     launch, call = grid.__call__, device.__call__
 
     def tracked_launch(self, *args, **kwargs):
-        patched.append(langs(self.fn))
+        patched.append(set(langs(self.fn)))
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -38,6 +40,8 @@ def _interpret_device_calls_without_repatching():
 
     def device_call(self, *args, **kwargs):
         if not patched or not langs(self.fn) <= patched[-1]:
+            if patched:
+                patched[-1] |= langs(self.fn)
             return call(self, *args, **kwargs)
         fn = self.rewrite()
         try:
