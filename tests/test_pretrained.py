@@ -137,6 +137,7 @@ def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
     text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0})
     assert "shipped `smollm2-135m-fine-50`: perplexity 30.0 here (1.09x dense) with 50% of the linear-layer MACs" in text
     assert "on NVIDIA H100 80GB HBM3; no routers)" in text
+    assert "(800 steps, --loss ce) on NVIDIA H200; on 500 documents" in text  # calibrate's machine record
     prov = pretrained.provenance("smollm2-135m-50")
     assert "shipped `smollm2-135m-50`: perplexity 70.5 here (2.6x dense)" in text
     assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text

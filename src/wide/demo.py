@@ -71,7 +71,9 @@ def explanation(records: list, run: dict) -> str:
         name = r["routers"]
         prov = pretrained.provenance(name)
         ev = prov["evaluation"]
-        machine = prov.get("machine") or "an H200"  # the first shipped sets predate the field
+        machine = prov.get("machine") or {}
+        # wide calibrate records its machine as a dict, wide compare's results as the card's name
+        machine = (machine.get("gpu") or "a GPU") if isinstance(machine, dict) else machine
         tail = (f"on 500 documents per task its seven-task average was {ev['routers']['avg']:.3f} against dense's "
                 f"{ev['dense']['avg']:.3f}. Load it with wide.from_pretrained(\"{name}\").")
         if prov.get("method") == "learned":  # per-element thresholds: no group skipped, so the FLOP rate is 0
