@@ -286,21 +286,20 @@ class FineTritonOps(_FineDecode, TritonOps):
         route = self.index(m) if large and m is not None else None
         if large:
             u = self._ffn_up_large(L, h, f, m, route)
-        elif f.gu_one_scale:
-            # gate|up in one fine_gemv (a threshold per segment), then SiLU*mul with the router's
-            # groups zeroed: fine_ffn_up, the fused alternative, fails to compile at T = 1 on an
-            # H100 (Triton 3.6) and ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at
-            # T = 1 (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped
-            # FFN groups too; their products are zeroed.
-            inter = f.wgu_t.shape[1] // 2
-            gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                           scale=f.scale[GATE])
-            u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         else:
             inter = f.wgu_t.shape[1] // 2
-            gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
-            fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
-            fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
+            if f.gu_one_scale:
+                # gate|up in one fine_gemv (a threshold per segment): fine_ffn_up, the fused
+                # alternative with SiLU*mul inside, fails to compile at T = 1 on an H100 (Triton
+                # 3.6) and ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at T = 1
+                # (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped FFN
+                # groups too; silu_mul zeroes their products.
+                gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                               scale=f.scale[GATE])
+            else:
+                gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
+                fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
+                fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
             u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         self._note(f, DOWN, u, rows=m, group=gs)
         if large:
