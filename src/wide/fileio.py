@@ -1,10 +1,13 @@
 """Small file helpers shared by the asset cache (data), checkpoints (serialization) and
-sampled-data shards: one sha256, one whole-file text replacement, and the mode the umask gives."""
+sampled-data shards: one sha256, one whole-file replacement (text, or any writer's file), and the
+mode the umask gives."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Union
@@ -47,4 +50,22 @@ def atomic_write_text(path: Union[str, Path], text: str) -> None:
         os.replace(part, path)
     except BaseException:
         part.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output(path: Union[str, Path], *, prefix: str = "", suffix: str = ".part"):
+    """Yield a temporary sibling of ``path`` for a writer that takes a file name; when the block
+    ends without an error it gets the umask's mode (mkstemp's 0600 would stay: token caches and
+    shards are outputs other users read) and replaces ``path`` whole; on an error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch
 
 from .cliargs import check_fields
 from .data import SHARD_FORMAT, SHARD_MANIFEST, _separator_id, tokenizer_fingerprint
-from .fileio import sha256_file, umask_mode
+from .fileio import atomic_output, sha256_file
 from .serialization import atomic_write_text
 
 PROMPT_SOURCES = ("bos", "calibration")
@@ -181,16 +179,9 @@ def sample_shard(model, args: SampleArgs, k: int, target: int, *, separator: int
 def _write_shard(path: Path, shard: dict) -> str:
     from safetensors.numpy import save_file
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
+    with atomic_output(path, prefix=f".{path.name}.") as tmp:
         save_file({"tokens": shard["tokens"], "offsets": shard["offsets"]}, tmp)
-        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would stay: shards are an output others may read
         digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return digest
 
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..fileio import umask_mode
+from ..fileio import atomic_output
 from .assets import _cache
 from .shards import TokenDocuments
 
@@ -122,16 +120,8 @@ def _load_npy(path: Path):
 
 
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would stay: a shared cache is read by other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path, suffix=".npy") as tmp:
+        np.save(tmp, array)
 
 
 def _token_stream(docs: Sequence[np.ndarray], sep: int) -> np.ndarray:
