@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from seeds_summary import SAME, _cell, aggregate_records, with_above_chance  # noqa: E402
 
-STATS = ("ppl", "avg", "linear_sparsity", "attn_core_sparsity", "above_chance_kept", "gen_kl", "gen_match")
+GEN_FIELDS = ("gen_kl", "gen_match", "gen_prefix", "gen_distinct2")
+STATS = ("ppl", "avg", "linear_sparsity", "attn_core_sparsity", "above_chance_kept", *GEN_FIELDS)
 # Methods whose records count routed groups only: their linear sparsity follows from the FLOP rate.
 GROUP_ONLY = ("wide", "dynamic_depth", "module_skip", "static_width")
 SPEED_MODES = ("coarse", "fine", "hybrid")
@@ -48,6 +49,34 @@ def load(paths: list) -> tuple:
     for (p, d), s in zip(docs, seeds):
         by_seed.setdefault(s, []).append((p, d))
     return docs, first, by_seed
+
+
+def merge_generation(docs: list, path) -> list:
+    """The generation fields of ``path`` (a `wide compare --generation N` run: the same settings,
+    seed and checkpoints as the first input, only the generation settings added to its evaluation
+    key) onto the first input's rows of the same method, stage and target. Its perplexity must be
+    the row's (they evaluate the same model on the same text): a mismatch means another model or
+    other settings, and is refused. Returns the notes of what was merged."""
+    gen = json.loads(Path(path).read_text())
+    first = docs[0][1]
+    if gen["settings"].get("seed") != first["settings"].get("seed"):
+        raise ValueError(f"{path} is seed {gen['settings'].get('seed')}, the first input seed "
+                         f"{first['settings'].get('seed')}: not the same models")
+    rows = {(r.get("name"), r.get("stage"), r.get("target")): r for r in first["records"]}
+    merged = []
+    for g in gen["records"]:
+        if g.get("gen_kl") is None:
+            continue
+        key = (g.get("name"), g.get("stage"), g.get("target"))
+        row = rows.get(key)
+        if row is None:
+            raise ValueError(f"{path}: no row {key} in {docs[0][0]} to put its generation fields on")
+        if abs(g["ppl"] / row["ppl"] - 1) > 5e-3:
+            raise ValueError(f"{path}: {key} has perplexity {g['ppl']:.4f} there and {row['ppl']:.4f} in "
+                             f"{docs[0][0]}: not the same model")
+        row.update({k: g[k] for k in g if k.startswith("gen_")})
+        merged.append(key)
+    return merged
 
 
 def linear_from_flops(record: dict) -> float:
@@ -91,7 +120,7 @@ def records_of(docs: list, extra: list) -> list:
 
 
 def aggregate(records: list) -> list:
-    rows = aggregate_records(records, STATS, keep=("source", "linear_sparsity_from"))
+    rows = aggregate_records(records, STATS, keep=("source", "linear_sparsity_from", "gen_distinct2_dense", "gen_settings"))
     dense = next((r for r in rows if r.get("name") == "dense"), None)
     for r in rows:
         if dense is not None and r.get("ppl"):
@@ -101,6 +130,7 @@ def aggregate(records: list) -> list:
 
 
 LEVELS = (0.25, 0.4, 0.5, 0.6)
+PPL_RANGE = 8.0  # the plot's perplexity axis ends at this multiple of dense
 NEAR = 0.005  # a measured point this close to a level stands for it
 
 
@@ -162,7 +192,8 @@ def speed_columns(path) -> dict:
 def table(rows: list) -> str:
     gen = any(r.get("gen_kl") is not None for r in rows)
     head = ["method", "stage", "target", "seeds", "linear sparsity", "attn-core sparsity", "ppl", "x dense",
-            "7-task avg", "above chance kept", "tokens"] + (["gen KL", "gen match"] if gen else [])
+            "7-task avg", "above chance kept", "tokens"] + (["gen KL", "gen match", "gen prefix", "distinct-2"]
+                                                          if gen else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r.get("label") or r.get("name") or "?", str(r.get("stage")),
@@ -175,7 +206,8 @@ def table(rows: list) -> str:
                  _cell(r, "avg", lambda v: f"{v:.3f}"), _cell(r, "above_chance_kept", lambda v: f"{v:.0%}"),
                  "-" if r.get("tokens") is None else (f"{r['tokens'] / 1e6:.2f}M" if r["tokens"] else "0")]
         if gen:
-            cells += [_cell(r, "gen_kl", lambda v: f"{v:.3f}"), _cell(r, "gen_match", lambda v: f"{v:.0%}")]
+            cells += [_cell(r, "gen_kl", lambda v: f"{v:.3f}"), _cell(r, "gen_match", lambda v: f"{v:.0%}"),
+                      _cell(r, "gen_prefix", lambda v: f"{v:.1f}"), _cell(r, "gen_distinct2", lambda v: f"{v:.2f}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -205,6 +237,15 @@ def plot(rows: list, path) -> None:
                             ls=style, color=colours[(2 * i) % 20 + (i // 10) % 2], label=label)
     if dense is not None and dense.get("ppl"):
         ax1.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="dense")
+        # the methods that matter sit within a few x dense; the collapsed ones would squash them
+        top = dense["ppl"] * PPL_RANGE
+        ax1.set_ylim(dense["ppl"] * 0.85, top)
+        off = sorted({r.get("label") or r["name"] for r in rows if r.get("name") != "dense" and (r.get("ppl") or 0) > top})
+        if off:
+            import textwrap
+
+            ax1.text(0.01, 0.99, textwrap.fill(f"above {top:.0f} (off the chart, in the table): " + "; ".join(off), 80),
+                     fontsize=6, transform=ax1.transAxes, va="top")
     ax1.set_ylabel("held-out perplexity (geometric mean over seeds)")
     ax1.set_yscale("log")
     ax2.set_ylabel("above-chance accuracy kept (six tasks)")
@@ -226,9 +267,13 @@ def main(argv=None) -> int:
     ap.add_argument("inputs", nargs="+", help="wide compare results (.json) on the linear axis, one seed each")
     ap.add_argument("--extra", nargs="*", default=[], help="earlier comparisons whose group-only methods join the plot")
     ap.add_argument("--e2e", default=None, help="end-to-end results with mode records, for the speed columns")
+    ap.add_argument("--generation", default=None,
+                    help="a `wide compare --generation N` run of the first input's seed: its free-text fields join "
+                         "the first input's rows")
     ap.add_argument("--out", required=True, help="output stem: OUT.json, OUT.md, OUT.png")
     a = ap.parse_args(argv)
     docs, settings, _ = load(a.inputs)
+    merged = merge_generation(docs, a.generation) if a.generation else []
     extra = [(p, json.loads(Path(p).read_text())) for p in a.extra]
     records = records_of(docs, extra)
     rows = aggregate(records)
@@ -237,7 +282,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     head = {k: sorted({str(d[k]) for _, d in docs if d.get(k)}) for k in ("device", "torch", "date")}
     cmd = " ".join(["python3 bench/frontier.py", *a.inputs] + (["--extra", *a.extra] if a.extra else [])
-                   + (["--e2e", a.e2e] if a.e2e else []) + ["--out", a.out])
+                   + (["--e2e", a.e2e] if a.e2e else []) + (["--generation", a.generation] if a.generation else [])
+                   + ["--out", a.out])
     doc = {"device": head["device"][0] if len(head["device"]) == 1 else head["device"],
            "torch": head["torch"][0] if len(head["torch"]) == 1 else head["torch"],
            "date": head["date"][-1] if head["date"] else None, "command": cmd,
@@ -245,6 +291,9 @@ def main(argv=None) -> int:
                        "device": d.get("device"), "date": d.get("date")} for p, d in docs],
            "extra": [{"file": str(p), "command": d.get("command"), "device": d.get("device")} for p, d in extra],
            "settings": {k: v for k, v in settings.items() if k != "seed"},
+           "generation": {"file": str(a.generation), "rows": [list(k) for k in merged],
+                          "settings": next((r.get("gen_settings") for _, d in docs[:1] for r in d["records"]
+                                            if r.get("gen_settings")), None)} if a.generation else None,
            "speed": {"device": speed.get("device"),
                      "tpot_speedup": {m: {f"B{b}_{p}": v for (b, p), v in s.items()}
                                       for m, s in speed.get("modes", {}).items()}} if speed else None,
@@ -258,7 +307,15 @@ def main(argv=None) -> int:
           f"where they differ. Above chance kept: (accuracy - chance) / (dense's - chance) over ARC-E, ARC-C, "
           f"WinoGrande, PIQA, OBQA and HellaSwag, against the same seed's dense row.", "",
           f"Command: `{cmd}`. Device: {doc['device']}; torch {doc['torch']}; last run {doc['date']}.", "",
-          f"First input's command: `{doc['inputs'][0]['command']}`.", "", table(rows), ""]
+          f"First input's command: `{doc['inputs'][0]['command']}`.", ""]
+    if a.generation:
+        g = doc["generation"]["settings"] or {}
+        md += [f"Free text (`{a.generation}`, seed {docs[0][1]['settings']['seed']} only): {g.get('prompts')} held-out "
+               f"prompts of {g.get('prompt_len')} tokens continued greedily for {g.get('new_tokens')} tokens by dense "
+               f"and by the method. gen KL: KL(dense || method) per token on dense's continuation (nats); gen match: "
+               f"share of greedy tokens equal to dense's; gen prefix: mean tokens before the texts part; distinct-2 of "
+               f"the method's text (dense's: {next((r.get('gen_distinct2_dense') for r in rows if r.get('gen_distinct2_dense')), float('nan')):.2f}).", ""]
+    md += [table(rows), ""]
     if len(at_levels(rows)):
         md += ["At equal linear sparsity: each method's perplexity at exactly 25/40/50/60 %, log-perplexity "
                "interpolated between its two measured points around the level ('-': outside its measured range).", "",

@@ -83,8 +83,8 @@ if [ ${#gpus[@]} -gt 1 ]; then
     wait "${pids[@]}" || true  # what each seed left is in its log, read next
     # each queue ran in a subshell, whose variables stay there
     for s in "${seeds[@]}"; do
-        grep "^incomplete:" "$RESULTS/seed$s.log" && complete=0
-        grep "^failed:" "$RESULTS/seed$s.log" && failed=1
+        grep -a "incomplete: seed" "$RESULTS/seed$s.log" && complete=0
+        grep -a "failed: seed" "$RESULTS/seed$s.log" && failed=1
     done
 else
     for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "seed$s" "$@"; done

@@ -107,6 +107,24 @@ def test_profiles_name_their_engine_and_rule():
     assert "Eager B=1 decode step, dense engine:" in md
 
 
+def test_attention_share_counts_the_attention_kernels_of_both_engines():
+    # The engine's split-K decode and its combine, and SDPA's kernels, are attention; GEMMs,
+    # GEMVs, norms and RoPE are not. The share reads in the TPOT table where it was measured.
+    attn = ["_decode_split_kernel", "_decode_combine_kernel", "void pytorch_flash::flash_fwd_splitkv_kernel<...>",
+            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]
+    other = ["_gemm_k_kernel", "_fine_gemv_kernel", "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT", "_norm_route_kernel",
+             "_rope_decode_kernel", "_silu_mul_kernel", "void at::native::elementwise_kernel<...>"]
+    assert all(e2e.ATTENTION_KERNELS.search(k) for k in attn)
+    assert not any(e2e.ATTENTION_KERNELS.search(k) for k in other)
+    meta = {"device": "GPU", "torch": "t", "triton": "t", "date": "d", "model": "m", "routers": "r", "command": "c",
+            "records": [{"op": "e2e_tpot", "B": 8, "prompt_len": 16384, "engine": "dense", "sparsity": None,
+                         "ms": 9.0, "attn_share": 0.42},
+                        {"op": "e2e_tpot", "B": 1, "prompt_len": 4096, "engine": "dense", "sparsity": None, "ms": 5.0}]}
+    md = e2e.markdown(meta)
+    assert "| 8 | 16384 | dense | - | 9.000 | - | - | - | - | 42% |" in md
+    assert "| 1 | 4096 | dense | - | 5.000 | - | - | - | - | - |" in md and "Attention share:" in md
+
+
 def test_kernel_choices_read_per_routing():
     # Each routing's engine measures its own cuBLAS-or-routed choices; the markdown keeps them
     # apart (one list per routing) and stays one plain list for a token-only run.

@@ -46,12 +46,51 @@ def test_phases_run_every_method_then_the_stage_2_and_the_other_seeds(tmp_path):
     compares = [c for c in calls if " compare " in c]
     assert len(compares) == 3
     assert all("--axis linear" in c and c.endswith("--steps 2") for c in compares)
-    assert "--seed 0 --methods dense teal teal_greedy wina wina_greedy hybrid --targets 0.25 0.5" in compares[0]
-    assert "--seed 0 --methods dense hybrid_lora teal_lora --targets 0.5" in compares[1]
-    assert "--seed 1 --methods dense hybrid --targets 0.5" in compares[2]
+    assert "--seed 0 --methods dense teal teal_greedy wina wina_greedy learned --targets 0.25 0.5" in compares[0]
+    assert "--seed 0 --methods dense learned_lora teal_lora --targets 0.5" in compares[1]
+    assert "--seed 1 --methods dense learned --targets 0.5" in compares[2]
+    # one after another, the seed-0 phases share a run directory (stage 2 reuses phase 1's stage 1)
+    assert [c.split("--runs ")[1].split()[0].rsplit("/", 1)[1] for c in compares] == ["seed0", "seed0", "seed1"]
     summary = [c for c in calls if c.startswith("bench/frontier.py")]
     assert len(summary) == 1 and all(f"/res/{n}.json" in summary[0] for n in ("seed0", "seed0_stage2", "seed1"))
+    assert "--generation" not in summary[0]
     assert (tmp_path / "cache" / "evals_seed1.json").is_file()  # caches kept for a later machine
+
+
+def test_parallel_phases_get_their_own_run_directories_and_the_generation_phase(tmp_path):
+    stub = python_stub(tmp_path, STUB)
+    log = tmp_path / "log"
+    log.write_text("")
+    env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / "runs"), RESULTS=str(tmp_path / "res"),
+               CACHE_TO=str(tmp_path / "cache"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0 1",
+               TARGETS="0.25 0.5", SEED_TARGETS="0.5", PARALLEL="1", GEN="dense teal", GEN_N="7")
+    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh"), "--steps", "2"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    compares = {c.split("--out ")[1].split()[0].rsplit("/", 1)[1]: c for c in log.read_text().splitlines()
+                if " compare " in c}
+    assert set(compares) == {"seed0", "seed0_stage2", "seed1", "seed0_gen"}
+    for name, c in compares.items():  # no two compares share a run directory, hence an evaluation cache
+        assert c.split("--runs ")[1].split()[0].endswith(f"/runs/{name}")
+        assert (tmp_path / "cache" / f"evals_{name}.json").is_file() and (tmp_path / "res" / f"{name}.log").is_file()
+    assert "--methods dense teal --targets 0.25 0.5" in compares["seed0_gen"]
+    assert compares["seed0_gen"].endswith("--steps 2 --generation 7")
+    summary = [c for c in log.read_text().splitlines() if c.startswith("bench/frontier.py")]
+    assert len(summary) == 1 and summary[0].split("--generation ")[1].startswith(str(tmp_path / "res/seed0_gen.json"))
+    assert "seed0_gen.json" not in summary[0].split("--generation")[0]  # not pooled as another seed
+
+
+def test_parallel_phase_that_fails_stops_the_summary(tmp_path):
+    stub = python_stub(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
+                                              'if [ "$3" = compare ] && [[ "$*" == *"--seed 1 "* ]]; then exit 3\n'
+                                              'elif [ "$3" = compare ]; then'))
+    env = dict(os.environ, PY=str(stub), LOG=str(tmp_path / "log"), RUNS=str(tmp_path / "runs"),
+               RESULTS=str(tmp_path / "res"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0 1",
+               PARALLEL="1")
+    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh")], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and "no summary" in p.stdout and "failed: seed 1" in p.stdout, p.stdout + p.stderr
+    assert not (tmp_path / "sum.md").exists()
 
 
 def _doc(seed, records, **settings):
@@ -98,6 +137,51 @@ def test_summary_pools_seeds_and_places_flop_axis_records(tmp_path):
     assert w["linear_sparsity"] == pytest.approx(0.4968 * 3317760 / 3538944) and w["linear_sparsity_from"]
     md = out.with_suffix(".md").read_text()
     assert "(FLOP-axis target)" in md and "1.33x" in md and out.with_suffix(".png").is_file()
+
+
+def test_parallel_phase_cut_mid_progress_bar_is_incomplete(tmp_path):
+    # A compare cut by the clock mid progress bar leaves the bar's line unterminated: the
+    # "incomplete" notice then shares its line, and must still stop the summary (it once didn't).
+    stub = python_stub(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
+                                              'if [ "$3" = compare ] && [[ "$*" == *"--generation"* ]]; then '
+                                              'printf "\\rboolq:  75%%|###  | 12/16" >&2; exit 124\n'
+                                              'elif [ "$3" = compare ]; then'))
+    env = dict(os.environ, PY=str(stub), LOG=str(tmp_path / "log"), RUNS=str(tmp_path / "runs"),
+               RESULTS=str(tmp_path / "res"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0",
+               PARALLEL="1", GEN="dense teal", STAGE2="")
+    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh")], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "not every phase finished" in p.stdout, p.stdout + p.stderr
+    assert "12/16incomplete: seed 0" in (tmp_path / "res" / "seed0_gen.log").read_text()
+    assert not (tmp_path / "sum.md").exists()
+
+
+def test_generation_fields_join_the_first_seeds_rows_and_refuse_another_model(tmp_path):
+    gen_fields = {"gen_kl": 0.3, "gen_match": 0.6, "gen_prefix": 9.5, "gen_distinct2": 0.8, "gen_distinct2_dense": 0.85,
+                  "gen_settings": {"prompts": 7, "prompt_len": 32, "new_tokens": 32, "seed": 0}}
+    s0 = _doc(0, [_rec("dense", "dense", 0, None, 22.5, 0.0, None),
+                  _rec("teal", "teal", 1, 0.5, 36.0, 0.52, None, 0.6)])
+    s1 = _doc(1, [_rec("dense", "dense", 0, None, 22.5, 0.0, None)], targets=[0.5])
+    gen = _doc(0, [{**_rec("teal", "teal", 1, 0.5, 36.01, 0.52, None, 0.6), **gen_fields}], generation=7)
+    for name, doc in (("s0", s0), ("s1", s1), ("gen", gen)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    out = tmp_path / "frontier"
+    assert frontier.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--generation", str(tmp_path / "gen.json"),
+                          "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["name"], r["target"]): r for r in doc["aggregated"]}
+    assert rows[("teal", 0.5)]["gen_kl"] == 0.3 and rows[("teal", 0.5)]["gen_prefix"] == 9.5
+    assert rows[("dense", None)].get("gen_kl") is None and rows[("dense", None)]["n"] == 2  # not a third seed
+    assert doc["generation"]["rows"] == [["teal", 1, 0.5]] and doc["generation"]["settings"]["prompts"] == 7
+    md = out.with_suffix(".md").read_text()
+    assert "gen KL" in md and "| 0.300 | 60% | 9.5 | 0.80 |" in md and "7 held-out prompts" in md
+    # another model's generation (its perplexity differs) or another seed is refused
+    (tmp_path / "bad.json").write_text(json.dumps(_doc(0, [{**_rec("teal", "teal", 1, 0.5, 40.0, 0.52, None), **gen_fields}])))
+    with pytest.raises(ValueError, match="not the same model"):
+        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(out)])
+    (tmp_path / "bad.json").write_text(json.dumps(_doc(1, [{**_rec("teal", "teal", 1, 0.5, 36.0, 0.52, None), **gen_fields}])))
+    with pytest.raises(ValueError, match="seed 1"):
+        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(out)])
 
 
 def test_summary_refuses_inputs_of_other_settings(tmp_path):

@@ -224,6 +224,9 @@ def kv_cache_bytes(model, batch: int, length: int) -> int:
 
 
 MODES = ("coarse", "fine", "hybrid")
+# The kernels of a decode step that are attention (the engine's split-K decode and its combine,
+# SDPA's flash / cuDNN / efficient kernels): where KV reads rival weight reads, head routing pays.
+ATTENTION_KERNELS = re.compile(r"attn|attention|flash|fmha|sdpa|cudnn|_decode_split|_decode_combine", re.I)
 
 
 def tile_routing(name: str):
@@ -539,6 +542,9 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
                 rec.update(fine_bytes_fraction(model, masks, B, engine.mode))
             else:
                 rec.update(bytes_fraction(model, masks, B, shared=routing == "batch_shared"))
+        if device.type == "cuda" and (B > 1 or ctx > 4096):  # the long-context batched regime
+            rec.update(guarded(f"attention share B={B} ctx={ctx} {engine_name}",
+                               lambda: attention_share(engine, first, start)) or {})
         engine.free_cache()
         return rec
 
@@ -681,7 +687,27 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
             rows.append({"kernel": e.key[:90], "us_per_step": t / steps, "launches_per_step": e.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"total_us_per_step": sum(r["us_per_step"] for r in rows),
+            "attention_us_per_step": sum(r["us_per_step"] for r in rows if ATTENTION_KERNELS.search(r["kernel"])),
             "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+
+
+def attention_share(engine, tok, start, steps: int = 3) -> dict:
+    """The share of an eager decode step's GPU time spent in attention kernels, from ``start``
+    (positions) on the engine's current cache: the long-context batched regime's question."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.pos.copy_(start)
+    engine.decode(tok, record=[])  # eager warm-up (implementation choices)
+    engine.pos.copy_(start)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tok = engine.decode(tok, record=[]).argmax(-1)
+            engine.pos += 1
+        torch.cuda.synchronize()
+    t = _kernel_table(prof, steps, top=0)
+    return {"attn_share": t["attention_us_per_step"] / t["total_us_per_step"] if t["total_us_per_step"] else None,
+            "eager_step_us": t["total_us_per_step"]}
 
 
 @torch.no_grad()
@@ -753,9 +779,10 @@ def markdown(meta: dict) -> str:
         lines += [f"## {title}", "",
                   ("| model " if multi else "")
                   + "| B | prompt | engine | sparsity | ms | dense engine ms | speedup vs dense engine |"
-                  + (" weight bytes read (union / kernels) | active per token |" if op == "e2e_tpot" else ""),
+                  + (" weight bytes read (union / kernels) | active per token | attention share of the step |"
+                     if op == "e2e_tpot" else ""),
                   ("|---" if multi else "") + "|---|---|---|---|---|---|---|"
-                  + ("---|---|" if op == "e2e_tpot" else "")]
+                  + ("---|---|---|" if op == "e2e_tpot" else "")]
         for r in sorted(rows, key=lambda r: (order.get(r.get("model"), 0), r[key], r["engine"],
                                              r.get("sparsity") or 0, r.get("routing") or "")):
             sp = "-" if r.get("sparsity") is None else f"{r['sparsity']:.2f}"
@@ -773,6 +800,7 @@ def markdown(meta: dict) -> str:
                              f" {r['active_frac_per_token']:.3f} |")
                 else:
                     line += " - | - |"
+                line += f" {r['attn_share']:.0%} |" if r.get("attn_share") is not None else " - |"
             lines.append(line)
         lines.append("")
     for key, pr in (meta.get("profile") or {}).items():
@@ -792,6 +820,10 @@ def markdown(meta: dict) -> str:
                   "| kernel | us / step | launches / step |", "|---|---|---|"]
         lines += [f"| `{r['kernel']}` | {r['us_per_step']:.1f} | {r['launches_per_step']:.0f} |" for r in pr["top"][:14]]
         lines.append("")
+    if any(r.get("attn_share") is not None for r in recs):
+        lines += ["Attention share: GPU time of the attention kernels over all kernels of three eager decode "
+                  "steps (no graph: launch gaps left out) at B > 1 or contexts past 4k, where KV reads rival weight "
+                  "reads and skipped query heads save attention work at any batch size.", ""]
     if meta.get("k_choices"):
         # Each routing's engine measures its own choices; one line per routing keeps them apart.
         by_routing: dict = {}
