@@ -1,4 +1,4 @@
-"""Activation-sparse decode GEMVs (fine_gemv, fine_ffn_up) against their fp32 references.
+"""Activation-sparse decode GEMVs (fine_gemv) against their fp32 reference.
 
 Runs on the CPU through Triton's interpreter (set before triton is imported); on a CUDA
 machine run with TRITON_INTERPRET=0 to test the compiled kernels, bf16 included.
@@ -11,13 +11,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton")
 
 import wide.kernels.fine_gemv as fg  # noqa: E402
-from wide.kernels.fine_gemv import (fine_ffn_up, fine_ffn_up_reference, fine_gemv,  # noqa: E402
-                                    fine_gemv_reference, fine_layout, fine_segments, keep_mask_reference)
+from wide.kernels.fine_gemv import (fine_gemv, fine_gemv_reference, fine_layout, fine_segments,  # noqa: E402
+                                    keep_mask_reference)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if (torch.cuda.is_available() and not INTERPRET) else "cpu"
@@ -219,9 +218,6 @@ def test_tile_configs(config):
     bounds, ths = [0, 50, 70, 90], [0.3, 1.0, 0.6]
     y = fine_gemv(x, wt, segments=bounds, thresholds=ths, config=config)
     assert rel_err(y, fine_gemv_reference(x, wt, segments=bounds, thresholds=ths)) < 1e-5
-    wg = fine_layout(w[:45], w[45:])
-    y = fine_ffn_up(x, wg, thresholds=(0.4, 0.9), config=config)
-    assert rel_err(y, fine_ffn_up_reference(x, wg, thresholds=(0.4, 0.9))) < 1e-5
 
 
 def test_threshold_tensors_are_read_on_the_device():
@@ -300,10 +296,6 @@ def test_errors():
         fine_gemv(x, wt, torch.tensor([0.1], dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
         fine_gemv(x, wt, 0.1, out=torch.empty(2, 47, device=DEVICE))
-    with pytest.raises(ValueError, match=r"\[K, 2 \* I\]"):
-        fine_ffn_up(x, wt[:, :47], 0.1)
-    with pytest.raises(ValueError, match="I // group_size"):
-        fine_ffn_up(x, wt, 0.1, group_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE), group_size=8)
 
 
 def test_empty_dims():
@@ -311,45 +303,6 @@ def test_empty_dims():
     assert fine_gemv(x, torch.empty(32, 0, device=DEVICE), 0.1).shape == (2, 0)
     y = fine_gemv(torch.empty(2, 0, device=DEVICE), torch.empty(0, 48, device=DEVICE), 0.1)
     assert y.shape == (2, 48) and torch.all(y == 0)
-
-
-# ---------------------------------------------------------------- fine_ffn_up
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T", TOKENS)
-def test_ffn_up(T, dtype, split):
-    inter = 45
-    x, w, _ = _inputs(T, K_RAGGED, 2 * inter, dtype, 110 + T)
-    wt = fine_layout(w[:inter], w[inter:])
-    out = torch.full((T, inter), float("nan"), dtype=dtype, device=DEVICE)
-    y = fine_ffn_up(x, wt, thresholds=(0.4, 1.1), out=out)
-    assert y.data_ptr() == out.data_ptr()
-    ref = fine_ffn_up_reference(x, wt, thresholds=(0.4, 1.1))
-    assert rel_err(y, ref) < tol(dtype)
-    dense = fine_ffn_up(x, wt, 0.0)
-    want = F.silu(x.float() @ w[:inter].float().t()) * (x.float() @ w[inter:].float().t())
-    assert rel_err(dense, want) < tol(dtype)
-
-
-@pytest.mark.parametrize("kind", ["all", "none", "random", "one_token"])
-@pytest.mark.parametrize("T", [1, 4])
-def test_ffn_up_output_groups(T, kind, split):
-    inter, gs = 48, 16
-    x, w, gen = _inputs(T, K_RAGGED, 2 * inter, torch.float32, 120 + T)
-    wt = fine_layout(w[:inter], w[inter:])
-    ng = inter // gs
-    gm = {"all": torch.ones(T, ng, dtype=torch.bool), "none": torch.zeros(T, ng, dtype=torch.bool),
-          "random": torch.rand(T, ng, generator=gen) < 0.5}.get(kind)
-    if kind == "one_token":
-        gm = torch.zeros(T, ng, dtype=torch.bool)
-        gm[T - 1, 1] = True
-    gm = gm.to(DEVICE)
-    scale = torch.rand(K_RAGGED, generator=gen).to(DEVICE) + 0.5
-    y = fine_ffn_up(x, wt, 0.5, scale=scale, group_mask=gm, group_size=gs)
-    ref = fine_ffn_up_reference(x, wt, 0.5, scale=scale, group_mask=gm, group_size=gs)
-    off = ~gm.repeat_interleave(gs, 1)
-    assert torch.all(y[off] == 0), "channels routed off must be exact zeros"
-    if kind != "none":
-        assert rel_err(y, ref) < 1e-5
 
 
 # ---------------------------------------------------------------- benchmark smoke
@@ -366,8 +319,7 @@ def test_benchmark_cpu_records(tmp_path):
     assert "wide.benchmarks.fine_gemv --device cpu" in doc["command"]
     recs = doc["records"]
     assert {(r["op"], r["shape"], r["T"]) for r in recs} == {
-        ("fine_gemv", "qkv", 1), ("fine_gemv", "qkv", 4), ("fine_gemv", "gate_up", 1), ("fine_gemv", "gate_up", 4),
-        ("fine_ffn_up", "gate_up", 1), ("fine_ffn_up", "gate_up", 4)}
+        ("fine_gemv", "qkv", 1), ("fine_gemv", "qkv", 4), ("fine_gemv", "gate_up", 1), ("fine_gemv", "gate_up", 4)}
     for r in recs:
         for key in ("op", "shape", "N", "K", "T", "kept", "union", "dense_us", "fine_us", "floor_us",
                     "speedup", "vs_floor", "gbps", "rel_err"):

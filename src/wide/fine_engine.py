@@ -13,7 +13,8 @@ weight row, so a thresholded prefill would read what a dense one reads.
 * ``hybrid``: the routers run as in ``coarse`` and their decode masks bound what the thresholds
   may keep: o and down read no input column of a skipped head / FFN group (the kernel's
   ``group_mask`` over input columns), gate|up's products are zeroed in a skipped FFN group (its
-  rows are still read: fine_ffn_up, which would skip them, does not compile at T = 1 on an H100),
+  rows are still read: a fused gate|up kernel that skipped them failed to compile at T = 1 on an
+  H100 and was removed),
   attention skips the skipped head groups, and inside
   the kept groups the thresholds drop elements. The result is the masked HF path with both
   kinds of sparsity on. q computes every head: ``fine_gemv`` has no output-group mask, so the
@@ -289,9 +290,9 @@ class FineTritonOps(_FineDecode, TritonOps):
         else:
             inter = f.wgu_t.shape[1] // 2
             if f.gu_one_scale:
-                # gate|up in one fine_gemv (a threshold per segment): fine_ffn_up, the fused
-                # alternative with SiLU*mul inside, fails to compile at T = 1 on an H100 (Triton
-                # 3.6) and ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at T = 1
+                # gate|up in one fine_gemv (a threshold per segment): the fused alternative with
+                # SiLU*mul inside (removed) failed to compile at T = 1 on an H100 (Triton 3.6) and
+                # ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at T = 1
                 # (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped FFN
                 # groups too; silu_mul zeroes their products.
                 gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],

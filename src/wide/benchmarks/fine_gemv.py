@@ -7,8 +7,8 @@ Each case: one projection of Llama-3.1-8B or Qwen2.5-7B at decode (T tokens), ra
 weights and inputs, per-segment thresholds at the |x| quantile that keeps the asked share of
 each token's inputs (i.i.d. random, so for T > 1 the union of kept rows is larger: recorded
 as ``union``). The output is checked against the fp32 reference (rel err < 1e-2) first; then
-three timings in the same process: cuBLAS (``F.linear`` on the dense ``[N, K]`` weight; for
-``fine_ffn_up`` also the SiLU * up), ``fine_gemv`` (thresholds compared in the kernel), and
+three timings in the same process: cuBLAS (``F.linear`` on the dense ``[N, K]`` weight),
+``fine_gemv`` (thresholds compared in the kernel), and
 the floor: a plain read (``wide.kernels.plain_read``) of as many bytes as the kept rows
 hold. Timing as in the kernel benchmark (``wide.timing.graph_time_us``): a CUDA graph of
 calls rotating over enough input sets that L2 never holds the next call's weights.
@@ -79,16 +79,14 @@ def _cfg_name(c):
             f"-w{c.num_warps}-s{c.num_stages}")
 
 
-def run_case(model, shape, K, widths, T, kept, device, timer, seed, op="fine_gemv", sweep=None):
+def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
     """One record (or, with ``sweep``, one per config): check, then time dense, fine, floor."""
-    from wide.kernels.fine_gemv import (fine_ffn_up, fine_ffn_up_reference, fine_gemv, fine_gemv_reference,
-                                        fine_layout, keep_mask_reference)
+    from wide.kernels.fine_gemv import fine_gemv, fine_gemv_reference, fine_layout, keep_mask_reference
     from wide.kernels.plain_read import plain_read
 
     cuda = device.type == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
     N = sum(widths)
-    fused = op == "fine_ffn_up"
     nseg = len(widths)
     set_bytes = 2 * N * K * (2 if cuda else 4)
     n_rot = int(max(1, min(8, math.ceil(3 * L2_BYTES / set_bytes)))) if cuda else 2
@@ -110,25 +108,14 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, op="fine_gem
     keep = keep_mask_reference(x0, ths[0])
     union_rows = int(keep.any(0).sum().item())
     kept_elems = union_rows * N
-    if fused:
-        inter = N // 2
 
-        def fine(s, config=None):
-            return fine_ffn_up(s[0], s[2], thresholds=ths[:2], config=config)
+    def fine(s, config=None):
+        return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config)
 
-        def dense(s):
-            h = F.linear(s[0], s[1])
-            return F.silu(h[:, :inter]) * h[:, inter:]
-        ref = fine_ffn_up_reference(x0, w_t0, thresholds=ths[:2])
-        out_elems = T * inter
-    else:
-        def fine(s, config=None):
-            return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config)
-
-        def dense(s):
-            return F.linear(s[0], s[1])
-        ref = fine_gemv_reference(x0, w_t0, segments=segments, thresholds=ths)
-        out_elems = T * N
+    def dense(s):
+        return F.linear(s[0], s[1])
+    ref = fine_gemv_reference(x0, w_t0, segments=segments, thresholds=ths)
+    out_elems = T * N
 
     def check(config=None):
         y = fine(sets[0], config).float()
@@ -138,7 +125,7 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, op="fine_gem
 
     elt = 2 if cuda else 4
     nbytes = kept_elems * elt + T * K * elt + out_elems * elt
-    base = {"op": op, "model": model, "shape": shape, "N": N, "K": K, "T": T, "kept": kept,
+    base = {"op": "fine_gemv", "model": model, "shape": shape, "N": N, "K": K, "T": T, "kept": kept,
             "union": round(union_rows / K, 4), "segments": segments}
     dense_us = timer([lambda s=s: dense(s) for s in sets])
     floor_us = _floor_us(kept_elems, n_rot, device, dt, timer, plain_read)
@@ -214,7 +201,6 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", nargs="*", default=None, help="subset of qkv o gate_up up down")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4])
     p.add_argument("--kept", type=float, nargs="*", default=[0.5])
-    p.add_argument("--ffn-up", action="store_true", help="also time fine_ffn_up on the gate_up shapes")
     p.add_argument("--sweep", action="store_true", help="time every config of the sweep list per case")
     p.add_argument("--seed", type=int, default=0)
 
@@ -253,29 +239,26 @@ def run(args) -> list:
         for shape, (K, widths) in shapes.items():
             if args.shapes and shape not in args.shapes:
                 continue
-            ops = ["fine_gemv"] + (["fine_ffn_up"] if shape == "gate_up" and (args.ffn_up or device.type == "cpu")
-                                   else [])
-            for op in ops:
-                for T in args.tokens:
-                    for kept in args.kept:
-                        try:
-                            rs = run_case(model, shape, K, widths, T, kept, device, timer,
-                                          args.seed + 7 * T, op=op, sweep=sweep)
-                        except Exception as e:  # record and go on: one bad case must not lose the run
-                            print(f"FAILED {op} {model} {shape} T={T} kept={kept}: {type(e).__name__}: {e}",
-                                  flush=True)
-                            bad += 1
-                            continue
-                        for r in rs:
-                            ok = r["rel_err"] < 1e-2
-                            bad += not ok
-                            records.append(r)
-                            print(f"{op:11s} {model:12s} {shape:7s} T={T} kept={kept:.2f} union={r['union']:.3f} "
-                                  f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
-                                  f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
-                                  f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
-                                  f"[{time.time() - t0:.0f}s]", flush=True)
-                        write_results(records, meta, args.out)
+            for T in args.tokens:
+                for kept in args.kept:
+                    try:
+                        rs = run_case(model, shape, K, widths, T, kept, device, timer,
+                                      args.seed + 7 * T, sweep=sweep)
+                    except Exception as e:  # record and go on: one bad case must not lose the run
+                        print(f"FAILED {model} {shape} T={T} kept={kept}: {type(e).__name__}: {e}",
+                              flush=True)
+                        bad += 1
+                        continue
+                    for r in rs:
+                        ok = r["rel_err"] < 1e-2
+                        bad += not ok
+                        records.append(r)
+                        print(f"{model:12s} {shape:7s} T={T} kept={kept:.2f} union={r['union']:.3f} "
+                              f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
+                              f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
+                              f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
+                              f"[{time.time() - t0:.0f}s]", flush=True)
+                    write_results(records, meta, args.out)
     write_results(records, meta, args.out)
     args.failed = bad
     return records

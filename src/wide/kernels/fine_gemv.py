@@ -1,9 +1,8 @@
-"""Per-element activation-sparse decode GEMVs (``fine_gemv``, ``fine_ffn_up``): TEAL / WINA style.
+"""Per-element activation-sparse decode GEMVs (``fine_gemv``): TEAL / WINA style.
 
 ``fine_gemv(x [T, K], w_t [K, N], threshold)``: ``y[t, n] = sum over k with keep[t, k] of
 x[t, k] * w_t[k, n]``, ``keep[t, k] = |x[t, k]| * scale[k] >= threshold`` (and, given one,
 ``group_mask[t, k // group_size]``), fp32 accumulation, for T = 1..4 decode tokens.
-``fine_ffn_up(x, w_t_gateup [K, 2I])`` -> ``silu(gate) * up [T, I]`` in one launch.
 
 Layout. The weight is stored once, transposed (``fine_layout``): row k of ``w_t`` is weight
 column k, contiguous over the outputs, so an input element under its threshold is a skipped
@@ -34,15 +33,14 @@ import warnings
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .env import autotune_enabled, interpret_mode, num_sms
 from .routing import split_tickets
 
-__all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_ffn_up", "fine_gemv_reference",
-           "fine_ffn_up_reference", "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
+__all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_gemv_reference",
+           "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_T = 4
@@ -264,210 +262,6 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
             tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
 
 
-@triton.jit
-def _block2(x_ptr, g_base, u_base, scale_ptr, k, k_hi, n_ok3, th_g, th_u, a0, a1, a2, a3, stride_xt,
-            stride_wk, T: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """_block for gate and up: one input, two thresholds, two weight slices. a0..a3: whether
-    the token has an output channel on in this slice (no rows are read for it otherwise)."""
-    k_ok = k < k_hi
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
-    # (a scalar bool & a vector trips the interpreter; where does not)
-    x0, m0, o0 = _tok(x_ptr, 0, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
-    o0 = tl.where(a0, o0, False)
-    kg = (m0 >= th_g) & o0
-    ku = (m0 >= th_u) & o0
-    rg = kg
-    ru = ku
-    g0 = tl.where(kg, x0, 0.0)
-    u0 = tl.where(ku, x0, 0.0)
-    g1 = g0
-    g2 = g0
-    g3 = g0
-    u1 = u0
-    u2 = u0
-    u3 = u0
-    if T > 1:
-        x1, m1, o1 = _tok(x_ptr, 1, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
-        o1 = tl.where(a1, o1, False)
-        kg = (m1 >= th_g) & o1
-        ku = (m1 >= th_u) & o1
-        rg = rg | kg
-        ru = ru | ku
-        g1 = tl.where(kg, x1, 0.0)
-        u1 = tl.where(ku, x1, 0.0)
-    if T > 2:
-        x2, m2, o2 = _tok(x_ptr, 2, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
-        o2 = tl.where(a2, o2, False)
-        kg = (m2 >= th_g) & o2
-        ku = (m2 >= th_u) & o2
-        rg = rg | kg
-        ru = ru | ku
-        g2 = tl.where(kg, x2, 0.0)
-        u2 = tl.where(ku, x2, 0.0)
-    if T > 3:
-        x3, m3, o3 = _tok(x_ptr, 3, stride_xt, k, k_ok, s, x_ptr, 0, 1, HAS_SCALE, False)
-        o3 = tl.where(a3, o3, False)
-        kg = (m3 >= th_g) & o3
-        ku = (m3 >= th_u) & o3
-        rg = rg | kg
-        ru = ru | ku
-        g3 = tl.where(kg, x3, 0.0)
-        u3 = tl.where(ku, x3, 0.0)
-    koff = k[:, :, None].to(tl.int64) * stride_wk
-    wg = tl.load(g_base + koff, mask=rg[:, :, None] & n_ok3, other=0.0, eviction_policy="evict_first")
-    wu = tl.load(u_base + koff, mask=ru[:, :, None] & n_ok3, other=0.0, eviction_policy="evict_first")
-    return wg, wu, g0, g1, g2, g3, u0, u1, u2, u3
-
-
-@triton.jit
-def _on(gm_ptr, t, stride_gt, cols, n_ok, GS, HAS_GM: tl.constexpr):
-    # token t's output channels at cols: on (inside I, and its group routed on)
-    if HAS_GM:
-        return n_ok & (tl.load(gm_ptr + t * stride_gt + cols // GS, mask=n_ok, other=0) != 0)
-    else:
-        return n_ok
-
-
-@triton.jit
-def _fine_ffn_up_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr,
-                        K, I, stride_xt, stride_wk, stride_yt, stride_gt, GS, th0, th1,
-                        T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr,
-                        TH_PTR: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr,
-                        PPS: tl.constexpr, PF: tl.constexpr, RS: tl.constexpr):
-    # Each program reads the same BN columns of gate (cols) and up (I + cols), each under its
-    # own threshold, so that the SiLU * up epilogue has both sums of a column. The group mask
-    # routes OUTPUT channels: a token whose channels in this slice are all off keeps no row,
-    # and a slice off for every token reads nothing.
-    pid = tl.program_id(0)
-    n_s = tl.num_programs(1)
-    if TH_PTR:
-        th0 = tl.load(th_ptr)
-        th1 = tl.load(th_ptr + 1)
-    cols = pid * BN + tl.arange(0, BN)
-    n_ok = cols < I
-    n_ok3 = n_ok[None, None, :]
-    k_lo, k_hi = _split_rows(K, BR * BU)
-    on0 = _on(gm_ptr, 0, stride_gt, cols, n_ok, GS, HAS_GM)
-    on1 = n_ok
-    on2 = n_ok
-    on3 = n_ok
-    if T > 1:
-        on1 = _on(gm_ptr, 1, stride_gt, cols, n_ok, GS, HAS_GM)
-    if T > 2:
-        on2 = _on(gm_ptr, 2, stride_gt, cols, n_ok, GS, HAS_GM)
-    if T > 3:
-        on3 = _on(gm_ptr, 3, stride_gt, cols, n_ok, GS, HAS_GM)
-    a0 = tl.max(on0.to(tl.int32), axis=0) > 0
-    a1 = tl.max(on1.to(tl.int32), axis=0) > 0
-    a2 = tl.max(on2.to(tl.int32), axis=0) > 0
-    a3 = tl.max(on3.to(tl.int32), axis=0) > 0
-    any_on = a0
-    if T > 1:
-        any_on = any_on | a1
-    if T > 2:
-        any_on = any_on | a2
-    if T > 3:
-        any_on = any_on | a3
-    k_end = tl.where(any_on, k_hi, k_lo)
-    kk = tl.arange(0, BU)[:, None] * BR + tl.arange(0, BR)[None, :]
-    g_base = w_ptr + cols[None, None, :]
-    u_base = g_base + I
-    gacc0 = tl.zeros([BR, BN], dtype=tl.float32)
-    gacc1 = gacc0
-    gacc2 = gacc0
-    gacc3 = gacc0
-    uacc0 = gacc0
-    uacc1 = gacc0
-    uacc2 = gacc0
-    uacc3 = gacc0
-    if PF:
-        wg, wu, g0, g1, g2, g3, u0, u1, u2, u3 = _block2(
-            x_ptr, g_base, u_base, scale_ptr, k_lo + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
-            stride_xt, stride_wk, T, HAS_SCALE)
-    for k0 in range(k_lo, k_end, BR * BU):
-        if PF:
-            wgn, wun, g0n, g1n, g2n, g3n, u0n, u1n, u2n, u3n = _block2(
-                x_ptr, g_base, u_base, scale_ptr, k0 + BR * BU + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
-                stride_xt, stride_wk, T, HAS_SCALE)
-        else:
-            wg, wu, g0, g1, g2, g3, u0, u1, u2, u3 = _block2(
-                x_ptr, g_base, u_base, scale_ptr, k0 + kk, k_end, n_ok3, th0, th1, a0, a1, a2, a3,
-                stride_xt, stride_wk, T, HAS_SCALE)
-        gacc0 = _fma(gacc0, wg, g0)
-        uacc0 = _fma(uacc0, wu, u0)
-        if T > 1:
-            gacc1 = _fma(gacc1, wg, g1)
-            uacc1 = _fma(uacc1, wu, u1)
-        if T > 2:
-            gacc2 = _fma(gacc2, wg, g2)
-            uacc2 = _fma(uacc2, wu, u2)
-        if T > 3:
-            gacc3 = _fma(gacc3, wg, g3)
-            uacc3 = _fma(uacc3, wu, u3)
-        if PF:
-            wg = wgn
-            wu = wun
-            g0 = g0n
-            g1 = g1n
-            g2 = g2n
-            g3 = g3n
-            u0 = u0n
-            u1 = u1n
-            u2 = u2n
-            u3 = u3n
-    if n_s == 1:
-        _silu_store(tl.sum(gacc0, axis=0), tl.sum(uacc0, axis=0), on0, y_ptr, cols, n_ok)
-        if T > 1:
-            _silu_store(tl.sum(gacc1, axis=0), tl.sum(uacc1, axis=0), on1, y_ptr + stride_yt, cols, n_ok)
-        if T > 2:
-            _silu_store(tl.sum(gacc2, axis=0), tl.sum(uacc2, axis=0), on2, y_ptr + 2 * stride_yt, cols, n_ok)
-        if T > 3:
-            _silu_store(tl.sum(gacc3, axis=0), tl.sum(uacc3, axis=0), on3, y_ptr + 3 * stride_yt, cols, n_ok)
-    else:
-        # partials ws[split, token, 0:I] (gate) and [I:2I] (up), reduced as in fine_gemv
-        NW = 2 * I
-        wsp = ws_ptr + tl.program_id(1) * T * NW + cols
-        tl.store(wsp, tl.sum(gacc0, axis=0), mask=n_ok)
-        tl.store(wsp + I, tl.sum(uacc0, axis=0), mask=n_ok)
-        if T > 1:
-            tl.store(wsp + NW, tl.sum(gacc1, axis=0), mask=n_ok)
-            tl.store(wsp + NW + I, tl.sum(uacc1, axis=0), mask=n_ok)
-        if T > 2:
-            tl.store(wsp + 2 * NW, tl.sum(gacc2, axis=0), mask=n_ok)
-            tl.store(wsp + 2 * NW + I, tl.sum(uacc2, axis=0), mask=n_ok)
-        if T > 3:
-            tl.store(wsp + 3 * NW, tl.sum(gacc3, axis=0), mask=n_ok)
-            tl.store(wsp + 3 * NW + I, tl.sum(uacc3, axis=0), mask=n_ok)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if ticket == n_s - 1:
-            _silu_store(_partial_sum(ws_ptr, 0, cols, n_ok, n_s, T, NW, RS),
-                        _partial_sum(ws_ptr, 0, I + cols, n_ok, n_s, T, NW, RS), on0, y_ptr, cols, n_ok)
-            if T > 1:
-                _silu_store(_partial_sum(ws_ptr, 1, cols, n_ok, n_s, T, NW, RS),
-                            _partial_sum(ws_ptr, 1, I + cols, n_ok, n_s, T, NW, RS), on1,
-                            y_ptr + stride_yt, cols, n_ok)
-            if T > 2:
-                _silu_store(_partial_sum(ws_ptr, 2, cols, n_ok, n_s, T, NW, RS),
-                            _partial_sum(ws_ptr, 2, I + cols, n_ok, n_s, T, NW, RS), on2,
-                            y_ptr + 2 * stride_yt, cols, n_ok)
-            if T > 3:
-                _silu_store(_partial_sum(ws_ptr, 3, cols, n_ok, n_s, T, NW, RS),
-                            _partial_sum(ws_ptr, 3, I + cols, n_ok, n_s, T, NW, RS), on3,
-                            y_ptr + 3 * stride_yt, cols, n_ok)
-            tl.atomic_xchg(cnt_ptr + pid, 0)
-
-
-@triton.jit
-def _silu_store(g, u, on, y_row, cols, n_ok):
-    # silu in fp32, as ffn_up's epilogue; channels routed off are exact zeros
-    out = tl.where(on, g / (1.0 + tl.exp(-g)) * u, 0.0)
-    tl.store(y_row + cols, out.to(y_row.dtype.element_ty), mask=n_ok)
-
-
-# ---------------------------------------------------------------- configs
 def _cfg(bn, br, bu, warps, pps, pf, stages=1):
     return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=warps,
                          num_stages=stages)
@@ -523,7 +317,6 @@ def _plan(K: int, tiles: int, bk: int, pps: int, sms: int) -> int:
 
 _RS = triton.heuristics({"RS": lambda a: _rs(a["BN"])})
 _plain_gemv = _RS(_fine_gemv_kernel)
-_plain_ffn = _RS(_fine_ffn_up_kernel)
 # Short tuning runs, once per key and process (triton versions without warmup/rep take none).
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -532,7 +325,6 @@ with warnings.catch_warnings():
         _BENCH = {"warmup": 5, "rep": 25}
     _tuned_gemv = triton.autotune(configs=_CONFIGS, key=["K", "N", "b1", "b2", "b3", "T", "NSEG"],
                                   **_BENCH)(_plain_gemv)
-    _tuned_ffn = triton.autotune(configs=_CONFIGS, key=["K", "I", "T"], **_BENCH)(_plain_ffn)
 
 
 def _configs_for_launch():
@@ -746,56 +538,6 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     return y
 
 
-def fine_ffn_up(x: torch.Tensor, w_t_gateup: torch.Tensor, threshold=None, *,
-                thresholds: Union[Sequence[float], torch.Tensor, None] = None,
-                scale: Optional[torch.Tensor] = None, group_mask: Optional[torch.Tensor] = None,
-                group_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                config: Optional[triton.Config] = None) -> torch.Tensor:
-    """Fused activation-sparse ``silu(x @ w_gate^T) * (x @ w_up^T)`` -> ``[T, I]``.
-
-    ``w_t_gateup = fine_layout(w_gate, w_up)`` ``[K, 2I]``. ``threshold`` for both, or
-    ``thresholds = (gate, up)``; ``scale`` as in :func:`fine_gemv`. ``group_mask [T, I //
-    group_size]`` routes OUTPUT channels (WIDE's FFN groups): channels off for a token are
-    exact zeros, and rows are read only for tokens with a channel on in the program's slice.
-    ``config``: as in :func:`fine_gemv`.
-    """
-    T, K = _check_x(x, w_t_gateup, "w_t_gateup")
-    N = w_t_gateup.shape[1]
-    if N % 2:
-        raise ValueError(f"w_t_gateup must be [K, 2 * I] (gate then up), got N={N}")
-    inter = N // 2
-    th_t, ths = _resolve_thresholds(threshold, thresholds, 2, x.device)
-    _check_scale(scale, K, x.device)
-    gs = _check_group_mask(group_mask, group_size, T, inter, x.device, "I")
-    y = _check_out(out, T, inter, x)
-    if inter == 0:
-        return y
-    if K == 0:
-        return y.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
-    configs = [config] if config is not None else _configs_for_launch()
-    ws, tickets, sms = _workspace(x, T, N, K, lambda bn: triton.cdiv(inter, bn), configs)
-    gm = x
-    gm_stride = 0
-    if group_mask is not None:
-        gm = group_mask.contiguous().view(torch.uint8)
-        gm_stride = gm.stride(0)
-
-    def grid(meta):
-        tiles = triton.cdiv(inter, meta["BN"])
-        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms))
-
-    args = (x, w_t_gateup, y, scale if scale is not None else x, gm, th_t if th_t is not None else x,
-            ws, tickets, K, inter, x.stride(0), w_t_gateup.stride(0), y.stride(0), gm_stride, gs, *ths)
-    flags = dict(T=T, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None, TH_PTR=th_t is not None)
-    if config is None and autotune_enabled():
-        _tuned_ffn[grid](*args, **flags)
-    else:
-        c = configs[0]
-        _plain_ffn[grid](*args, **flags, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    return y
-
-
 # ---------------------------------------------------------------- references
 def _th32(v, device) -> torch.Tensor:
     # compared in float32, as the kernel compares (a Python float is rounded to fp32 first)
@@ -832,15 +574,3 @@ def fine_gemv_reference(x, w_t, threshold=None, *, scale=None, group_mask=None, 
         keep = keep_mask_reference(x, th, scale, group_mask, group_size)
         parts.append(torch.where(keep, xf, torch.zeros_like(xf)) @ wf[:, lo:hi])
     return torch.cat(parts, dim=1)
-
-
-def fine_ffn_up_reference(x, w_t_gateup, threshold=None, *, thresholds=None, scale=None,
-                          group_mask=None, group_size=None) -> torch.Tensor:
-    """float32 reference of :func:`fine_ffn_up`."""
-    inter = w_t_gateup.shape[1] // 2
-    th = (threshold, threshold) if thresholds is None else tuple(thresholds)
-    gu = fine_gemv_reference(x, w_t_gateup, scale=scale, segments=[0, inter, 2 * inter], thresholds=th)
-    y = F.silu(gu[:, :inter]) * gu[:, inter:]
-    if group_mask is not None:
-        y = y * group_mask.bool().repeat_interleave(group_size, dim=1)
-    return y
