@@ -32,16 +32,22 @@ exit 0
 '''
 
 
+def _frontier_sh(tmp_path, stub_text=STUB, *args, **env):
+    """bench/frontier.sh with python stood in for by STUB_TEXT (its calls logged to tmp/log);
+    ENV over a CPU default of two seeds. Returns the finished process."""
+    stub = python_stub(tmp_path, stub_text)
+    (tmp_path / "log").touch()
+    full = dict(os.environ, PY=str(stub), LOG=str(tmp_path / "log"), RUNS=str(tmp_path / "runs"),
+                RESULTS=str(tmp_path / "res"), CACHE_TO=str(tmp_path / "cache"), SUMMARY=str(tmp_path / "sum"))
+    full.update({"DEVICE": "cpu", "SEEDS": "0 1", "TARGETS": "0.25 0.5", "SEED_TARGETS": "0.5", **env})
+    return subprocess.run(["bash", str(ROOT / "bench/frontier.sh"), *args], env=full, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_phases_run_every_method_then_the_stage_2_and_the_other_seeds(tmp_path):
-    stub = python_stub(tmp_path, STUB)
-    log = tmp_path / "log"
-    log.write_text("")
-    env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / "runs"), RESULTS=str(tmp_path / "res"),
-               CACHE_TO=str(tmp_path / "cache"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0 1",
-               TARGETS="0.25 0.5", SEED_TARGETS="0.5")
-    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh"), "--steps", "2"], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = _frontier_sh(tmp_path, STUB, "--steps", "2")
     assert p.returncode == 0, p.stdout + p.stderr
+    log = tmp_path / "log"
     calls = log.read_text().splitlines()
     compares = [c for c in calls if " compare " in c]
     assert len(compares) == 3
@@ -58,15 +64,9 @@ def test_phases_run_every_method_then_the_stage_2_and_the_other_seeds(tmp_path):
 
 
 def test_parallel_phases_get_their_own_run_directories_and_the_generation_phase(tmp_path):
-    stub = python_stub(tmp_path, STUB)
-    log = tmp_path / "log"
-    log.write_text("")
-    env = dict(os.environ, PY=str(stub), LOG=str(log), RUNS=str(tmp_path / "runs"), RESULTS=str(tmp_path / "res"),
-               CACHE_TO=str(tmp_path / "cache"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0 1",
-               TARGETS="0.25 0.5", SEED_TARGETS="0.5", PARALLEL="1", GEN="dense teal", GEN_N="7")
-    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh"), "--steps", "2"], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = _frontier_sh(tmp_path, STUB, "--steps", "2", PARALLEL="1", GEN="dense teal", GEN_N="7")
     assert p.returncode == 0, p.stdout + p.stderr
+    log = tmp_path / "log"
     compares = {c.split("--out ")[1].split()[0].rsplit("/", 1)[1]: c for c in log.read_text().splitlines()
                 if " compare " in c}
     assert set(compares) == {"seed0", "seed0_stage2", "seed1", "seed0_gen"}
@@ -81,14 +81,9 @@ def test_parallel_phases_get_their_own_run_directories_and_the_generation_phase(
 
 
 def test_parallel_phase_that_fails_stops_the_summary(tmp_path):
-    stub = python_stub(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
-                                              'if [ "$3" = compare ] && [[ "$*" == *"--seed 1 "* ]]; then exit 3\n'
-                                              'elif [ "$3" = compare ]; then'))
-    env = dict(os.environ, PY=str(stub), LOG=str(tmp_path / "log"), RUNS=str(tmp_path / "runs"),
-               RESULTS=str(tmp_path / "res"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0 1",
-               PARALLEL="1")
-    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh")], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = _frontier_sh(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
+                                            'if [ "$3" = compare ] && [[ "$*" == *"--seed 1 "* ]]; then exit 3\n'
+                                            'elif [ "$3" = compare ]; then'), PARALLEL="1")
     assert p.returncode == 1 and "no summary" in p.stdout and "failed: seed 1" in p.stdout, p.stdout + p.stderr
     assert not (tmp_path / "sum.md").exists()
 
@@ -111,6 +106,18 @@ def _rec(name, method, stage, target, ppl, lin, seed, scale=1.0):
             "tasks_detail": {t: {"chance": CHANCE[t]} for t in TASKS}}
 
 
+def _summarize(tmp_path, docs: dict, *argv) -> tuple:
+    """Writes each doc as NAME.json, runs bench/frontier.py on ARGV (NAME stands for its file);
+    returns its JSON document, its aggregated rows by (name, target) and its markdown."""
+    for name, doc in docs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    out = tmp_path / "frontier"
+    args = [str(tmp_path / f"{a}.json") if a in docs else a for a in argv]
+    assert frontier.main(args + ["--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    return doc, {(r["name"], r["target"]): r for r in doc["aggregated"]}, out.with_suffix(".md").read_text()
+
+
 def test_summary_pools_seeds_and_places_flop_axis_records(tmp_path):
     s0 = _doc(0, [_rec("dense", "dense", 0, None, 22.5, 0.0, None),
                   _rec("teal", "teal", 1, 0.5, 36.0, 0.52, None, 0.6),
@@ -120,13 +127,7 @@ def test_summary_pools_seeds_and_places_flop_axis_records(tmp_path):
     old = {"device": "H200", "command": "wide compare", "records": [
         {**_rec("dense", "dense", 0, None, 22.5, 0.0, None)},
         {**_rec("wide", "wide", 1, 0.5, 49.4, None, 0, 0.45), "sparsity": 0.4968}]}
-    for name, doc in (("s0", s0), ("s1", s1), ("old", old)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-    out = tmp_path / "frontier"
-    assert frontier.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--extra", str(tmp_path / "old.json"),
-                          "--out", str(out)]) == 0
-    doc = json.loads(out.with_suffix(".json").read_text())
-    rows = {(r["name"], r["target"]): r for r in doc["aggregated"]}
+    _, rows, md = _summarize(tmp_path, {"s0": s0, "s1": s1, "old": old}, "s0", "s1", "--extra", "old")
     hyb = rows[("hybrid", 0.5)]
     assert hyb["seeds"] == [0, 1] and hyb["ppl"] == pytest.approx(30.0) and hyb["ppl_min"] == 25.0  # geometric mean
     assert hyb["above_chance_kept"] == pytest.approx(0.8) and hyb["ppl_vs_dense"] == pytest.approx(30.0 / 22.5)
@@ -135,22 +136,17 @@ def test_summary_pools_seeds_and_places_flop_axis_records(tmp_path):
     # the FLOP-axis record: linear = FLOP rate x routable / linear MACs (SmolLM2: 3317760 / 3538944)
     w = rows[("wide@flops", 0.5)]
     assert w["linear_sparsity"] == pytest.approx(0.4968 * 3317760 / 3538944) and w["linear_sparsity_from"]
-    md = out.with_suffix(".md").read_text()
-    assert "(FLOP-axis target)" in md and "1.33x" in md and out.with_suffix(".png").is_file()
+    assert "(FLOP-axis target)" in md and "1.33x" in md and (tmp_path / "frontier.png").is_file()
 
 
 def test_parallel_phase_cut_mid_progress_bar_is_incomplete(tmp_path):
     # A compare cut by the clock mid progress bar leaves the bar's line unterminated: the
     # "incomplete" notice then shares its line, and must still stop the summary (it once didn't).
-    stub = python_stub(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
-                                              'if [ "$3" = compare ] && [[ "$*" == *"--generation"* ]]; then '
-                                              'printf "\\rboolq:  75%%|###  | 12/16" >&2; exit 124\n'
-                                              'elif [ "$3" = compare ]; then'))
-    env = dict(os.environ, PY=str(stub), LOG=str(tmp_path / "log"), RUNS=str(tmp_path / "runs"),
-               RESULTS=str(tmp_path / "res"), SUMMARY=str(tmp_path / "sum"), DEVICE="cpu", SEEDS="0",
-               PARALLEL="1", GEN="dense teal", STAGE2="")
-    p = subprocess.run(["bash", str(ROOT / "bench/frontier.sh")], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = _frontier_sh(tmp_path, STUB.replace('if [ "$3" = compare ]; then',
+                                            'if [ "$3" = compare ] && [[ "$*" == *"--generation"* ]]; then '
+                                            'printf "\\rboolq:  75%%|###  | 12/16" >&2; exit 124\n'
+                                            'elif [ "$3" = compare ]; then'),
+                     SEEDS="0", PARALLEL="1", GEN="dense teal", STAGE2="")
     assert p.returncode == 0 and "not every phase finished" in p.stdout, p.stdout + p.stderr
     assert "12/16incomplete: seed 0" in (tmp_path / "res" / "seed0_gen.log").read_text()
     assert not (tmp_path / "sum.md").exists()
@@ -163,25 +159,18 @@ def test_generation_fields_join_the_first_seeds_rows_and_refuse_another_model(tm
                   _rec("teal", "teal", 1, 0.5, 36.0, 0.52, None, 0.6)])
     s1 = _doc(1, [_rec("dense", "dense", 0, None, 22.5, 0.0, None)], targets=[0.5])
     gen = _doc(0, [{**_rec("teal", "teal", 1, 0.5, 36.01, 0.52, None, 0.6), **gen_fields}], generation=7)
-    for name, doc in (("s0", s0), ("s1", s1), ("gen", gen)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-    out = tmp_path / "frontier"
-    assert frontier.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--generation", str(tmp_path / "gen.json"),
-                          "--out", str(out)]) == 0
-    doc = json.loads(out.with_suffix(".json").read_text())
-    rows = {(r["name"], r["target"]): r for r in doc["aggregated"]}
+    doc, rows, md = _summarize(tmp_path, {"s0": s0, "s1": s1, "gen": gen}, "s0", "s1", "--generation", "gen")
     assert rows[("teal", 0.5)]["gen_kl"] == 0.3 and rows[("teal", 0.5)]["gen_prefix"] == 9.5
     assert rows[("dense", None)].get("gen_kl") is None and rows[("dense", None)]["n"] == 2  # not a third seed
     assert doc["generation"]["rows"] == [["teal", 1, 0.5]] and doc["generation"]["settings"]["prompts"] == 7
-    md = out.with_suffix(".md").read_text()
     assert "gen KL" in md and "| 0.300 | 60% | 9.5 | 0.80 |" in md and "7 held-out prompts" in md
     # another model's generation (its perplexity differs) or another seed is refused
     (tmp_path / "bad.json").write_text(json.dumps(_doc(0, [{**_rec("teal", "teal", 1, 0.5, 40.0, 0.52, None), **gen_fields}])))
     with pytest.raises(ValueError, match="not the same model"):
-        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(out)])
+        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")])
     (tmp_path / "bad.json").write_text(json.dumps(_doc(1, [{**_rec("teal", "teal", 1, 0.5, 36.0, 0.52, None), **gen_fields}])))
     with pytest.raises(ValueError, match="seed 1"):
-        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(out)])
+        frontier.main([str(tmp_path / "s0.json"), "--generation", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")])
 
 
 def test_summary_refuses_inputs_of_other_settings(tmp_path):

@@ -132,24 +132,29 @@ def test_freeze_routers_trains_adapters_only(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_compare_merge_check_sets_merge_error_against_stage2_change(tmp_path):
+def _merge_check(tmp_path, model) -> tuple:
+    """compare's merge check on MODEL saved as stage 1, then with random adapters as stage 2:
+    (the check's result on stage 2, and on stage 1)."""
     from wide.compare import Comparison
 
-    model = routed()
-    recovery.save_recovered(model, tmp_path / "wide-50" / "stage1" / "final", extra={"stage": 1})
+    recovery.save_recovered(model, tmp_path / "m-50" / "stage1" / "final", extra={"stage": 1})
     recovery.add_lora(model)
     randomize_adapters(model)
-    recovery.save_recovered(model, tmp_path / "wide-50" / "stage2" / "final", extra={"stage": 2})
+    recovery.save_recovered(model, tmp_path / "m-50" / "stage2" / "final", extra={"stage": 2})
     c = Comparison.__new__(Comparison)
     c.heldout = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(5))
     c.device = "cpu"
     c.fresh = lambda: tiny_model("llama")
-    res = c.merge_check(tmp_path / "wide-50" / "stage2" / "final")
+    return c.merge_check(tmp_path / "m-50" / "stage2" / "final"), c.merge_check(tmp_path / "m-50" / "stage1" / "final")
+
+
+def test_compare_merge_check_sets_merge_error_against_stage2_change(tmp_path):
+    res, stage1 = _merge_check(tmp_path, routed())
     assert res["tokens"] == 48
     assert res["logits_rel_err"] < 1e-5
     assert res["stage2_change_rel"] > 1e-2  # the adapters did change the model
     assert res["argmax_agreement"] == 1.0
-    assert c.merge_check(tmp_path / "wide-50" / "stage1" / "final") == {}  # nothing to merge
+    assert stage1 == {}  # nothing to merge
     assert "thresholds_off" not in res
 
 
@@ -157,25 +162,12 @@ def test_merge_check_of_a_thresholded_model_measures_the_merge_with_thresholds_o
     # Hard per-element thresholds amplify the merge's rounding into flipped inputs: the merge
     # itself is judged with them off (exact up to rounding), the thresholded error beside it.
     from wide import fine
-    from wide.compare import Comparison
 
-    def thresholded():
-        m = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, sparse_target="none"))
-        fine.attach(m, fine.FineConfig(target=0.5))
-        ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(1))
-        fine.set_thresholds(m, fine.collect_scores(m, [ids]), fine.uniform_sparsity(m.wide_state.geometry.dims, 0.5))
-        return m
-
-    model = thresholded()
-    recovery.save_recovered(model, tmp_path / "t-50" / "stage1" / "final", extra={"stage": 1})
-    recovery.add_lora(model)
-    randomize_adapters(model)
-    recovery.save_recovered(model, tmp_path / "t-50" / "stage2" / "final", extra={"stage": 2})
-    c = Comparison.__new__(Comparison)
-    c.heldout = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(5))
-    c.device = "cpu"
-    c.fresh = lambda: tiny_model("llama")
-    res = c.merge_check(tmp_path / "t-50" / "stage2" / "final")
+    m = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, sparse_target="none"))
+    fine.attach(m, fine.FineConfig(target=0.5))
+    ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+    fine.set_thresholds(m, fine.collect_scores(m, [ids]), fine.uniform_sparsity(m.wide_state.geometry.dims, 0.5))
+    res, _ = _merge_check(tmp_path, m)
     assert res["thresholds_off"] is True and res["logits_rel_err"] < 1e-5 and res["stage2_change_rel"] > 1e-2
     assert 0 <= res["logits_rel_err_thresholded"] and 0 <= res["argmax_agreement_thresholded"] <= 1
 
