@@ -3,7 +3,8 @@ random Llama (scripts/gpu_smoke.py's) with routers at 50 %, rules tile16 (first 
 tile16prev (the previous tile's mean decides: decode sums kept inside the norm kernel) and
 batch_shared:
 
-* fp32 (TF32 dots in the kernels): prefill logits and 16 decode steps at batch 4 against the
+* fp32 (TF32 dots in the kernels, named with ``TRITON_F32_DEFAULT``: their own default is
+  tf32x3, ~fp32, since 2026-12-06): prefill logits and 16 decode steps at batch 4 against the
   masked HF path under the same rule (route_tile, wide.modeling.batch_shared_decode), with
   per-token routing beside them as the yardstick. The kernels' TF32 dots move a router margin by
   ~1e-3, enough to flip a decision that sits near its threshold, and one flipped decision moves
@@ -38,9 +39,10 @@ _ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 _ap.add_argument("--precision", choices=("tf32", "ieee"), default="tf32")
 _ap.add_argument("out", nargs="?")
 ARGS = _ap.parse_args()
-if ARGS.precision == "ieee":
-    os.environ["TRITON_F32_DEFAULT"] = "ieee"
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "wide_triton_ieee")
+# Both named: the kernels' own fp32 default is tf32x3 (kernels/fp32_dot.py), which this check's
+# TF32 mode is not meant to measure.
+os.environ["TRITON_F32_DEFAULT"] = ARGS.precision
+os.environ["TRITON_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"wide_triton_{ARGS.precision}")
 
 import torch  # noqa: E402
 

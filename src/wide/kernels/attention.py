@@ -51,10 +51,13 @@ try:  # Triton is optional on CPU-only installs; the fp32 references work withou
     import triton
     import triton.language as tl
 
+    from .fp32_dot import dot as _dot
+
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the install
     triton = None
     tl = None
+    _dot = None
     HAS_TRITON = False
 
 __all__ = [
@@ -296,7 +299,7 @@ if HAS_TRITON:
                             mask=kv_ok[None, :], other=0.0)
             else:
                 k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None])
-            qk = tl.dot(q, k)
+            qk = _dot(q, k, None)
             if MASKED:
                 ok = kv_ok[None, :] & (cols[None, :] <= kmax_row[:, None])
                 # A finite fill keeps fully-masked rows NaN-free; their sums are wiped by the
@@ -316,7 +319,7 @@ if HAS_TRITON:
                              mask=kv_ok[:, None], other=0.0)
             else:
                 vv = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :])
-            acc = tl.dot(p.to(vv.dtype), vv, acc)
+            acc = _dot(p.to(vv.dtype), vv, acc)
             m_i = m_ij
         return acc, l_i, m_i
 
@@ -461,7 +464,7 @@ if HAS_TRITON:
                 k_off = cols.to(tl.int64) * stride_kt
                 v_off = cols.to(tl.int64) * stride_vt
             k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
-            qk = tl.dot(q, k)
+            qk = _dot(q, k, None)
             qk = tl.where(ok[None, :], qk * qk_scale, -1.0e30)
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_ij[:, None])
@@ -469,7 +472,7 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             vv = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
             acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(vv.dtype), vv, acc)
+            acc = _dot(p.to(vv.dtype), vv, acc)
             m_i = m_ij
         # Partials are normalised with their log2-sum-exp so the combine is a weighted average.
         out_rows = (b * Hq + heads).to(tl.int64) * NUM_SPLITS + split

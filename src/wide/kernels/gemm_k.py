@@ -33,6 +33,7 @@ import triton.language as tl
 
 from . import routing as _routing
 from .env import autotune_enabled, interpret_mode, num_sms
+from .fp32_dot import dot
 from .gemm_mn import _gcfg, _gemv_store, _splitk_store, gemv_launch_state
 from .routing import (DIRECT_MAX_T, SORT_MAX_GROUPS, RouteIndex, check_group_size, check_mask,
                       largest_pow2_divisor, next_pow2, split_tickets)
@@ -92,7 +93,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
                 a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                             mask=act[:, None], other=0.0)
                 b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
-                acc = tl.dot(a, b, acc)
+                acc = dot(a, b, acc)
     elif DECODE:
         # Decode (T <= 16, one row tile): loop over the groups used by some token only, as
         # one flat loop of BK-wide steps through the ordered list of used groups, so no
@@ -126,7 +127,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
             b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = dot(a, b, acc)
     elif LISTED:
         # Rows that come in runs sharing one mask (tile-coherent routing, a batch-shared decode
         # step): the decode path's flat loop over the used groups' steps, for any tile height.
@@ -152,7 +153,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
             b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = dot(a, b, acc)
     else:
         # Prefill with many groups: one flat, direct-addressed loop over K (pipelines like a
         # plain GEMM); X rows of tokens inactive in the current group are not loaded.
@@ -162,7 +163,7 @@ def _gemm_k_kernel(x_ptr, w_ptr, y_ptr, mask_ptr, perm_ptr, tg_ptr, tc_ptr,
             a = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + k)[None, :],
                         mask=act[:, None], other=0.0)
             b = tl.load(w_rows + (k0 + k)[:, None], mask=n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = dot(a, b, acc)
     if SPLIT:
         _splitk_store(acc, ws_ptr, y_ptr, cnt_ptr, pid, tok, n, row_in[:, None] & n_ok[None, :],
                       T, N, stride_yt)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import routing as _routing
 from .env import autotune_enabled, interpret_mode
+from .fp32_dot import dot
 from .routing import (DIRECT_MAX_T, RouteIndex, RouterPartials, check_group_size, check_mask, group_runs,
                       largest_pow2_divisor, next_pow2, split_tickets)
 
@@ -122,13 +123,13 @@ def _gemm_mn_kernel(x_ptr, w_ptr, w2_ptr, y_ptr, mask_ptr, idx_ptr, counts_ptr,
             k_ok = (k0 + k) < K
             a = tl.load(x_ptrs, mask=act[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc)
         if FUSED:
             if EVEN_K:
                 b2 = tl.load(w2_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 b2 = tl.load(w2_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc2 = tl.dot(a, b2, acc2)
+            acc2 = dot(a, b2, acc2)
             w2_ptrs += BK
         x_ptrs += BK
         w_ptrs += BK
