@@ -30,3 +30,15 @@ compare_run() {
     esac
     return 0
 }
+
+# compare_status LOG...: complete=0 / failed=1 from the notices compare_run wrote into the logs
+# of calls that ran in subshells (whose variables stay there). Unanchored: a call cut by the
+# clock mid progress bar leaves the bar's line unterminated, and the notice shares it.
+compare_status() {
+    local log
+    for log in "$@"; do
+        grep -a "incomplete: seed" "$log" && complete=0
+        grep -a "failed: seed" "$log" && failed=1
+    done
+    return 0
+}

@@ -56,7 +56,7 @@ def merge_generation(docs: list, path) -> list:
     seed and checkpoints as the first input, only the generation settings added to its evaluation
     key) onto the first input's rows of the same method, stage and target. Its perplexity must be
     the row's (they evaluate the same model on the same text): a mismatch means another model or
-    other settings, and is refused. Returns the notes of what was merged."""
+    other settings, and is refused. Returns the (name, stage, target) keys of the rows it joined."""
     gen = json.loads(Path(path).read_text())
     first = docs[0][1]
     if gen["settings"].get("seed") != first["settings"].get("seed"):

@@ -63,15 +63,14 @@ first=${seeds[0]}
 # NAME SEED METHODS TARGETS [compare arguments...]: one phase, its run directory as above
 phases=()
 one() {
-    local name=$1 dir=seed$2
+    local name=$1
     shift
     [ -n "$2" ] || return 0
-    [ "${PARALLEL:-0}" = 1 ] && dir=$name
     if [ "${PARALLEL:-0}" = 1 ]; then
-        RUN_DIR=$dir phase "$1" "$name" "${@:2}" > "$RESULTS/$name.log" 2>&1 &
+        RUN_DIR=$name phase "$1" "$name" "${@:2}" > "$RESULTS/$name.log" 2>&1 &
         phases+=("$name")
     else
-        RUN_DIR=$dir phase "$1" "$name" "${@:2}"
+        RUN_DIR=seed$1 phase "$1" "$name" "${@:2}"
     fi
 }
 one "seed$first" "$first" "dense $FREE $TRAINED" "$TARGETS" "$@"
@@ -82,12 +81,12 @@ done
 one "seed${first}_gen" "$first" "${GEN}" "$GEN_TARGETS" "$@" --generation "$GEN_N"
 if [ ${#phases[@]} -gt 0 ]; then
     wait || true
-    # each phase ran in a subshell, whose variables stay there: what it left is in its log
+    logs=()
     for n in "${phases[@]}"; do
         echo "== $n"; sed "/^\s*$/d" "$RESULTS/$n.log" | tail -n 3
-        grep -aq "incomplete: seed" "$RESULTS/$n.log" && complete=0
-        grep -aq "failed: seed" "$RESULTS/$n.log" && failed=1
+        logs+=("$RESULTS/$n.log")
     done
+    compare_status "${logs[@]}" > /dev/null
 fi
 if [ "$failed" = 1 ]; then echo "a comparison failed (above): no summary"; exit 1; fi
 if [ "$complete" != 1 ]; then echo "not every phase finished: no summary yet"; exit 0; fi

@@ -81,11 +81,9 @@ if [ ${#gpus[@]} -gt 1 ]; then
         pids+=($!)
     done
     wait "${pids[@]}" || true  # what each seed left is in its log, read next
-    # each queue ran in a subshell, whose variables stay there
-    for s in "${seeds[@]}"; do
-        grep -a "incomplete: seed" "$RESULTS/seed$s.log" && complete=0
-        grep -a "failed: seed" "$RESULTS/seed$s.log" && failed=1
-    done
+    logs=()
+    for s in "${seeds[@]}"; do logs+=("$RESULTS/seed$s.log"); done
+    compare_status "${logs[@]}"
 else
     for s in "${seeds[@]}"; do one_seed "$s" "$METHODS" "seed$s" "$@"; done
 fi

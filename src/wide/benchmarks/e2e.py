@@ -692,20 +692,10 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
 
 
 def attention_share(engine, tok, start, steps: int = 3) -> dict:
-    """The share of an eager decode step's GPU time spent in attention kernels, from ``start``
-    (positions) on the engine's current cache: the long-context batched regime's question."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine.pos.copy_(start)
-    engine.decode(tok, record=[])  # eager warm-up (implementation choices)
-    engine.pos.copy_(start)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            tok = engine.decode(tok, record=[]).argmax(-1)
-            engine.pos += 1
-        torch.cuda.synchronize()
-    t = _kernel_table(prof, steps, top=0)
+    """The share of an eager decode step's GPU time spent in attention kernels, at positions
+    ``start`` on the engine's current cache: the long-context batched regime's question."""
+    engine.pos.copy_(start)  # (the TPOT loop and the mask recording moved it on)
+    t = _profile_eager_steps(engine, tok, start, steps, top=0)
     return {"attn_share": t["attention_us_per_step"] / t["total_us_per_step"] if t["total_us_per_step"] else None,
             "eager_step_us": t["total_us_per_step"]}
 
@@ -731,12 +721,20 @@ def profile_prefill(engine, ids, reps: int = 2, top: int = 20) -> dict:
 def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
     """GPU time per kernel name for one eager decode step (B=1), summed over the step: where
     the time of a step goes, beyond the CUDA-graph total the TPOT rows give."""
-    from torch.profiler import ProfilerActivity, profile
-
     B, ctx = ids.shape
     engine.setup_cache(B, -(-(ctx + steps + 8) // 128) * 128)
     tok = engine.prefill(ids).argmax(-1)
-    pos = torch.full((B,), ctx, dtype=torch.long, device=ids.device)
+    table = _profile_eager_steps(engine, tok, torch.full((B,), ctx, dtype=torch.long, device=ids.device), steps, top)
+    engine.free_cache()
+    return table
+
+
+@torch.no_grad()
+def _profile_eager_steps(engine, tok, pos, steps: int, top: int) -> dict:
+    """``_kernel_table`` of ``steps`` eager decode steps at positions ``pos`` on the engine's
+    current cache, after one warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+
     # decode(record=...) runs the step eagerly (no graph replay): one launch per kernel to see.
     engine.decode(tok, pos, record=[])  # warm-up: autotuning and implementation choices happen here
     torch.cuda.synchronize()
@@ -744,7 +742,6 @@ def profile_decode(engine, ids, steps: int = 3, top: int = 20) -> dict:
         for _ in range(steps):
             tok = engine.decode(tok, pos, record=[]).argmax(-1)
         torch.cuda.synchronize()
-    engine.free_cache()
     return _kernel_table(prof, steps, top)
 
 
