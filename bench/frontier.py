@@ -33,6 +33,11 @@ STATS = ("ppl", "avg", "linear_sparsity", "attn_core_sparsity", "above_chance_ke
 # Methods whose records count routed groups only: their linear sparsity follows from the FLOP rate.
 GROUP_ONLY = ("wide", "dynamic_depth", "module_skip", "static_width")
 SPEED_MODES = ("coarse", "fine", "hybrid")
+# The engine mode that runs a method's sparsity: per-element thresholds decode in `fine`, routers
+# in `coarse`, routers with thresholds inside their groups in `hybrid` (stage 2 decodes as stage 1).
+MODE_OF = {"teal": "fine", "teal_greedy": "fine", "wina": "fine", "learned": "fine", "wide": "coarse",
+           "hybrid": "hybrid"}
+SPEED_AT = ((1, 4096), (32, 4096))  # (batch, prompt) of the per-row speed columns
 
 
 def load(paths: list) -> tuple:
@@ -189,11 +194,22 @@ def speed_columns(path) -> dict:
     return {"device": doc.get("device"), "modes": out} if out else {}
 
 
-def table(rows: list) -> str:
+def row_speed(r: dict, speed: dict, at) -> str:
+    """The TPOT speedup of the row's engine mode at (B, prompt), for rows at the records' 50 %."""
+    mode = MODE_OF.get(r.get("method"))
+    if not speed or mode is None or r.get("target") is None or abs(r["target"] - 0.5) > 1e-6:
+        return "-"
+    v = speed["modes"].get(mode, {}).get(at)
+    return "-" if v is None else f"{v:.2f}x ({mode})"
+
+
+def table(rows: list, speed: dict = None) -> str:
     gen = any(r.get("gen_kl") is not None for r in rows)
     head = ["method", "stage", "target", "seeds", "linear sparsity", "attn-core sparsity", "ppl", "x dense",
             "7-task avg", "above chance kept", "tokens"] + (["gen KL", "gen match", "gen prefix", "distinct-2"]
                                                           if gen else [])
+    if speed:
+        head += [f"TPOT B={b} x {p // 1024}k" for b, p in SPEED_AT]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r.get("label") or r.get("name") or "?", str(r.get("stage")),
@@ -208,6 +224,8 @@ def table(rows: list) -> str:
         if gen:
             cells += [_cell(r, "gen_kl", lambda v: f"{v:.3f}"), _cell(r, "gen_match", lambda v: f"{v:.0%}"),
                       _cell(r, "gen_prefix", lambda v: f"{v:.1f}"), _cell(r, "gen_distinct2", lambda v: f"{v:.2f}")]
+        if speed:
+            cells += [row_speed(r, speed, at) for at in SPEED_AT]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -315,7 +333,7 @@ def main(argv=None) -> int:
                f"and by the method. gen KL: KL(dense || method) per token on dense's continuation (nats); gen match: "
                f"share of greedy tokens equal to dense's; gen prefix: mean tokens before the texts part; distinct-2 of "
                f"the method's text (dense's: {next((r.get('gen_distinct2_dense') for r in rows if r.get('gen_distinct2_dense')), float('nan')):.2f}).", ""]
-    md += [table(rows), ""]
+    md += [table(rows, speed), ""]
     if len(at_levels(rows)):
         md += ["At equal linear sparsity: each method's perplexity at exactly 25/40/50/60 %, log-perplexity "
                "interpolated between its two measured points around the level ('-': outside its measured range).", "",
@@ -328,7 +346,10 @@ def main(argv=None) -> int:
                   "routable shares; their linear sparsity is their realised FLOP rate x routable / linear MACs, which "
                   "is exact for routed groups.")
     if speed:
-        md += ["", f"End-to-end decode (TPOT) speedup against the dense engine, 50 %, {speed['device']}:", ""]
+        md += ["", f"End-to-end decode (TPOT) speedup against the dense engine, 50 %, {speed['device']}, "
+               "Llama-3.1-8B shapes with random weights and thresholds set to the rate (the TPOT columns "
+               "above: each 50 % row's engine mode; fine = TEAL, WINA and learned thresholds, coarse = "
+               "routers, hybrid = routers + thresholds):", ""]
         for m, s in speed["modes"].items():
             md.append(f"- {m}: " + ", ".join(f"B={b} x {p}: {v:.2f}x" for (b, p), v in sorted(s.items())))
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

@@ -55,3 +55,28 @@ def test_plain_read_sums_whole_chunks_only():
         plain_read(w, out, 1000, block=256)
     with pytest.raises(ValueError, match="float32"):
         plain_read(w, torch.empty(4), 1024, block=256)
+
+
+def test_fine_mode_bound_from_committed_h100_results(tmp_path):
+    res = ROOT / "bench" / "results" / "h100"
+    assert bounds.main(["--results", str(res), "--modes", str(res / "e2e_modes.json"),
+                        "--fine", str(res / "fine_gemv.json"), "--out", str(tmp_path / "b")]) == 0
+    f = json.loads((tmp_path / "b.json").read_text())["tpot_fine"]
+    # the fine engine cannot beat a bound built from its own parts, nor its GEMVs their read floor
+    assert 1.0 < f["measured"] <= f["bound"] < 2.0
+    assert f["layer_floor_us"] < f["layer_fine_us"] < f["layer_dense_us"]
+    # the kernels' own timings predict the measured step to within 10 %
+    assert abs(f["predicted_step_us"] / (f["fine_ms"] * 1e3) - 1) < 0.1
+    assert "fine mode" in (tmp_path / "b.md").read_text()
+
+
+def test_fine_mode_bound_refuses_other_cards_and_half_inputs(tmp_path):
+    res = ROOT / "bench" / "results" / "h100"
+    with pytest.raises(SystemExit, match="go together"):
+        bounds.main(["--results", str(res), "--modes", str(res / "e2e_modes.json")])
+    other = json.loads((res / "fine_gemv.json").read_text())
+    other["device"] = "NVIDIA H200"
+    (tmp_path / "fine.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="one card"):
+        bounds.main(["--results", str(res), "--modes", str(res / "e2e_modes.json"),
+                     "--fine", str(tmp_path / "fine.json"), "--out", str(tmp_path / "b")])

@@ -21,7 +21,16 @@ TPOT floor (batch 1): the routed engine's eager decode step with each routed GEM
 plain read of the bytes it must read (its measured floor), everything else as measured, plus the
 CUDA-graph replay overhead seen in the same run (graph TPOT - eager GPU time).
 
+Fine-mode TPOT floor (batch 1, ``--modes e2e_modes.json --fine fine_gemv.json``): per-element
+decode reads the weight rows its inputs keep, so each projection's floor is a plain read of
+half its bytes (fine_gemv.json's ``floor_us`` per shape; gate|up is one launch over both
+matrices: twice up's). The rest of the step is the dense engine's TPOT at the same context
+(e2e_modes.json) less the dense GEMVs (fine_gemv.json's cuBLAS times): attention, norms, LM
+head, graph replay. Two files of one card, possibly of different sessions (both named).
+
     python -m wide.benchmarks.bounds --results bench/results
+    python -m wide.benchmarks.bounds --results bench/results/h100 --modes bench/results/h100/e2e_modes.json \
+        --fine bench/results/h100/fine_gemv.json --out bench/results/h100/bounds_fine
 (``bash bench/gpu_all.sh`` measures the read floors and runs this after the e2e benchmark, on the
 same machine.)
 """
@@ -129,12 +138,70 @@ def tpot_floor(e2e: dict, probe: dict, kernels: dict, s: float = 0.5) -> dict:
                 step_for_1p7_us=dense_ms * 1e3 / 1.7)
 
 
+def fine_tpot_floor(modes: dict, fine: dict, prompt_len: int = 4096) -> dict:
+    """The fine mode's batch-1 TPOT bound at 50 % (module docstring), with its parts."""
+    def tpot(mode):
+        for r in modes["records"]:
+            if (r.get("op") == "e2e_tpot" and r.get("mode") == mode and r.get("B") == 1
+                    and r.get("prompt_len") == prompt_len):
+                return r["ms"]
+        raise SystemExit(f"no e2e_tpot record for mode={mode} B=1 prompt {prompt_len} in the modes file")
+
+    shapes = {}
+    for r in fine["records"]:
+        if r.get("op") == "fine_gemv" and r.get("T") == 1 and abs(r.get("kept", 0) - 0.5) < 1e-6:
+            shapes[r["shape"]] = r
+    missing = [k for k in ("qkv", "o", "up", "down") if k not in shapes]
+    if missing:
+        raise SystemExit(f"the fine_gemv file has no T=1, 50 % record for {missing}")
+    # gate|up: one launch over both matrices, up's shape twice
+    times = {k: (2 if k == "up" else 1) * shapes[k]["fine_us"] for k in ("qkv", "o", "up", "down")}
+    floors = {k: (2 if k == "up" else 1) * shapes[k]["floor_us"] for k in ("qkv", "o", "up", "down")}
+    dense_gemv = {k: (2 if k == "up" else 1) * shapes[k]["dense_us"] for k in ("qkv", "o", "up", "down")}
+    dense_ms, fine_ms = tpot("dense"), tpot("fine")
+    other = dense_ms * 1e3 - LAYERS * sum(dense_gemv.values())
+    floor_us = other + LAYERS * sum(floors.values())
+    return dict(dense_ms=dense_ms, fine_ms=fine_ms, measured=dense_ms / fine_ms, other_us=other,
+                layer_floor_us=sum(floors.values()), layer_fine_us=sum(times.values()),
+                layer_dense_us=sum(dense_gemv.values()), floor_us=floors, fine_us=times,
+                floor_step_us=floor_us, bound=dense_ms * 1e3 / floor_us,
+                # the step the kernels' own timings predict, beside the one measured
+                predicted_step_us=other + LAYERS * sum(times.values()),
+                step_for_1p85_us=dense_ms * 1e3 / 1.85, prompt_len=prompt_len,
+                modes_date=modes.get("date"), fine_date=fine.get("date"))
+
+
+def fine_lines(f: dict, modes_path, fine_path) -> list:
+    ms = f["floor_us"]
+    return [
+        "", "## TPOT batch 1, fine mode (per-element decode)", "",
+        f"Modes run of {f['modes_date']} ({Path(modes_path).name}), fine GEMVs of {f['fine_date']} "
+        f"({Path(fine_path).name}); prompt {f['prompt_len']}.", "",
+        f"Dense engine {f['dense_ms']:.2f} ms, fine {f['fine_ms']:.2f} ms: **{f['measured']:.2f}x**. "
+        f"The dense step less its GEMVs (cuBLAS, {f['layer_dense_us']:.1f} us per layer) leaves "
+        f"{f['other_us'] / 1e3:.2f} ms of attention, norms, LM head and graph replay.",
+        f"Plain reads of the kept half of each weight: q|k|v {ms['qkv']:.1f} us, o {ms['o']:.1f} us, gate|up "
+        f"{ms['up']:.1f} us, down {ms['down']:.1f} us: {f['layer_floor_us']:.1f} us per layer, where the "
+        f"fine GEMVs take {f['layer_fine_us']:.1f} us ({f['layer_fine_us'] / f['layer_floor_us']:.2f}x the floor; "
+        f"predicted step {f['predicted_step_us'] / 1e3:.2f} ms against {f['fine_ms']:.2f} ms measured).",
+        f"With every fine GEMV at its floor the step would take {f['floor_step_us'] / 1e3:.2f} ms: "
+        f"**{f['bound']:.2f}x**; 1.85x needs {f['step_for_1p85_us'] / 1e3:.2f} ms"
+        + (", below the floor: out of reach with one kernel per projection even at plain-read speed."
+           if f["floor_step_us"] > f["step_for_1p85_us"] else ": within reach only at plain-read speed."),
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default="bench/results")
     ap.add_argument("--probe", default=None, help="read floors (default RESULTS/read_floors.json)")
     ap.add_argument("--out", default=None, help="markdown + json path stem (default RESULTS/bounds)")
+    ap.add_argument("--modes", default=None, help="e2e modes results (wide.benchmarks.e2e --modes) for the "
+                    "fine-mode TPOT bound, with --fine")
+    ap.add_argument("--fine", default=None, help="fine_gemv results (wide.benchmarks.fine_gemv) for it")
     args = ap.parse_args(argv)
+    if bool(args.modes) != bool(args.fine):
+        raise SystemExit("--modes and --fine go together (the fine-mode bound needs both)")
     res = Path(args.results)
     for name in ("e2e.json", "kernels.json"):
         if not (res / name).exists():
@@ -147,11 +214,21 @@ def main(argv=None) -> int:
     probe = json.loads(probe_path.read_text())
     kernels = json.loads((res / "kernels.json").read_text())
     t, d = ttft_bound(e2e), tpot_floor(e2e, probe, kernels)
+    f = None
+    if args.modes:
+        modes, fine = (json.loads(Path(x).read_text()) for x in (args.modes, args.fine))
+        for doc, path in ((modes, args.modes), (fine, args.fine)):
+            if doc.get("device") != e2e.get("device"):
+                raise SystemExit(f"{path} was measured on {doc.get('device')}, e2e.json on {e2e.get('device')}: "
+                                 "bounds come from one card")
+        f = fine_tpot_floor(modes, fine)
     out = Path(args.out) if args.out else res / "bounds"
+    extra = f" --modes {args.modes} --fine {args.fine}" if args.modes else ""
     meta = dict(device=e2e.get("device"), torch=e2e.get("torch"), triton=e2e.get("triton"),
                 e2e_date=e2e.get("date"), probe=probe.get("env", {}).get("command"),
-                command=f"python -m wide.benchmarks.bounds --results {args.results}")
-    out.with_suffix(".json").write_text(json.dumps(dict(meta, ttft=t, tpot=d), indent=1))
+                command=f"python -m wide.benchmarks.bounds --results {args.results}{extra}")
+    out.with_suffix(".json").write_text(json.dumps(dict(meta, ttft=t, tpot=d, **({"tpot_fine": f} if f else {})),
+                                                   indent=1))
     ms = lambda us, nd=1: f"{us / 1e3:.{nd}f} ms"  # noqa: E731
     lines = [
         "# How far the 50 % ratios can go in this benchmark (bounds from measured profiles)", "",
@@ -197,6 +274,8 @@ def main(argv=None) -> int:
         "The read floors move between device sessions by ~1 us per size, which moves this "
         "bound by a few hundredths.",
     ]
+    if f:
+        lines += fine_lines(f, args.modes, args.fine)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -406,6 +406,9 @@ if HAS_TRITON:
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        # fp32 (tf32x3 dots stage each operand twice): 128 KB at head dim 128, where the tiles
+        # above need 256-512 KB of the 227 KB a block may have
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
     ]
     _prefill_kernel_tuned = triton.autotune(
         configs=_PREFILL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HEADS_PER_KV", "T_BUCKET"]

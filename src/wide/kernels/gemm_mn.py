@@ -284,15 +284,18 @@ def _prune(configs, named_args, **kwargs):
     return keep or [configs[0]]
 
 
-def _heuristic(T: int, gs: int, fused: bool) -> triton.Config:
+def _heuristic(T: int, gs: int, fused: bool, fp32: bool = False) -> triton.Config:
     bn_cap = max(16, min(256, 1 << (gs.bit_length() - 1)))
     if interpret_mode():
         return _cfg(16 if T <= DIRECT_MAX_T else 32, min(32, bn_cap), 32, 4, 1)
+    # fp32's tf32x3 dots stage both operands twice: the bf16 tiles' K depth, halved, fits
+    # (tests/test_kernels_smem_sm90.py compiles them for sm_90)
+    d = 2 if fp32 else 1
     if T <= DIRECT_MAX_T:
-        return _cfg(16, min(32, bn_cap), 256, 4, 4)
+        return _cfg(16, min(32, bn_cap), 256 // d, 4, 4)
     if T <= 128:
-        return _cfg(64, min(128, bn_cap), 64, 4, 4)
-    return _cfg(128, min(128, bn_cap), 64, 8, 3 if fused else 4)
+        return _cfg(64, min(128, bn_cap), 64 // d, 4, 4)
+    return _cfg(128, min(128, bn_cap), 64 // d, 8, 3 if fused else 4)
 
 
 _heur = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
@@ -399,7 +402,7 @@ def _launch(x, ws, mask, group_size, route, out, fused, dense_tail=0, router=Non
     if autotune_enabled():
         (_tuned_fused if fused else _tuned)[grid](*args, **flags)
     else:
-        c = _heuristic(T, group_size, fused)
+        c = _heuristic(T, group_size, fused, x.element_size() == 4)
         _plain_kernel[grid](*args, **flags, num_warps=c.num_warps, num_stages=c.num_stages,
                             **c.kwargs)
     return y

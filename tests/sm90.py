@@ -1,0 +1,134 @@
+"""Offline Hopper compiles for the kernels' shared-memory budget: Triton's NVIDIA backend and
+the ptxas in its wheel build a kernel for sm_90 on a machine without a GPU, and the compiled
+kernel's metadata says the shared memory it asks for at launch. A config over the H100/H200
+limit fails only there ("out of resource: shared memory", as fp32 prefill attention did in the
+GPU smoke once its dots took tf32x3), so tests/test_kernels_smem_sm90.py checks every tl.dot
+kernel's configs here.
+
+Compiling needs the kernels as JIT functions, which the Triton interpreter (TRITON_INTERPRET=1,
+the test suite's setting) replaces, so the sizes are measured in a child process without it:
+
+    python tests/sm90.py      # prints {case: {config: bytes}} as JSON
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+# Per-block opt-in limit of sm_90 (H100 and H200), as the GPU reports it: 227 KB.
+SM90_SMEM = 232448
+_I32 = "*i32"
+
+
+def ptxas_available() -> bool:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return False
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return os.path.exists(ptxas)
+
+
+def shared_bytes(fn, dtype: str, const: dict, num_warps: int, num_stages: int, ptr_types=(),
+                 float_args=("qk_scale",)) -> int:
+    """Shared memory (bytes) ``fn`` compiled for sm_90 asks for. Pointers named in
+    ``ptr_types`` get that type, the others ``dtype``; scalar args are i32 unless in
+    ``float_args``; ``const`` gives every constexpr without a default."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    while not isinstance(fn, triton.runtime.JITFunction):  # through autotune / heuristics
+        fn = fn.fn
+    ptr_types = dict(ptr_types)
+    sig = {}
+    for p in fn.params:
+        n = p.name
+        if p.is_constexpr:
+            sig[n] = "constexpr"
+        elif n in ptr_types:
+            sig[n] = ptr_types[n]
+        elif n.endswith("_ptr"):
+            sig[n] = "*" + dtype
+        else:
+            sig[n] = "fp32" if n in float_args else "i32"
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in const and not p.has_default]
+    if missing:
+        raise ValueError(f"constexprs without a value: {missing}")
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return int(kernel.metadata.shared)
+
+
+def _sizes(fn, dtype, const, configs, ptrs, first_fit=False) -> dict:
+    out = {}
+    for c in configs:
+        b = shared_bytes(fn, dtype, {**const, **c.kwargs}, c.num_warps, c.num_stages, ptrs)
+        out[str(sorted(c.kwargs.items())) + f" w{c.num_warps} s{c.num_stages}"] = b
+        if first_fit and b <= SM90_SMEM:
+            break
+    return out
+
+
+def cases() -> dict:
+    """{case: {"need": "any" | "all", "sizes": {config: bytes}}}: "any" where an autotuner picks
+    among the configs (one must fit), "all" for the configs a prune keeps or a heuristic picks."""
+    import torch
+
+    attention = importlib.import_module("wide.kernels.attention")
+    gemm_k = importlib.import_module("wide.kernels.gemm_k")
+    gemm_mn = importlib.import_module("wide.kernels.gemm_mn")
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    out = {}
+    # bf16 stands for fp16 (same bytes), head dim 128 for 64 (the same tiles, half the bytes)
+    for dt in ("fp32", "bf16"):
+        for hd in (128,):
+            const = dict(HEADS_PER_KV=4, HEADS_PER_G=2, CAUSAL=True, HEAD_DIM=hd, HAS_QLEN=True,
+                         HAS_KLEN=True, LEFT=False)
+            ptrs = {n: _I32 for n in ("perm_ptr", "count_ptr", "qlen_ptr", "klen_ptr")}
+            out[f"prefill_attention-{dt}-d{hd}"] = dict(need="any", sizes=_sizes(
+                attention._prefill_kernel, dt, const, attention._PREFILL_CONFIGS, ptrs, first_fit=True))
+            for paged in (False, True):
+                const = dict(NUM_SPLITS=4, HEADS_PER_KV=4, HEADS_PER_G=2, PAGED=paged, HEAD_DIM=hd, BLOCK_H=16)
+                ptrs = {"mask_ptr": "*u8", "lens_ptr": _I32, "table_ptr": _I32, "po_ptr": "*fp32",
+                        "plse_ptr": "*fp32"}
+                out[f"decode_attention-{dt}-d{hd}-paged{int(paged)}"] = dict(need="any", sizes=_sizes(
+                    attention._decode_split_kernel, dt, const, attention._DECODE_CONFIGS, ptrs, first_fit=True))
+    # GEMMs in fp32 only: the bf16 tiles have run on H100s and H200s since the kernels landed
+    for dt in ("fp32",):
+        x = torch.empty(0, dtype=tdt[dt])
+        for bm in (16, 64, 128):
+            decode, gs = bm == 16, 128
+            const = dict(BM=bm, HAS_PERM=False, GROUP_M=8, NESTED=False, DECODE=decode, SPLIT=decode,
+                         NG_PAD=32 if decode else 16)
+            ptrs = {"mask_ptr": "*u8", "perm_ptr": "*u8", "tg_ptr": "*u8", "tc_ptr": "*u8",
+                    "ws_ptr": "*fp32", "cnt_ptr": _I32}
+            T = 1 if decode else 4 * bm
+            kept = gemm_k._prune(gemm_k._DECODE_CFGS + gemm_k._PREFILL_CFGS, {"GS": gs, "T": T, "x_ptr": x}, BM=bm)
+            heur = gemm_k._heuristic(T, gs, bm, dt == "fp32")
+            out[f"gemm_k-{dt}-bm{bm}"] = dict(need="all", sizes=_sizes(gemm_k._gemm_k_kernel, dt, const,
+                                                                       kept + [heur], ptrs))
+        for tokens in (1, 128, 4096):
+            for fused in (False, True):
+                gs, decode = 256, tokens <= gemm_mn.DIRECT_MAX_T
+                const = dict(EVEN_K=True, DIRECT=decode, FUSED=fused, SPLIT=decode)
+                ptrs = {"mask_ptr": "*u8", "idx_ptr": _I32, "counts_ptr": _I32, "ws_ptr": "*fp32",
+                        "cnt_ptr": _I32}
+                base = gemm_mn._DECODE_CFGS + (gemm_mn._FUSED_PREFILL_CFGS if fused else gemm_mn._PREFILL_CFGS)
+                kept = gemm_mn._prune(base, {"T_BUCKET": tokens, "GS": gs, "x_ptr": x})
+                heur = gemm_mn._heuristic(tokens, gs, fused, dt == "fp32")
+                out[f"gemm_mn-{dt}-T{tokens}-fused{int(fused)}"] = dict(need="all", sizes=_sizes(
+                    gemm_mn._gemm_mn_kernel, dt, const, kept + [heur], ptrs))
+    return out
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels' JIT functions")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    json.dump(cases(), sys.stdout, indent=1)
