@@ -59,6 +59,7 @@ def shared_bytes(fn, dtype: str, const: dict, num_warps: int, num_stages: int, p
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in const and not p.has_default]
     if missing:
         raise ValueError(f"constexprs without a value: {missing}")
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -124,6 +125,20 @@ def cases() -> dict:
                 heur = gemm_mn._heuristic(tokens, gs, fused, dt == "fp32")
                 out[f"gemm_mn-{dt}-T{tokens}-fused{int(fused)}"] = dict(need="all", sizes=_sizes(
                     gemm_mn._gemm_mn_kernel, dt, const, kept + [heur], ptrs))
+    # fine_gemv (no tl.dot): every config of the autotuner's list must compile for sm_90
+    # (fine_ffn_up once failed to compile there) and fit
+    fg = importlib.import_module("wide.kernels.fine_gemv")
+    ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": _I32, "idx_ptr": _I32,
+            "scale_ptr": "*fp32"}
+    for T in (1, 4):
+        sizes = {}
+        for c in fg._CONFIGS:
+            const = dict(T=T, NSEG=3, HAS_SCALE=True, HAS_GM=T > 1, TH_PTR=True, RS=fg._rs(c.kwargs["BN"]),
+                         **c.kwargs)
+            b = shared_bytes(fg._fine_gemv_kernel, "bf16", const, c.num_warps, c.num_stages, ptrs,
+                             float_args=("th0", "th1", "th2", "th3"))
+            sizes[str(sorted(c.kwargs.items())) + f" w{c.num_warps} s{c.num_stages}"] = b
+        out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=sizes)
     return out
 
 

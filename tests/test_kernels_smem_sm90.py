@@ -1,5 +1,6 @@
 """Every tl.dot kernel has a config that fits an H100/H200's shared memory in every dtype it
-accepts, and every config a prune keeps (or a heuristic picks without autotuning) fits. Compiled
+accepts, every config a prune keeps (or a heuristic picks without autotuning) fits, and every
+config of the fine GEMVs' autotuner list compiles for sm_90 and fits. Compiled
 for sm_90 offline, in a child process without the interpreter (tests/sm90.py). fp32 matters
 most: its dots run in tf32x3 (kernels/fp32_dot), which stages each operand twice, so fp32 tiles
 need more than twice the bf16 bytes (the GPU smoke once died on it: 320 KB asked, 227 KB there)."""
@@ -28,8 +29,8 @@ def sizes():
 
 def test_every_kernel_family_is_covered(sizes):
     fams = {k.split("-")[0] for k in sizes}
-    assert fams == {"prefill_attention", "decode_attention", "gemm_k", "gemm_mn"}
-    assert len(sizes) == 2 + 4 + 3 + 6
+    assert fams == {"prefill_attention", "decode_attention", "gemm_k", "gemm_mn", "fine_gemv"}
+    assert len(sizes) == 2 + 4 + 3 + 6 + 2
 
 
 def test_autotuned_attention_has_a_config_that_fits(sizes):
@@ -38,7 +39,7 @@ def test_autotuned_attention_has_a_config_that_fits(sizes):
     assert not bad, f"no config fits sm_90's {sm90.SM90_SMEM} B: {bad}"
 
 
-def test_pruned_and_heuristic_gemm_configs_all_fit(sizes):
+def test_pruned_heuristic_and_fine_configs_all_compile_and_fit(sizes):
     bad = {k: {c: b for c, b in v["sizes"].items() if b > sm90.SM90_SMEM} for k, v in sizes.items()
            if v["need"] == "all" and max(v["sizes"].values()) > sm90.SM90_SMEM}
     assert not bad, f"configs over sm_90's {sm90.SM90_SMEM} B: {bad}"
