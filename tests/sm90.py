@@ -128,8 +128,7 @@ def cases() -> dict:
     # fine_gemv (no tl.dot): every config of the autotuner's list must compile for sm_90
     # (fine_ffn_up once failed to compile there) and fit
     fg = importlib.import_module("wide.kernels.fine_gemv")
-    ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": _I32, "idx_ptr": _I32,
-            "scale_ptr": "*fp32"}
+    ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": _I32, "scale_ptr": "*fp32"}
     for T in (1, 4):
         sizes = {}
         for c in fg._CONFIGS:

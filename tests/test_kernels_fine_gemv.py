@@ -11,7 +11,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -51,15 +50,11 @@ def _median_abs(x):
     return float(x.float().abs().median())
 
 
-@pytest.fixture(params=[1, 3, "compact"], ids=lambda s: f"split{s}" if s != "compact" else "compact-split3")
+@pytest.fixture(params=[1, 3], ids=lambda s: f"split{s}")
 def split(request, monkeypatch):
     # the interpreter's split-K factor: 1 = direct store, 3 = partials and the ticketed
     # reduction over an odd number of them, the last split shorter (the tests without this
-    # fixture run the default, 2); "compact": 3 splits walking compacted row lists (COMPACT)
-    if request.param == "compact":
-        monkeypatch.setattr(fg, "_default_config", lambda: fg._cfg(64, 8, 4, 1, 1, True, compact=True))
-        monkeypatch.setattr(fg, "INTERPRET_SPLIT", 3)
-        return 3
+    # fixture run the default, 2)
     monkeypatch.setattr(fg, "INTERPRET_SPLIT", request.param)
     return request.param
 
@@ -210,36 +205,7 @@ def test_segments(T, bounds, dtype, split):
 
 
 CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
-           fg._cfg(128, 8, 2, 4, 4, True), fg._cfg(256, 1, 16, 1, 16, True, compact=True),
-           fg._cfg(32, 32, 1, 4, 8, True, compact=True)]
-COMPACT = fg._cfg(64, 8, 4, 1, 1, True, compact=True)
-
-
-@pytest.mark.parametrize("T", TOKENS)
-@pytest.mark.parametrize("kind", ["random", "all", "none", "one", "scale"])
-def test_compacted_row_lists(T, kind, monkeypatch):
-    # the list pass in blocks smaller than a split (CB = 16 over ~60-row splits), so a list
-    # grows over several blocks; ragged K; all / no / one row kept; a scale in the rule
-    monkeypatch.setattr(fg, "INTERPRET_SPLIT", 3)
-    x, w, gen = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 300 + T)
-    wt = fine_layout(w)
-    th, scale = 0.7, None
-    if kind == "all":
-        th = 0.0
-    elif kind == "none":
-        th = float("inf")
-    elif kind == "one":
-        x = torch.zeros_like(x)
-        x[T - 1, K_RAGGED - 1] = 2.0
-    elif kind == "scale":
-        scale = torch.rand(K_RAGGED, generator=gen).to(DEVICE) * 2
-    cfg = triton.Config({**COMPACT.kwargs, "CB": 16}, num_warps=1, num_stages=1)
-    y = fine_gemv(x, wt, th, scale=scale, config=cfg)
-    ref = fine_gemv_reference(x, wt, th, scale=scale)
-    if kind == "none":
-        assert torch.all(y == 0)
-    else:
-        assert rel_err(y, ref) < 1e-5
+           fg._cfg(128, 8, 2, 4, 4, True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.kwargs.items()))

@@ -70,19 +70,13 @@ def _sweep_configs():
                 cfgs.append(triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=w,
                                           num_stages=1))
     cfgs.append(triton.Config({"BN": 64, "BR": 16, "BU": 8, "PPS": 8, "PF": False}, num_warps=4, num_stages=3))
-    # the compacted row lists (COMPACT: a step loads kept rows only) on the tiles above that
-    # were fastest or are in the autotuner's list
-    for bn, br, bu, w, pps in ((256, 1, 16, 1, 8), (256, 1, 16, 1, 16), (256, 1, 32, 1, 16), (64, 16, 8, 4, 8),
-                               (64, 16, 4, 4, 4), (128, 8, 8, 4, 8), (256, 4, 8, 4, 8), (512, 2, 8, 4, 8)):
-        cfgs.append(triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": True, "COMPACT": True},
-                                  num_warps=w, num_stages=1))
     return cfgs
 
 
 def _cfg_name(c):
     k = c.kwargs
     return (f"BN{k['BN']}-BR{k['BR']}-BU{k['BU']}-P{k['PPS']}-{'pf' if k['PF'] else 'nopf'}"
-            f"-w{c.num_warps}-s{c.num_stages}" + ("-compact" if k.get("COMPACT") else ""))
+            f"-w{c.num_warps}-s{c.num_stages}")
 
 
 def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
@@ -210,7 +204,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sweep", action="store_true", help="time every config of the sweep list per case")
     p.add_argument("--sweep-match", nargs="*", default=None,
                    help="with --sweep: only the configs whose name holds one of these strings "
-                        "(e.g. compact BN256-BR1-BU16-P8-pf)")
+                        "(e.g. BN256-BR1-BU16-P8-pf)")
     p.add_argument("--seed", type=int, default=0)
 
 

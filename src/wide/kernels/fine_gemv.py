@@ -70,11 +70,11 @@ def _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS,
 
 
 @triton.jit
-def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_ok, n_ok3, th, stride_xt, stride_wk, stride_gt, GS,
+def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stride_wk, stride_gt, GS,
            T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
-    """One step of BU x BR rows ``k`` (where ``k_ok``): the weight rows any token keeps (the
-    rest masked off: no memory traffic) and each token's kept inputs (zeros where it does not
-    keep the row)."""
+    """One step of BU x BR rows: the weight rows any token keeps (the rest masked off: no
+    memory traffic) and each token's kept inputs (zeros where it does not keep the row)."""
+    k_ok = k < k_hi
     s = 1.0
     if HAS_SCALE:
         s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
@@ -106,40 +106,6 @@ def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_ok, n_ok3, th, stride_xt, stri
 
 
 @triton.jit
-def _any_keep(x_ptr, scale_ptr, gm_ptr, k, k_ok, th, stride_xt, stride_gt, GS,
-              T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
-    """Whether any of the T tokens keeps row k (the rule of _block, so both agree exactly)."""
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
-    _, m, o = _tok(x_ptr, 0, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
-    row = (m >= th) & o
-    for t in tl.static_range(1, T):
-        _, m, o = _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
-        row = row | ((m >= th) & o)
-    return row
-
-
-@triton.jit
-def _compact(x_ptr, scale_ptr, gm_ptr, idx_base, k_lo, k_hi, th, stride_xt, stride_gt, GS,
-             T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, CB: tl.constexpr):
-    """Write the rows of [k_lo, k_hi) that some token keeps, in order, to idx_base[0..n) and
-    return n. Every program of this (segment, split) writes the same list to the same place,
-    so the racing stores agree; a program reads back only its own (after a block barrier)."""
-    n = k_lo * 0
-    for c0 in range(k_lo, k_hi, CB):
-        k = c0 + tl.arange(0, CB)
-        k_ok = k < k_hi
-        keep = _any_keep(x_ptr, scale_ptr, gm_ptr, k, k_ok, th, stride_xt, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-        ki = keep.to(tl.int32)
-        pos = n + tl.cumsum(ki, 0) - ki
-        tl.store(idx_base + pos, k, mask=keep)
-        n += tl.sum(ki, 0)
-    tl.debug_barrier()
-    return n
-
-
-@triton.jit
 def _fma(acc, w, a):
     # [BU, BR, BN] products summed over BU: the BU rows of a column sit in one thread, so the
     # sum stays in registers and the accumulator is one [BR, BN] tile per token.
@@ -163,15 +129,14 @@ def _partial_sum(ws_ptr, row, cols, n_ok, n_s, T: tl.constexpr, NW, RS: tl.const
 @triton.jit
 def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
              NSEG: tl.constexpr, TH_PTR: tl.constexpr, BN: tl.constexpr):
-    """Program -> (first column, end of its segment, the segment's threshold, its index).
-    Each segment is tiled on its own, so a slice never straddles two thresholds."""
+    """Program -> (first column, end of its segment, the segment's threshold). Each segment
+    is tiled on its own, so a slice never straddles two thresholds."""
     if TH_PTR:
         th0 = tl.load(th_ptr)
     lo = pid * 0
     hi = lo + b1
     th = th0
     first = lo
-    seg = lo
     if NSEG > 1:
         e1 = tl.cdiv(b1, BN)
         if TH_PTR:
@@ -181,7 +146,6 @@ def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
         hi = tl.where(c1, b2, hi)
         th = tl.where(c1, th1, th)
         first = tl.where(c1, e1, first)
-        seg = tl.where(c1, 1, seg)
     if NSEG > 2:
         e2 = e1 + tl.cdiv(b2 - b1, BN)
         if TH_PTR:
@@ -191,7 +155,6 @@ def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
         hi = tl.where(c2, b3, hi)
         th = tl.where(c2, th2, th)
         first = tl.where(c2, e2, first)
-        seg = tl.where(c2, 2, seg)
     if NSEG > 3:
         e3 = e2 + tl.cdiv(b3 - b2, BN)
         if TH_PTR:
@@ -201,8 +164,7 @@ def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
         hi = tl.where(c3, b4, hi)
         th = tl.where(c3, th3, th)
         first = tl.where(c3, e3, first)
-        seg = tl.where(c3, 3, seg)
-    return lo + (pid - first) * BN, hi, th, seg
+    return lo + (pid - first) * BN, hi, th
 
 
 @triton.jit
@@ -215,17 +177,16 @@ def _split_rows(K, BK: tl.constexpr):
 
 
 @triton.jit
-def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr, idx_ptr,
+def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr,
                       K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
                       b1, b2, b3, b4, th0, th1, th2, th3,
                       T: tl.constexpr, NSEG: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
-                      PF: tl.constexpr, RS: tl.constexpr, COMPACT: tl.constexpr = False,
-                      CB: tl.constexpr = 512):
+                      PF: tl.constexpr, RS: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
-    c0, hi, th, seg = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
+    c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
     cols = c0 + tl.arange(0, BN)
     n_ok = cols < hi
     n_ok3 = n_ok[None, None, :]
@@ -236,47 +197,14 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    if COMPACT:
-        # Kept rows first, listed in order (idx_ptr[seg, k_lo..]), then a walk over the list
-        # only: every lane of a step loads a row some token keeps, so a step moves twice the
-        # bytes of a masked step at 50 % kept, at the price of one list pass before the first
-        # weight load.
-        base = idx_ptr + seg * K + k_lo
-        n_kept = _compact(x_ptr, scale_ptr, gm_ptr, base, k_lo, k_hi, th, stride_xt, stride_gt, GS,
-                          T, HAS_SCALE, HAS_GM, CB)
-        j = kk
-        ok = j < n_kept
-        k = tl.load(base + j, mask=ok, other=0)
-        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, ok, n_ok3, th,
-                                   stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-        for j0 in range(0, n_kept, BR * BU):
-            j = j0 + BR * BU + kk
-            ok = j < n_kept
-            k = tl.load(base + j, mask=ok, other=0)
-            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, ok, n_ok3, th,
-                                           stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-            acc0 = _fma(acc0, w, a0)
-            if T > 1:
-                acc1 = _fma(acc1, w, a1)
-            if T > 2:
-                acc2 = _fma(acc2, w, a2)
-            if T > 3:
-                acc3 = _fma(acc3, w, a3)
-            w = wn
-            a0 = b0
-            a1 = b1_
-            a2 = b2_
-            a3 = b3_
-    elif PF:
+    if PF:
         # Register double buffering: the next step's inputs, keep bits and weight loads are
         # issued before this step's products wait on its weights, so a load is always in
         # flight behind the input -> threshold -> weight dependency.
-        k = k_lo + kk
-        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k < k_hi, n_ok3, th,
+        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k_lo + kk, k_hi, n_ok3, th,
                                    stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
         for k0 in range(k_lo, k_hi, BR * BU):
-            k = k0 + BR * BU + kk
-            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k < k_hi, n_ok3,
+            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + BR * BU + kk, k_hi, n_ok3,
                                            th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
             acc0 = _fma(acc0, w, a0)
             if T > 1:
@@ -292,8 +220,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
             a3 = b3_
     else:
         for k0 in range(k_lo, k_hi, BR * BU):
-            k = k0 + kk
-            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k < k_hi, n_ok3, th,
+            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + kk, k_hi, n_ok3, th,
                                        stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
             acc0 = _fma(acc0, w, a0)
             if T > 1:
@@ -335,9 +262,9 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
             tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
 
 
-def _cfg(bn, br, bu, warps, pps, pf, stages=1, compact=False):
-    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf, "COMPACT": compact},
-                         num_warps=warps, num_stages=stages)
+def _cfg(bn, br, bu, warps, pps, pf, stages=1):
+    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=warps,
+                         num_stages=stages)
 
 
 def _bk(c: triton.Config) -> int:
@@ -357,9 +284,6 @@ _CONFIGS = [
     _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
     _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
     _cfg(256, 1, 16, 1, 16, True), _cfg(256, 4, 8, 4, 8, True),
-    # compacted row lists (COMPACT): untimed on a GPU when added; the autotuner decides
-    _cfg(64, 16, 8, 4, 8, True, compact=True), _cfg(256, 1, 16, 1, 16, True, compact=True),
-    _cfg(128, 8, 8, 4, 8, True, compact=True), _cfg(64, 16, 4, 4, 4, True, compact=True),
 ]
 
 
@@ -602,10 +526,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
         tiles = _n_tiles(bounds, meta["BN"])
         return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms))
 
-    # the compacted row lists: one K-long int32 row per segment (each split fills its own chunk)
-    idx = torch.empty((nseg, K), dtype=torch.int32, device=x.device) if any(
-        c.kwargs.get("COMPACT") for c in configs) else tickets
-    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, tickets, idx,
+    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, tickets,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
                  TH_PTR=th_t is not None)
