@@ -225,7 +225,7 @@ def thresholds_reach_graphs(model, eng, ids) -> bool:
 
 def fine_modes_ok(model_type: str) -> bool:
     """Fine and hybrid decode: bf16 graphs against eager steps, then fp32 kernels against the
-    PyTorch path (greedy tokens; logits at batch 2 and at 5, past the GEMVs' 4). With the
+    PyTorch path (greedy tokens; each sequence's logits at batch 2 and at 5, past the GEMVs' 4). With the
     kernels' fp32 dots in TF32 this failed on an H100 (2026-12-06: logits 4-8 % apart in fine,
     10-40 % in hybrid), which TF32 rounding emulated on the PyTorch path reproduces through
     flipped per-element decisions (experiments/results/fine_precision_cpu): hence tf32x3."""
@@ -246,17 +246,21 @@ def fine_modes_ok(model_type: str) -> bool:
         prompt = ids[0, :16].tolist()
         got, want = (e.generate([prompt], max_new_tokens=16).tokens[0] for e in (kern, ref))
         agree = sum(a == b for a, b in zip(got, want))
-        errs = []
+        rows = []  # per sequence: a flipped decision moves its own token's logits only
         for B in (2, 5):
             outs = []
             for e in (kern, ref):
                 e.setup_cache(B, 128)
                 e.prefill(ids[:B, :32])
                 outs.append(e.decode(ids[:B, 32], torch.full((B,), 32, dtype=torch.long, device=DEVICE), record=[]))
-            errs.append(rel(*outs))
+            rows += [rel(a, b) for a, b in zip(*outs)]
+        med = sorted(rows)[len(rows) // 2]
         print(f"  {mode} (fp32): greedy tokens kernels {got}, PyTorch path {want} ({agree}/16 equal); decode "
-              f"logits rel err batch 2 {errs[0]:.2e}, batch 5 {errs[1]:.2e}")
-        ok &= got[:8] == want[:8] and max(errs) < 1e-2
+              f"logits rel err per sequence (batch 2, then 5): {' '.join(f'{r:.1e}' for r in rows)}")
+        # Exact fp32 sums in another order still flip an input that sits within ~1e-6 of its
+        # threshold now and then (about one batch-5 step in ten; the flip cascades through the
+        # layers to ~1e-2), so one sequence of the seven may be off; a wrong kernel moves them all.
+        ok &= got[:8] == want[:8] and med < 1e-4 and sum(r > 1e-2 for r in rows) <= 1
         kern.free_cache()
         ref.free_cache()
     return ok
