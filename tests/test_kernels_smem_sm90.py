@@ -24,7 +24,10 @@ def sizes():
     r = subprocess.run([sys.executable, str(HERE / "sm90.py")], env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
+    out = json.loads(r.stdout)
+    if "unsupported" in out:
+        pytest.skip(f"this Triton's offline compile API is not the one tests/sm90.py speaks: {out['unsupported']}")
+    return out
 
 
 def test_every_kernel_family_is_covered(sizes):
