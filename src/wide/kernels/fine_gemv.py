@@ -284,6 +284,9 @@ _CONFIGS = [
     _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
     _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
     _cfg(256, 1, 16, 1, 16, True), _cfg(256, 4, 8, 4, 8, True),
+    # the fastest tile of the 2026-12-06 H100 sweep on up, down and q|k|v (one warp, 8 programs
+    # per SM): up 28.7 us against 31.5 us at 16 per SM (experiments/results/fine_gemv_compact_h100)
+    _cfg(256, 1, 16, 1, 8, True),
 ]
 
 
