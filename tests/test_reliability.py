@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import write_tiny_run
 from safetensors.torch import load_file
@@ -197,3 +198,23 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
     capsys.readouterr()
     assert main([*argv, "--lr", "1e-3"]) == 2 and "already holds a run" in capsys.readouterr().err
     assert main([*argv, "--lr", "1e-2", "--resume"]) == 2 and "--lr was 0.001" in capsys.readouterr().err
+
+
+def test_optimiser_step_overflow_is_found_before_the_step():
+    from wide.train import optimiser_step_overflow
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=1e38, betas=(0.9, 0.999), weight_decay=0.0)
+    # lr fits float32 (max 3.4e38), its first Adam step lr / (1 - 0.9) = 1e39 does not
+    assert optimiser_step_overflow(opt) == pytest.approx(1e39)
+    opt.param_groups[0]["lr"] = 1e-3
+    assert optimiser_step_overflow(opt) is None
+    p.grad = torch.ones(3)
+    for _ in range(60):  # bias correction -> 1: the same 1e38 fits once t is large
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e38
+    assert optimiser_step_overflow(opt) is None
+    opt.param_groups[0]["weight_decay"] = 10.0  # AdamW's decoupled decay multiplies lr by it
+    assert optimiser_step_overflow(opt) == pytest.approx(1e39)
+    sgd = torch.optim.SGD([p], lr=float("inf"))
+    assert optimiser_step_overflow(sgd) == float("inf")

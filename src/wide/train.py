@@ -275,6 +275,21 @@ def evaluate_heldout(model, ids: torch.Tensor, batch_size: int, max_batches: Opt
             "linear_sparsity": None if sp.linear_rate is None else float(sp.linear_rate)}
 
 
+def optimiser_step_overflow(opt: torch.optim.Optimizer) -> Optional[float]:
+    """The step size the optimiser's next step would cast to float32, if it does not fit (else
+    None): for Adam-family groups ``lr / (1 - beta1^t)``, AdamW's ``lr * weight_decay`` too. A
+    learning rate finite in float32 can still overflow there (1e38 at step 1 gives 1e39)."""
+    f32 = torch.finfo(torch.float32).max
+    over = []
+    for g in opt.param_groups:
+        lr = float(g["lr"])
+        t = 1 + next((int(opt.state[p]["step"]) for p in g["params"] if "step" in opt.state.get(p, {})), 0)
+        beta1 = (g.get("betas") or (0.0,))[0]
+        size = lr / (1.0 - beta1 ** t) if beta1 < 1 else lr
+        over += [v for v in (size, lr * float(g.get("weight_decay", 0.0))) if not abs(v) <= f32]  # NaN too
+    return max(over, key=abs) if over else None
+
+
 def _param_groups(model, params: list, args: TrainArgs) -> list:
     """One AdamW group, or two where the model learns per-element thresholds: those move in log
     units at ``FineConfig.lr_scale`` times the rate, with no weight decay (a log threshold has no
@@ -477,15 +492,18 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             raise FloatingPointError(f"non-finite loss at step {step} (ce={mean['ce']}, {args.loss}="
                                      f"{mean['task']}): lower the learning rate or check the data")
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        # AdamW's step is lr / (1 - beta1^t) in the parameters' float32: a learning rate that
+        # overflows it (1e38 at step 1) would fail inside the step, before any loss turns non-finite
+        overflow_msg = (f"the optimiser step overflowed float32 at step {step + 1} (lr {args.lr:g}): "
+                        "lower the learning rate")
+        if optimiser_step_overflow(opt) is not None:
+            raise FloatingPointError(overflow_msg)
         try:
             opt.step()
-        except RuntimeError as e:
-            # AdamW's step is lr / (1 - beta1^t) in the parameters' float32: a learning rate that
-            # overflows it (1e38 at step 1) fails here, before any loss turns non-finite
+        except RuntimeError as e:  # an overflow the check above does not model (another optimiser)
             if "overflow" not in str(e):
                 raise
-            raise FloatingPointError(f"the optimiser step overflowed float32 at step {step + 1} (lr {args.lr:g}): "
-                                     "lower the learning rate") from e
+            raise FloatingPointError(overflow_msg) from e
         sched.step()
         rec = {"step": step + 1, "ce": mean["ce"]}
         if args.loss != "ce":
@@ -535,5 +553,6 @@ def trainer_step(out_dir) -> int:
 
 
 __all__ = ["TrainArgs", "RESUME_KEYS", "LOSSES", "AMP_MODES", "train", "evaluate_heldout", "batch_indices",
+           "optimiser_step_overflow",
            "lr_lambda", "trainer_step", "with_defaults", "distillation_loss", "micro_batch_loss", "teacher_mode",
            "adapters_disabled", "autocast"]
