@@ -8,6 +8,7 @@ split).
     python experiments/fine_thresholds_cpu.py learn --name L2 --per-channel --lr 2e-3 --lr-scale 5
     python experiments/fine_thresholds_cpu.py learn --name H2 --routers all --lr 2e-3 --lr-scale 5
     python experiments/fine_thresholds_cpu.py drop       # what 1.8 % random group drops cost
+    python experiments/fine_thresholds_cpu.py learn --name K25 --target 0.25 --per-channel --loss kd --gen 48
 
 Thresholds of the learned runs start at TEAL's uniform 50 % (quantiles of the dense model's
 |x| on 32 calibration sequences); `learn` trains them (and the routers) for --steps steps of
@@ -66,16 +67,27 @@ def learn(a) -> dict:
     fine.calibrate(model, cal[:32].split(8))
     modeling.freeze_backbone(model)
     start = perplexity(model, H, batch_size=8, progress=False)
+    gen = {}
+    if a.gen:  # free text against the dense model (wide.evaluate.generation_quality), one prompt per window
+        from transformers import AutoModelForCausalLM
+
+        from wide.evaluate import generation_quality
+        ref = AutoModelForCausalLM.from_pretrained(fetch_default_model(), dtype=torch.float32).eval()
+        n = min(a.gen, H.shape[0])
+        gen["start_gen"] = generation_quality(model, ref, H, prompts=n, progress=False)
     t0 = time.time()
     train(model, cal[64:], TrainArgs(steps=a.steps, batch_size=a.bs, lr=a.lr, sparsity_warmup=0.0, save_every=0,
                                      eval_every=0, loss=a.loss), f"runs/fine_thresholds_cpu/{a.name}", progress=True)
+    train_s = time.time() - t0
     model.eval()
     r = perplexity(model, H, batch_size=8, progress=False)
+    if a.gen:
+        gen["gen"] = generation_quality(model, ref, H, prompts=n, progress=False)
     th = fn.log_threshold.detach()
     return {"start_ppl": start["ppl"], "start_linear": start["sparsity"]["linear_rate"], "ppl": r["ppl"],
             "linear_sparsity": r["sparsity"]["linear_rate"], "flop_sparsity": r["flop_sparsity"],
-            "per_projection": r["sparsity"]["linear"], "train_s": time.time() - t0,
-            "mean_log_threshold": {p: float(th[:, j].mean()) for j, p in enumerate(modeling.PROJECTIONS)}}
+            "per_projection": r["sparsity"]["linear"], "train_s": train_s,
+            "mean_log_threshold": {p: float(th[:, j].mean()) for j, p in enumerate(modeling.PROJECTIONS)}, **gen}
 
 
 def drop(a) -> dict:
@@ -118,6 +130,8 @@ def main():
     ap.add_argument("--lr-scale", type=float, default=5.0)
     ap.add_argument("--loss", default="ce")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gen", type=int, default=0, help="learn: free-text quality on this many held-out prompts "
+                    "(32 + 32 tokens; at most the 48 windows) before and after training")
     a = ap.parse_args()
     res = {"args": vars(a), **{"free": free, "learn": learn, "drop": drop}[a.what](a)}
     print(json.dumps(res, indent=1))
