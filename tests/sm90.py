@@ -66,10 +66,13 @@ def shared_bytes(fn, dtype: str, const: dict, num_warps: int, num_stages: int, p
     return int(kernel.metadata.shared)
 
 
-def _sizes(fn, dtype, const, configs, ptrs, first_fit=False) -> dict:
+def _sizes(fn, dtype, const, configs, ptrs, first_fit=False, **kw) -> dict:
+    """{config: bytes}; ``const`` a dict, or a function of the config for constexprs that
+    depend on it."""
     out = {}
     for c in configs:
-        b = shared_bytes(fn, dtype, {**const, **c.kwargs}, c.num_warps, c.num_stages, ptrs)
+        base = const(c) if callable(const) else const
+        b = shared_bytes(fn, dtype, {**base, **c.kwargs}, c.num_warps, c.num_stages, ptrs, **kw)
         out[str(sorted(c.kwargs.items())) + f" w{c.num_warps} s{c.num_stages}"] = b
         if first_fit and b <= SM90_SMEM:
             break
@@ -84,7 +87,6 @@ def cases() -> dict:
     attention = importlib.import_module("wide.kernels.attention")
     gemm_k = importlib.import_module("wide.kernels.gemm_k")
     gemm_mn = importlib.import_module("wide.kernels.gemm_mn")
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     out = {}
     # bf16 stands for fp16 (same bytes), head dim 128 for 64 (the same tiles, half the bytes)
     for dt in ("fp32", "bf16"):
@@ -101,43 +103,37 @@ def cases() -> dict:
                 out[f"decode_attention-{dt}-d{hd}-paged{int(paged)}"] = dict(need="any", sizes=_sizes(
                     attention._decode_split_kernel, dt, const, attention._DECODE_CONFIGS, ptrs, first_fit=True))
     # GEMMs in fp32 only: the bf16 tiles have run on H100s and H200s since the kernels landed
-    for dt in ("fp32",):
-        x = torch.empty(0, dtype=tdt[dt])
-        for bm in (16, 64, 128):
-            decode, gs = bm == 16, 128
-            const = dict(BM=bm, HAS_PERM=False, GROUP_M=8, NESTED=False, DECODE=decode, SPLIT=decode,
-                         NG_PAD=32 if decode else 16)
-            ptrs = {"mask_ptr": "*u8", "perm_ptr": "*u8", "tg_ptr": "*u8", "tc_ptr": "*u8",
-                    "ws_ptr": "*fp32", "cnt_ptr": _I32}
-            T = 1 if decode else 4 * bm
-            kept = gemm_k._prune(gemm_k._DECODE_CFGS + gemm_k._PREFILL_CFGS, {"GS": gs, "T": T, "x_ptr": x}, BM=bm)
-            heur = gemm_k._heuristic(T, gs, bm, dt == "fp32")
-            out[f"gemm_k-{dt}-bm{bm}"] = dict(need="all", sizes=_sizes(gemm_k._gemm_k_kernel, dt, const,
-                                                                       kept + [heur], ptrs))
-        for tokens in (1, 128, 4096):
-            for fused in (False, True):
-                gs, decode = 256, tokens <= gemm_mn.DIRECT_MAX_T
-                const = dict(EVEN_K=True, DIRECT=decode, FUSED=fused, SPLIT=decode)
-                ptrs = {"mask_ptr": "*u8", "idx_ptr": _I32, "counts_ptr": _I32, "ws_ptr": "*fp32",
-                        "cnt_ptr": _I32}
-                base = gemm_mn._DECODE_CFGS + (gemm_mn._FUSED_PREFILL_CFGS if fused else gemm_mn._PREFILL_CFGS)
-                kept = gemm_mn._prune(base, {"T_BUCKET": tokens, "GS": gs, "x_ptr": x})
-                heur = gemm_mn._heuristic(tokens, gs, fused, dt == "fp32")
-                out[f"gemm_mn-{dt}-T{tokens}-fused{int(fused)}"] = dict(need="all", sizes=_sizes(
-                    gemm_mn._gemm_mn_kernel, dt, const, kept + [heur], ptrs))
+    x = torch.empty(0, dtype=torch.float32)
+    for bm in (16, 64, 128):
+        decode, gs = bm == 16, 128
+        const = dict(BM=bm, HAS_PERM=False, GROUP_M=8, NESTED=False, DECODE=decode, SPLIT=decode,
+                     NG_PAD=32 if decode else 16)
+        ptrs = {"mask_ptr": "*u8", "perm_ptr": "*u8", "tg_ptr": "*u8", "tc_ptr": "*u8",
+                "ws_ptr": "*fp32", "cnt_ptr": _I32}
+        T = 1 if decode else 4 * bm
+        kept = gemm_k._prune(gemm_k._DECODE_CFGS + gemm_k._PREFILL_CFGS, {"GS": gs, "T": T, "x_ptr": x}, BM=bm)
+        heur = gemm_k._heuristic(T, gs, bm, fp32=True)
+        out[f"gemm_k-fp32-bm{bm}"] = dict(need="all", sizes=_sizes(gemm_k._gemm_k_kernel, "fp32", const,
+                                                                   kept + [heur], ptrs))
+    for tokens in (1, 128, 4096):
+        for fused in (False, True):
+            gs, decode = 256, tokens <= gemm_mn.DIRECT_MAX_T
+            const = dict(EVEN_K=True, DIRECT=decode, FUSED=fused, SPLIT=decode)
+            ptrs = {"mask_ptr": "*u8", "idx_ptr": _I32, "counts_ptr": _I32, "ws_ptr": "*fp32", "cnt_ptr": _I32}
+            base = gemm_mn._DECODE_CFGS + (gemm_mn._FUSED_PREFILL_CFGS if fused else gemm_mn._PREFILL_CFGS)
+            kept = gemm_mn._prune(base, {"T_BUCKET": tokens, "GS": gs, "x_ptr": x})
+            heur = gemm_mn._heuristic(tokens, gs, fused, fp32=True)
+            out[f"gemm_mn-fp32-T{tokens}-fused{int(fused)}"] = dict(need="all", sizes=_sizes(
+                gemm_mn._gemm_mn_kernel, "fp32", const, kept + [heur], ptrs))
     # fine_gemv (no tl.dot): every config of the autotuner's list must compile for sm_90
     # (fine_ffn_up once failed to compile there) and fit
     fg = importlib.import_module("wide.kernels.fine_gemv")
     ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "cnt_ptr": _I32, "scale_ptr": "*fp32"}
     for T in (1, 4):
-        sizes = {}
-        for c in fg._CONFIGS:
-            const = dict(T=T, NSEG=3, HAS_SCALE=True, HAS_GM=T > 1, TH_PTR=True, RS=fg._rs(c.kwargs["BN"]),
-                         **c.kwargs)
-            b = shared_bytes(fg._fine_gemv_kernel, "bf16", const, c.num_warps, c.num_stages, ptrs,
-                             float_args=("th0", "th1", "th2", "th3"))
-            sizes[str(sorted(c.kwargs.items())) + f" w{c.num_warps} s{c.num_stages}"] = b
-        out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=sizes)
+        const = lambda c, T=T: dict(T=T, NSEG=3, HAS_SCALE=True, HAS_GM=T > 1, TH_PTR=True,  # noqa: E731
+                                    RS=fg._rs(c.kwargs["BN"]))
+        out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=_sizes(
+            fg._fine_gemv_kernel, "bf16", const, fg._CONFIGS, ptrs, float_args=("th0", "th1", "th2", "th3")))
     return out
 
 

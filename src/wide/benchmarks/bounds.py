@@ -66,13 +66,13 @@ def _sum(top: list, pred) -> float:
     return sum(t["us_per_step"] for t in top if pred(t))
 
 
-def _record(e2e: dict, op: str, engine: str, sparsity, **kw) -> float:
+def _record(e2e: dict, op: str, engine: str, sparsity, source: str = "e2e.json", **kw) -> float:
     for r in e2e["records"]:
         if r.get("op") == op and r.get("engine") == engine and \
                 (sparsity is None or abs((r.get("sparsity") or 0) - sparsity) < 1e-6) and \
                 all(r.get(k) == v for k, v in kw.items()):
             return r["ms"]
-    raise SystemExit(f"no {op} record for engine={engine} sparsity={sparsity} {kw} in e2e.json")
+    raise SystemExit(f"no {op} record for engine={engine} sparsity={sparsity} {kw} in {source}")
 
 
 def ttft_bound(e2e: dict, s: float = 0.5) -> dict:
@@ -140,13 +140,6 @@ def tpot_floor(e2e: dict, probe: dict, kernels: dict, s: float = 0.5) -> dict:
 
 def fine_tpot_floor(modes: dict, fine: dict, prompt_len: int = 4096) -> dict:
     """The fine mode's batch-1 TPOT bound at 50 % (module docstring), with its parts."""
-    def tpot(mode):
-        for r in modes["records"]:
-            if (r.get("op") == "e2e_tpot" and r.get("mode") == mode and r.get("B") == 1
-                    and r.get("prompt_len") == prompt_len):
-                return r["ms"]
-        raise SystemExit(f"no e2e_tpot record for mode={mode} B=1 prompt {prompt_len} in the modes file")
-
     shapes = {}
     for r in fine["records"]:
         if r.get("op") == "fine_gemv" and r.get("T") == 1 and abs(r.get("kept", 0) - 0.5) < 1e-6:
@@ -154,11 +147,14 @@ def fine_tpot_floor(modes: dict, fine: dict, prompt_len: int = 4096) -> dict:
     missing = [k for k in ("qkv", "o", "up", "down") if k not in shapes]
     if missing:
         raise SystemExit(f"the fine_gemv file has no T=1, 50 % record for {missing}")
-    # gate|up: one launch over both matrices, up's shape twice
-    times = {k: (2 if k == "up" else 1) * shapes[k]["fine_us"] for k in ("qkv", "o", "up", "down")}
-    floors = {k: (2 if k == "up" else 1) * shapes[k]["floor_us"] for k in ("qkv", "o", "up", "down")}
-    dense_gemv = {k: (2 if k == "up" else 1) * shapes[k]["dense_us"] for k in ("qkv", "o", "up", "down")}
-    dense_ms, fine_ms = tpot("dense"), tpot("fine")
+
+    def per_layer(field: str) -> dict:  # gate|up: one launch over both matrices, up's shape twice
+        return {k: (2 if k == "up" else 1) * shapes[k][field] for k in ("qkv", "o", "up", "down")}
+
+    times, floors, dense_gemv = per_layer("fine_us"), per_layer("floor_us"), per_layer("dense_us")
+    at = dict(source="the modes file", B=1, prompt_len=prompt_len)
+    dense_ms = _record(modes, "e2e_tpot", "dense", None, mode="dense", **at)
+    fine_ms = _record(modes, "e2e_tpot", "fine", 0.5, mode="fine", **at)
     other = dense_ms * 1e3 - LAYERS * sum(dense_gemv.values())
     floor_us = other + LAYERS * sum(floors.values())
     return dict(dense_ms=dense_ms, fine_ms=fine_ms, measured=dense_ms / fine_ms, other_us=other,
