@@ -286,3 +286,54 @@ def test_cli_generate_modes(tmp_path, capsys):
         assert main(["generate", *common, "--prompt", "a", *argv]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "no per-element thresholds" in errors[0] and "wide calibrate --hybrid" in errors[0]
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_engines_keep_one_copy_of_the_weights():
+    # fine on the kernels: the model's projection weights become views of the GEMVs' transposed
+    # layout (same values), which its prefill and dense steps run on; dense: views of its fused
+    # q|k|v and gate|up weights. A routed engine built later still gets row-major weights.
+    model = model_with_thresholds(seed=5)
+    layer = model.model.layers[0]
+    before = {n: p.detach().clone() for n, p in layer.named_parameters() if n.endswith("proj.weight")}
+    fine = wide.accelerate(model, backend="triton", mode="fine")
+    f = fine.layers[0].fine
+    for name, lay in (("self_attn.q_proj", f.wqkv_t), ("self_attn.v_proj", f.wqkv_t), ("self_attn.o_proj", f.wo_t),
+                      ("mlp.up_proj", f.wgu_t), ("mlp.down_proj", f.wd_t)):
+        w = layer.get_submodule(name).weight
+        assert _storage(w) == _storage(lay), name
+        assert torch.equal(w, before[name + ".weight"]), name
+    assert _storage(fine.layers[0].wqkv) == _storage(f.wqkv_t)
+    dense = AcceleratedModel(model, backend="triton", mode="dense")
+    assert _storage(layer.self_attn.k_proj.weight) == _storage(dense.layers[0].wqkv)
+    assert _storage(layer.mlp.gate_proj.weight) == _storage(dense.layers[0].wgu)
+    coarse = wide.accelerate(model, backend="triton", mode="coarse")
+    assert all(t.is_contiguous() for t in (coarse.layers[0].wq, coarse.layers[0].wo, coarse.layers[0].wd))
+    for n, p in layer.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+    check_decode(model, fine, "fine", batches=(1,), end=11)
+
+
+def test_fine_max_batch_decodes_dense_above_it():
+    model = model_with_thresholds(seed=6)
+    ids = ids_of(2, 12, seed=8)
+    dense = AcceleratedModel(model, backend="triton", mode="dense")
+    eng = wide.accelerate(model, backend="triton", mode="fine", fine_max_batch=1)
+    assert (eng.decode_path(1), eng.decode_path(2), dense.decode_path(2)) == ("fine", "dense", "main")
+    assert wide.accelerate(model, backend="triton", mode="fine").decode_path(8) == "fine"  # off CUDA: never measured
+    for e in (dense, eng):
+        e.setup_cache(2, 32)
+        e.prefill(ids[:, :9])
+    for t in range(9, 12):
+        pos = torch.full((2,), t, dtype=torch.long)
+        assert rel(eng.decode(ids[:, t], pos), dense.decode(ids[:, t], pos)) < 1e-5, t
+    check_decode(model, eng, "fine", batches=(1,), end=11)  # batch 1: the thresholds
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="fine_max_batch"):
+            wide.accelerate(model, backend="torch", mode="fine", fine_max_batch=bad)
+    with pytest.raises(ValueError, match="fine_max_batch"):
+        wide.accelerate(model, backend="torch", mode="hybrid", fine_max_batch=2)

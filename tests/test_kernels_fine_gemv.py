@@ -50,13 +50,18 @@ def _median_abs(x):
     return float(x.float().abs().median())
 
 
-@pytest.fixture(params=[1, 3], ids=lambda s: f"split{s}")
+@pytest.fixture(params=[(1, False), (3, False), (3, True)],
+                ids=lambda p: f"split{p[0]}" + ("-ordered" if p[1] else ""))
 def split(request, monkeypatch):
-    # the interpreter's split-K factor: 1 = direct store, 3 = partials and the ticketed
-    # reduction over an odd number of them, the last split shorter (the tests without this
-    # fixture run the default, 2)
-    monkeypatch.setattr(fg, "INTERPRET_SPLIT", request.param)
-    return request.param
+    # the interpreter's split-K factor: 1 = direct store, 3 = a reduction over an odd number
+    # of splits, the last one shorter: atomic fp32 sums (the default) or, deterministic, the
+    # ticketed in-order sum of the partials (the tests without this fixture run 2, atomic)
+    n, ordered = request.param
+    monkeypatch.setattr(fg, "INTERPRET_SPLIT", n)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(ordered)
+    yield n
+    torch.use_deterministic_algorithms(was)
 
 
 # ---------------------------------------------------------------- layout
@@ -205,7 +210,8 @@ def test_segments(T, bounds, dtype, split):
 
 
 CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
-           fg._cfg(128, 8, 2, 4, 4, True)]
+           fg._cfg(128, 8, 2, 4, 4, True), fg._cfg(128, 16, 4, 4, 64, False, atomic=True),
+           fg._cfg(64, 8, 2, 2, 32, True, atomic=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.kwargs.items()))
@@ -329,3 +335,23 @@ def test_benchmark_cpu_records(tmp_path):
         assert math.isclose(r["vs_floor"], r["fine_us"] / r["floor_us"], rel_tol=1e-3, abs_tol=1e-4)
         assert (r["union"] == 0.5) if r["T"] == 1 else (0.5 < r["union"] <= 1.0)
     assert "| fine_gemv | tiny | qkv |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["atomic", "ordered"])
+def test_reductions_leave_their_buffers_clear(ordered, monkeypatch):
+    # Every launch must find the atomic sums and the tickets at zero: the program that reads a
+    # slice's sum clears it, so a second launch (a graph replay) gives the same output.
+    from wide.kernels.routing import split_tickets, zeroed_accumulator
+    monkeypatch.setattr(fg, "INTERPRET_SPLIT", 3)
+    T = 2
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 41)
+    wt = fine_layout(w)
+    th = _median_abs(x)
+    ref = fine_gemv_reference(x, wt, th)
+    first = fine_gemv(x, wt, th, deterministic=ordered)
+    assert rel_err(first, ref) < 1e-5
+    assert torch.all(zeroed_accumulator(x.device, T * N_RAGGED) == 0)
+    assert torch.all(split_tickets(x.device, 1) == 0)
+    assert rel_err(fine_gemv(x, wt, th, deterministic=ordered), ref) < 1e-5
+    with pytest.raises(ValueError, match="deterministic"):
+        fine_gemv(x, wt, th, deterministic=True, config=fg._cfg(64, 8, 2, 2, 32, True, atomic=True))

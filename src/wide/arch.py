@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 KINDS = ("attn", "ffn")
@@ -125,6 +126,20 @@ def projection(layer: nn.Module, spec: ArchSpec, role: str) -> nn.Module:
     """One of q, k, v, o, gate, up, down of a decoder layer."""
     parent, name = spec.projections[role]
     return getattr(getattr(layer, parent), name)
+
+
+def share_projection_weights(layer: nn.Module, spec: ArchSpec, views: dict) -> None:
+    """Point the layer's projection weights (role -> a tensor of the same shape, dtype, device
+    and values) at an engine's copy, so that the model keeps one copy of each weight: its own
+    storage is freed where nothing else holds it. The parameters stay the same objects with
+    the same values; only their storage (and so their strides) changes."""
+    with torch.no_grad():
+        for role, v in views.items():
+            p = projection(layer, spec, role).weight
+            if p.shape != v.shape or p.dtype != v.dtype or p.device != v.device:
+                raise ValueError(f"cannot share {role}: {tuple(p.shape)} {p.dtype} {p.device} vs "
+                                 f"{tuple(v.shape)} {v.dtype} {v.device}")
+            p.data = v
 
 
 def reduction_projection(layer: nn.Module, spec: ArchSpec, kind: str) -> nn.Module:

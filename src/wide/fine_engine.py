@@ -24,14 +24,20 @@ weight row, so a thresholded prefill would read what a dense one reads.
 Where a projection's sharing partner keeps other elements under another scale (WINA's column
 norms, learned per-channel scales), the fused launch is split into one per projection, writing
 into the same output. Batches of more than :data:`~wide.kernels.fine_gemv.MAX_T` (4) tokens a
-step fall back to GEMMs on the thresholded inputs: cuBLAS in ``fine``, the routed kernels (or
-cuBLAS, as measured) in ``hybrid``; they compute the same values but read every weight row that
-any token needs, which at such batches is about all of them.
+step that run the thresholds fall back to GEMMs on the thresholded inputs: cuBLAS in ``fine``,
+the routed kernels (or cuBLAS, as measured) in ``hybrid``; they compute the same values but read
+every weight row that any token needs, which at such batches is about all of them. So a ``fine``
+engine on the kernels decodes such batches with the dense weights instead, and measures the
+batches of up to 4 (:meth:`~wide.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
+fixes the limit).
 
-The Triton backend keeps the weights once more in the transposed layout of the kernels
+The Triton backend reads the weights in the transposed layout of the kernels
 (:func:`~wide.kernels.fine_gemv.fine_layout`), built when the first fine or hybrid engine of a
-model is made and shared by every later one (:func:`layouts`). The torch backend computes the
-same values with dense matmuls on the thresholded inputs and needs no copy.
+model is made and shared by every later one (:func:`layouts`). A ``fine`` engine keeps that
+layout alone: the model's projection weights become views of it (:func:`_single_copy`), and its
+prefill and dense steps run cuBLAS on those views. A ``hybrid`` engine's routed prefill reads
+row-major weights, so it keeps both. The torch backend computes the same values with dense
+matmuls on the thresholded inputs and needs no copy.
 """
 
 from __future__ import annotations
@@ -322,6 +328,24 @@ class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
     """``fine`` decode on the kernels: no router runs, every mask is None."""
 
 
+def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:
+    """``fine`` on the kernels keeps the transposed layout alone: the layer's weights in the
+    engine (``L``: the prefill's and large batches' dense GEMMs, which cuBLAS runs on the
+    transposed views as fast, bench/results/h100/fine_gemv.md's dense^T column) and in the HF
+    model become views of it, and the original storage is freed. The layout cache's keys follow
+    the parameters, so a later engine of the model finds the same layout."""
+    nq, nk, inter = w["q"].shape[0], w["k"].shape[0], w["gate"].shape[0]
+    L.wqkv, L.wgu = f.wqkv_t.t(), f.wgu_t.t()
+    L.wq, L.wkv, L.wo, L.wd = L.wqkv[:nq], L.wqkv[nq:], f.wo_t.t(), f.wd_t.t()
+    L.wg, L.wu = L.wgu[:inter], L.wgu[inter:]
+    arch.share_projection_weights(layer, spec, {"q": L.wq, "k": L.wkv[:nk], "v": L.wkv[nk:], "o": L.wo,
+                                                "gate": L.wg, "up": L.wu, "down": L.wd})
+    store = _LAYOUTS[model]
+    for name, roles in (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gu", ("gate", "up")), ("down", ("down",))):
+        key, t = store[(f.index, name)]
+        store[(f.index, name)] = (_source_key([w[r] for r in roles]), t)
+
+
 def make_decode_ops(engine):
     """The decode ops of a fine or hybrid engine, with each layer's ``FineLayer`` attached to
     its ``_Layer`` (``L.fine``) and, on the Triton backend, the transposed weights."""
@@ -337,6 +361,8 @@ def make_decode_ops(engine):
                                                   "gu": (w["gate"], w["up"]), "down": (w["down"],)})
             f.wqkv_t, f.wo_t, f.wgu_t, f.wd_t = lay["qkv"], lay["o"], lay["gu"], lay["down"]
             f.segs = fine_segments(w["q"], w["k"], w["v"])
+            if engine.mode == "fine":
+                _single_copy(engine.model, L, f, layer, spec, w)
         L.fine = f
     engine.fine = th
     only = engine.mode == "fine"

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 
 from . import arch
-from .fine_engine import NO_THRESHOLDS, make_decode_ops
+from .fine_engine import MAX_T, NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
 from .modeling import Geometry, get_state
 from .ops import make_ops, pick_backend
@@ -110,8 +110,11 @@ class _Layer:
         return self.attn_norm if kind == "attn" else self.ffn_norm
 
 
-def _plain(layer: nn.Module, spec: arch.ArchSpec, role: str, idx: int):
-    """(weight, bias or None) of a projection; refuses what the fast path cannot run."""
+def _plain(layer: nn.Module, spec: arch.ArchSpec, role: str, idx: int, contiguous: bool = False):
+    """(weight, bias or None) of a projection; refuses what the fast path cannot run. The
+    weight is an alias of the parameter's present storage (an engine that later points the
+    parameter elsewhere, :func:`~wide.arch.share_projection_weights`, leaves it alone); ``contiguous``: a row-major copy
+    where another engine left it as a view of its transposed layout."""
     mod = arch.projection(layer, spec, role)
     name = spec.projections[role][1]
     if not isinstance(mod, nn.Linear) or hasattr(mod, "lora_A") or hasattr(mod, "base_layer"):
@@ -121,7 +124,8 @@ def _plain(layer: nn.Module, spec: arch.ArchSpec, role: str, idx: int):
         allowed = ", ".join(spec.bias_ok) or "none"
         raise ValueError(f"layer {idx} {name} has a bias; wide.accelerate runs {spec.model_type} "
                          f"projections with biases only on q/k/v as the spec allows ({allowed})")
-    return mod.weight, mod.bias
+    w = mod.weight.detach()
+    return (w.contiguous() if contiguous else w), mod.bias
 
 
 def _sliding_window(cfg) -> Optional[int]:
@@ -142,7 +146,7 @@ class AcceleratedModel:
     Qwen3). Shares the HF model's weights; see the module docstring."""
 
     def __init__(self, model, backend: str = "auto", mode: str = "coarse",
-                 cuda_graphs: bool = True, batch_shared: bool = False):
+                 cuda_graphs: bool = True, batch_shared: bool = False, fine_max_batch: Optional[int] = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mode not in MODES and mode not in ALIASES:
@@ -176,6 +180,11 @@ class AcceleratedModel:
         self.hidden = cfg.hidden_size
         self.inter = cfg.intermediate_size
         self.window = _sliding_window(cfg)
+        if fine_max_batch is not None and (mode != "fine" or isinstance(fine_max_batch, bool)
+                                           or not isinstance(fine_max_batch, int) or fine_max_batch < 0):
+            raise ValueError(f"fine_max_batch is an int >= 0 for mode fine (None: measured), got {fine_max_batch!r} "
+                             f"with mode {mode}")
+        self.fine_max_batch = fine_max_batch
         if batch_shared and not routes:
             raise ValueError(f"batch_shared is a routed-engine option (modes coarse and hybrid), not mode {mode}")
         if self.state is not None and routes:
@@ -198,6 +207,9 @@ class AcceleratedModel:
         # Decode's ops: the same object except where decode applies per-element thresholds.
         self.fine = None  # wide.fine_engine.FineThresholds of a fine or hybrid engine
         self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
+        # Fine on the kernels: a decode batch runs the thresholds or the dense weights (the
+        # prefill ops, on the same single copy), per batch size (decode_path).
+        self._paths = {}
         if mode in ("fine", "hybrid") and self.backend == "torch" and self.device.type == "cpu":
             log.info("the Triton kernels need a CUDA GPU: this %s engine runs the PyTorch path", mode)
         # The routing rule (per token, tiles, batch-shared decode): chosen once, called always.
@@ -213,15 +225,22 @@ class AcceleratedModel:
 
     def _layer(self, layer: nn.Module, spec: arch.ArchSpec, i: int) -> _Layer:
         arch.check_layer(layer, spec, i)
-        (wq, bq), (wk, bk), (wv, bv) = (_plain(layer, spec, r, i) for r in ("q", "k", "v"))
-        wo, wg, wu, wd = (_plain(layer, spec, r, i)[0] for r in ("o", "gate", "up", "down"))
+        # the routed kernels read [N, K] rows; cuBLAS takes either orientation
+        rows = self.mode in ("routed", "hybrid") and self.backend == "triton"
+        (wq, bq), (wk, bk), (wv, bv) = (_plain(layer, spec, r, i, rows) for r in ("q", "k", "v"))
+        wo, wg, wu, wd = (_plain(layer, spec, r, i, rows)[0] for r in ("o", "gate", "up", "down"))
         wqkv = None
-        if self.mode == "dense" or self._fuse_qkv():
+        if self.mode == "fine" and self.backend == "triton":
+            wkv = None  # fine_engine lays q|k|v out as one weight and points these at it
+        elif self.mode == "dense" or self._fuse_qkv():
             # One weight tensor for q/k/v, with wq and wkv as row views of it: the dense engine
             # runs one GEMM for them (as gpt-fast does), routed decode one gemm_mn launch of
             # routed Q with K/V as always-on groups (dense_tail).
             wqkv = torch.cat([wq, wk, wv]).detach()
             wq, wkv = wqkv[:wq.shape[0]], wqkv[wq.shape[0]:]
+            if self.mode == "dense":  # one copy of the weights, as the fine engine keeps
+                arch.share_projection_weights(layer, spec, {"q": wq, "k": wkv[:wk.shape[0]],
+                                                            "v": wkv[wk.shape[0]:]})
         else:
             wkv = torch.cat([wk, wv]).detach()
         L = _Layer(arch.module_norm(layer, spec, "attn"), arch.module_norm(layer, spec, "ffn"),
@@ -237,6 +256,8 @@ class AcceleratedModel:
             L.qk_eps = L.q_norm.variance_epsilon
         if self.mode == "dense":
             L.wgu = torch.cat([wg, wu]).detach()
+            L.wg, L.wu = L.wgu[:wg.shape[0]], L.wgu[wg.shape[0]:]
+            arch.share_projection_weights(layer, spec, {"gate": L.wg, "up": L.wu})
         elif self.cfg is not None:
             lr = self.model.wide_routers[i]
             L.routers = {"attn": lr.router("attn"), "ffn": lr.router("ffn")}
@@ -268,8 +289,13 @@ class AcceleratedModel:
     def refresh_thresholds(self) -> None:
         """Read ``model.wide_fine`` again (fine and hybrid modes; :meth:`setup_cache` and so
         :meth:`generate` call it): the kernels of captured graphs see the new values."""
-        if self.fine is not None and self.fine.refresh():
+        if self.fine is None:
+            return
+        before = self.fine.th.clone()
+        if self.fine.refresh():
             self._graphs.clear()  # a layer's launches changed (scales or thresholds now differ)
+        if not torch.equal(before, self.fine.th):
+            self._paths.clear()  # new thresholds, new speed: measure the paths again
 
     def setup_cache(self, batch: int, max_len: int) -> None:
         """Allocate the static KV cache (a no-op if one of this size exists)."""
@@ -392,11 +418,29 @@ class AcceleratedModel:
 
     # -------------------------------------------------------------- decode
 
+    def decode_path(self, B: int) -> str:
+        """What a decode step of ``B`` sequences runs: ``"fine"`` (the per-element thresholds;
+        hybrid's routers too) or ``"dense"`` (a fine engine's dense weights, as the dense
+        engine runs them), ``"main"`` for the other modes. A fine engine on the kernels runs
+        the thresholds up to ``fine_max_batch`` sequences, or, with None, wherever they were
+        measured faster: each batch of up to 4 (the GEMVs' limit) times both captured steps
+        on its first decode; larger batches decode dense (the union of a batch's kept inputs
+        nears every weight row: README, "fine decode in batches")."""
+        if self.fine is None:
+            return "main"
+        if self.mode != "fine" or self.backend != "triton":
+            return "fine"
+        if self.fine_max_batch is not None:
+            return "fine" if B <= self.fine_max_batch else "dense"
+        if self.device.type != "cuda":
+            return "fine"
+        return "dense" if B > MAX_T else self._paths.get(B, "fine")
+
     def _decode_eager(self, tok: torch.Tensor, pos: torch.Tensor, record: Optional[list] = None,
                       reuse: bool = False):
         """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V].
         ``reuse``: the rule holds every mask of this step (``rule.reuses``): no router runs."""
-        ops = self.decode_ops
+        ops = self.ops if self.decode_path(tok.shape[0]) == "dense" else self.decode_ops
         ops.record = record
         x = self.embed(tok)
         delta = None
@@ -443,14 +487,44 @@ class AcceleratedModel:
                 or getattr(self.state, "mask_fn", None) is not None):  # (a Python mask_fn is not captured)
             return self._decode_eager(self.tok, self.pos, record, reuse)
         B = tok.shape[0]
-        g = self._graphs.get((B, reuse))
+        if (self.mode == "fine" and self.backend == "triton" and self.fine_max_batch is None
+                and B <= MAX_T and B not in self._paths):
+            self._measure_paths(B, reuse)
+        g = self._graphs.get((B, reuse, self.decode_path(B)))
         if g is None:
-            g = self._capture(lambda: self._decode_eager(self.tok, self.pos, reuse=reuse),
-                              keep=self.rule.step_state())
-            self._graphs[(B, reuse)] = g
+            g = self._capture_decode(B, reuse)
         graph, out = g
         graph.replay()
         return out
+
+    def _capture_decode(self, B: int, reuse: bool):
+        g = self._capture(lambda: self._decode_eager(self.tok, self.pos, reuse=reuse),
+                          keep=self.rule.step_state())
+        self._graphs[(B, reuse, self.decode_path(B))] = g
+        return g
+
+    def _measure_paths(self, B: int, reuse: bool, replays: int = 20) -> None:
+        """Capture the fine and the dense step of ``B`` sequences and keep the faster (median
+        of ``replays`` replays each, after two). Both write this step's k/v at the same
+        positions; the step that follows rewrites them with the kept path's."""
+        times = {}
+        for path in ("fine", "dense"):
+            self._paths[B] = path
+            graph, _ = self._capture_decode(B, reuse)
+            for _ in range(2):
+                graph.replay()
+            ms = []
+            for _ in range(replays):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                graph.replay()
+                t1.record()
+                t1.synchronize()
+                ms.append(t0.elapsed_time(t1))
+            times[path] = sorted(ms)[len(ms) // 2]
+        self._paths[B] = min(times, key=times.get)
+        log.info("fine engine, decode batch %d: fine %.3f ms, dense %.3f ms: runs %s",
+                 B, times["fine"], times["dense"], self._paths[B])
 
     # -------------------------------------------------------------- generation
 
@@ -526,18 +600,24 @@ class AcceleratedModel:
 
 
 def accelerate(model, backend: str = "auto", mode: str = "coarse",
-               cuda_graphs: bool = True, batch_shared: bool = False) -> AcceleratedModel:
+               cuda_graphs: bool = True, batch_shared: bool = False,
+               fine_max_batch: Optional[int] = None) -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
 
     ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"`` or ``"dense"``. Fine and
     hybrid decode with the model's per-element thresholds (``model.wide_fine``: a router
     checkpoint's thresholds.safetensors, or :mod:`wide.fine`); a model without them is refused.
     Their thresholds are read at construction and by every :meth:`AcceleratedModel.setup_cache`
-    (``refresh_thresholds``). On the Triton backend the first fine or hybrid engine of a model
-    lays its layers' weights out once more, transposed for the decode GEMVs: as much memory
-    again as the decoder layers' weights (13 GiB for Llama-3.1-8B in bf16), shared by every
-    later fine or hybrid engine of the model. Decode batches of more than 4 sequences run
-    GEMMs on the thresholded inputs (:mod:`wide.fine_engine`).
+    (``refresh_thresholds``). On the Triton backend the decode GEMVs read the weights
+    transposed (:func:`~wide.kernels.fine_gemv.fine_layout`): a ``fine`` engine keeps that
+    layout alone, pointing the model's projection weights at it (same values; the prefill and
+    dense steps run cuBLAS on it), so it holds one copy of the weights, as the dense engine
+    does; a ``hybrid`` engine keeps it beside the row-major weights its routed prefill reads.
+    ``fine_max_batch``: decode batches of up to this many sequences run the thresholds, larger
+    ones the dense weights (None: measured per batch size on CUDA, thresholds everywhere on
+    other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
+    sequences that run the thresholds run GEMMs on the thresholded inputs
+    (:mod:`wide.fine_engine`).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
     batch (:mod:`wide.routing_rules`), so it reads only those groups' weights; a sequence's
@@ -549,7 +629,7 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     :func:`generate`.
     """
     engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs,
-                              batch_shared=batch_shared)
+                              batch_shared=batch_shared, fine_max_batch=fine_max_batch)
     if engine.mode == "routed":
         model.wide_engine = engine
     return engine

@@ -505,5 +505,7 @@ def make_ops(engine) -> TorchOps:
     if engine.mode == "dense":
         return DenseTritonOps(engine) if triton else DenseTorchOps(engine)
     if engine.mode == "fine":
-        return UnroutedTritonOps(engine) if triton else UnroutedTorchOps(engine)
+        # on the kernels: the dense engine's fused GEMMs, on the decode GEMVs' transposed copy
+        # (wide.fine_engine keeps that copy alone); the torch backend keeps the model's weights
+        return DenseTritonOps(engine) if triton else UnroutedTorchOps(engine)
     return TritonOps(engine) if triton else TorchOps(engine)

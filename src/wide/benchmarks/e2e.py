@@ -216,6 +216,43 @@ def fine_thresholds(model, batches, shares) -> dict:
     return out
 
 
+def engine_memory(model, mode: str, ids, device, steps: int = 8) -> dict:
+    """Peak GPU memory of one engine built alone on ``model`` (the model's own weights
+    included): construction, a cache for ``ids`` plus ``steps`` tokens, prefill and ``steps``
+    graph-replayed decode steps. Also the unique bytes of the weights the model then holds
+    (an engine may point the model's weights at its own copy)."""
+    import gc
+
+    from wide.inference import AcceleratedModel
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    eng = AcceleratedModel(model, mode={"coarse": "routed"}.get(mode, mode))
+    B, T = ids.shape
+    eng.setup_cache(B, -(-(T + steps + 1) // 128) * 128)
+    tok = eng.prefill(ids).argmax(-1)
+    eng.pos.fill_(T)
+    for _ in range(steps):
+        tok = eng.decode(tok).argmax(-1)
+        eng.pos += 1
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    storages = {}
+    for p in list(model.parameters()) + [t for L in eng.layers for t in vars(L).values() if torch.is_tensor(t)] + \
+            [t for L in eng.layers if L.fine is not None for t in vars(L.fine).values() if torch.is_tensor(t)]:
+        st = p.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    rec = {"op": "e2e_memory", "engine": eng.mode, "mode": eng.mode_name, "B": B, "prompt_len": T,
+           "peak_gib": peak / 2**30, "weights_gib": sum(storages.values()) / 2**30,
+           "cache_gib": kv_cache_bytes(model, B, eng._cache_key[1]) / 2**30}
+    eng.free_cache()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
 def kv_cache_bytes(model, batch: int, length: int) -> int:
     cfg = model.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -279,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
+    ap.add_argument("--memory", action="store_true",
+                    help="first, the peak GPU memory of the dense engine and of each of --modes built alone on "
+                         "the model, with a cache for the first prompt length at batch 1 (e2e_memory records)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile an eager B=1 decode step and a 4k prefill per kernel, dense vs routed "
                          "(first sparsity)")
@@ -456,6 +496,20 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     print(f"[e2e] calibrated {sparsities} in {_now() - t_start:.1f}s: "
           f"{ {k: round(v['group_rate'], 3) for k, v in realised.items()} }", flush=True)
 
+    if getattr(args, "memory", False) and device.type == "cuda":
+        for m in ("dense",) + tuple(modes):
+            set_offsets(model, offsets[sparsities[0]])
+            if m in ("fine", "hybrid"):
+                r, f = split[sparsities[0]] if m == "hybrid" else (sparsities[0], sparsities[0])
+                set_offsets(model, offsets[r])
+                model.wide_fine.log_threshold.data.copy_(thresholds[f])
+            rec = guarded(f"memory {m}", lambda: engine_memory(model, m, rand_ids(1, prompt_lens[0]), device))
+            if rec is not None:
+                rec.update(model=model_name, sparsity=None if m == "dense" else sparsities[0])
+                records.append(rec)
+                print(f"[e2e] memory {m}: peak {rec['peak_gib']:.2f} GiB ({rec['weights_gib']:.2f} GiB of weights)",
+                      flush=True)
+                save()
     routed = accelerate(model)
     dense = AcceleratedModel(model, mode="dense")
     engines = {"token": routed}
@@ -527,8 +581,11 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
         sec = timer(loop, reps=max(2, args.reps // 2), warmup=1) / n
         rec = {"op": "e2e_tpot", "B": B, "prompt_len": ctx, "engine": engine_name, "sparsity": s,
-               "ms": sec * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n, "routing": routing}
-        if record_masks:
+               "ms": sec * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n, "routing": routing,
+               "decode_path": engine.decode_path(B)}
+        if rec["decode_path"] == "dense":  # a fine engine that measured its dense step faster
+            rec.update(weight_bytes_frac_kernel=1.0, weight_bytes_frac_union=1.0, active_frac_per_token=1.0)
+        elif record_masks:
             masks = []
             engine.pos.copy_(start)
             tok = first
@@ -800,6 +857,21 @@ def markdown(meta: dict) -> str:
                 line += f" {r['attn_share']:.0%} |" if r.get("attn_share") is not None else " - |"
             lines.append(line)
         lines.append("")
+    mem = [r for r in recs if r["op"] == "e2e_memory"]
+    if mem:
+        lines += ["## Peak GPU memory, each engine built alone on the model", "",
+                  "The model's weights included; cache for one prompt at batch 1. Weights: the unique bytes of "
+                  "the weights the model and engine then hold.", "",
+                  "| engine | B | prompt | peak GiB | weights GiB | cache GiB | peak over dense |", "|---|---|---|---|---|---|---|"]
+        base = next((r["peak_gib"] for r in mem if r["engine"] == "dense"), None)
+        for r in mem:
+            rel = f"{r['peak_gib'] / base:.3f}" if base else "-"
+            lines.append(f"| {r['mode']} | {r['B']} | {r['prompt_len']} | {r['peak_gib']:.2f} | {r['weights_gib']:.2f} | "
+                         f"{r['cache_gib']:.2f} | {rel} |")
+        lines.append("")
+    if any(r.get("decode_path") == "dense" for r in recs if r.get("engine") == "fine"):
+        lines += ["Fine rows whose weight bytes read 1.000 decoded dense: the engine measured its dense step faster "
+                  "at that batch size, or the batch exceeds the GEMVs' 4 tokens (AcceleratedModel.decode_path).", ""]
     for key, pr in (meta.get("profile") or {}).items():
         if not pr:
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -56,8 +57,9 @@ def _thresholds(x, kept, nseg):
 
 
 def _sweep_configs():
-    """Tile configs a ``--sweep`` times: (BN, BR, BU, warps) tiles, each at a few split targets."""
-    import triton
+    """Tile configs a ``--sweep`` times: (BN, BR, BU, warps) tiles, each at a few split targets,
+    with the ordered reduction and, at about one step per program, the atomic one."""
+    from wide.kernels.fine_gemv import _cfg
     cfgs = []
     for bn, br, bu, w, ppss, pfs in (
             (64, 16, 4, 4, (4, 8, 16), (True, False)), (64, 16, 8, 4, (4, 8, 16), (True, False)),
@@ -67,25 +69,33 @@ def _sweep_configs():
             (256, 1, 32, 1, (8, 16), (True,)), (256, 4, 8, 4, (4, 8), (True,)), (512, 2, 8, 4, (8,), (True,))):
         for pps in ppss:
             for pf in pfs:
-                cfgs.append(triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=w,
-                                          num_stages=1))
-    cfgs.append(triton.Config({"BN": 64, "BR": 16, "BU": 8, "PPS": 8, "PF": False}, num_warps=4, num_stages=3))
+                cfgs.append(_cfg(bn, br, bu, w, pps, pf))
+    cfgs.append(_cfg(64, 16, 8, 4, 8, False, stages=3))
+    for bn, br, bu, w in ((64, 16, 4, 2), (64, 32, 2, 4), (64, 8, 8, 2), (128, 16, 4, 4), (128, 8, 8, 4),
+                          (128, 4, 8, 2), (128, 4, 16, 2), (128, 16, 2, 4), (256, 8, 4, 4), (256, 4, 8, 4),
+                          (256, 2, 16, 2), (256, 1, 16, 1), (512, 4, 4, 8), (512, 2, 8, 4)):
+        for pps, pf in ((64, False), (32, True), (16, True)):
+            cfgs.append(_cfg(bn, br, bu, w, pps, pf, atomic=True))
     return cfgs
 
 
 def _cfg_name(c):
     k = c.kwargs
     return (f"BN{k['BN']}-BR{k['BR']}-BU{k['BU']}-P{k['PPS']}-{'pf' if k['PF'] else 'nopf'}"
-            f"-w{c.num_warps}-s{c.num_stages}")
+            f"-w{c.num_warps}-s{c.num_stages}" + ("-atomic" if k.get("ATOMIC") else ""))
 
 
-def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
-    """One record (or, with ``sweep``, one per config): check, then time dense, fine, floor."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, dtype="bf16", teal=False):
+    """One record (or, with ``sweep``, one per config): check, then time dense, fine, floor
+    (and, with ``teal``, TEAL's kernel on the same weight and threshold)."""
     from wide.kernels.fine_gemv import fine_gemv, fine_gemv_reference, fine_layout, keep_mask_reference
     from wide.kernels.plain_read import plain_read
 
     cuda = device.type == "cuda"
-    dt = torch.bfloat16 if cuda else torch.float32
+    dt = DTYPES[dtype] if cuda else torch.float32
     N = sum(widths)
     nseg = len(widths)
     set_bytes = 2 * N * K * (2 if cuda else 4)
@@ -109,8 +119,8 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
     union_rows = int(keep.any(0).sum().item())
     kept_elems = union_rows * N
 
-    def fine(s, config=None):
-        return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config)
+    def fine(s, config=None, deterministic=None):
+        return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config, deterministic=deterministic)
 
     def dense(s):
         return F.linear(s[0], s[1])
@@ -126,8 +136,20 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
     elt = 2 if cuda else 4
     nbytes = kept_elems * elt + T * K * elt + out_elems * elt
     base = {"op": "fine_gemv", "model": model, "shape": shape, "N": N, "K": K, "T": T, "kept": kept,
+            "sparsity": round(1 - kept, 4), "dtype": dtype if cuda else "fp32",
             "union": round(union_rows / K, 4), "segments": segments}
     dense_us = timer([lambda s=s: dense(s) for s in sets])
+    # cuBLAS on the kernels' transposed copy: what batches and prefill would run on it if the
+    # engine kept that copy alone
+    base["dense_t_us"] = round(timer([lambda s=s: s[0] @ s[2] for s in sets]), 3)
+    if teal and T == 1 and cuda:
+        from wide.benchmarks.teal_gemv import teal_gemv
+        y_teal = teal_gemv(x0, w_t0, ths[0], 1 - kept)
+        base["teal_rel_err"] = ((y_teal.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item()
+        outs = [torch.empty(1, N, device=device, dtype=dt) for _ in sets]
+        teal_us = timer([lambda s=s, o=o: teal_gemv(s[0], s[2], ths[0], 1 - kept, out=o) for s, o in zip(sets, outs)])
+        base["teal_us"] = round(teal_us, 3)
+        base["teal_speedup"] = round(dense_us / teal_us, 4)
     floor_us = _floor_us(kept_elems, n_rot, device, dt, timer, plain_read)
 
     def record(fine_us, rel, extra):
@@ -150,8 +172,9 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None):
         return out
     rel = check()
     fine_us = timer([lambda s=s: fine(s) for s in sets])
+    ordered_us = timer([lambda s=s: fine(s, deterministic=True) for s in sets]) if cuda else None
     del sets
-    return [record(fine_us, rel, {})]
+    return [record(fine_us, rel, {} if ordered_us is None else {"ordered_us": round(ordered_us, 3)})]
 
 
 def _floor_us(kept_elems, n_rot, device, dt, timer, plain_read):
@@ -175,20 +198,30 @@ def write_results(records, meta, out):
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    cfg = any("config" in r for r in records)
     lines = [f"# Activation-sparse decode GEMVs vs dense cuBLAS ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Command: `{meta['command']}`", "",
              "kept: share of each token's inputs over the threshold (i.i.d. random); union: share of the "
-             "weight rows read (any token keeps them). floor: a plain read of the union's bytes.", "",
-             "| op | model | shape | N | K | T | kept | union | dense us | fine us | floor us | speedup | "
-             "fine / floor | GB/s | rel err |" + (" config |" if any("config" in r for r in records) else ""),
-             "|" + "---|" * (15 + any("config" in r for r in records))]
+             "weight rows read (any token keeps them). floor: a plain read of the union's bytes. fine: the "
+             "autotuned kernel (atomic or ordered fp32 split-K sums, whichever is faster); ordered: "
+             "deterministic=True. TEAL: its kernel rebuilt (wide.benchmarks.teal_gemv; fp16/bf16 atomic "
+             "sums), T = 1. dense^T: cuBLAS on the kernels' transposed copy.", "",
+             "| shape | dtype | N | K | T | kept | union | dense us | dense^T us | fine us | ordered us | floor us | "
+             "speedup | TEAL us | TEAL speedup | fine / floor | GB/s | rel err | TEAL rel err |"
+             + (" config |" if cfg else ""),
+             "|" + "---|" * (19 + cfg)]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
     for r in records:
         tgt = TARGETS.get((r["model"], r["shape"])) if abs(r["kept"] - 0.5) < 1e-9 and r["T"] == 1 else None
         sp = f"{r['speedup']:.2f}x" + ("" if tgt is None else (" (>= %.2f %s)" % (tgt, "met" if r["speedup"] >= tgt
                                                                                  else "MISSED")))
-        lines.append(f"| {r['op']} | {r['model']} | {r['shape']} | {r['N']} | {r['K']} | {r['T']} | {r['kept']} | "
-                     f"{r['union']:.3f} | {r['dense_us']:.2f} | {r['fine_us']:.2f} | {r['floor_us']:.2f} | {sp} | "
-                     f"{r['vs_floor']:.3f} | {r['gbps']:.0f} | {r['rel_err']:.2e} |"
+        lines.append(f"| {r['model']} {r['shape']} | {r.get('dtype', 'bf16')} | {r['N']} | {r['K']} | {r['T']} | "
+                     f"{r['kept']} | {r['union']:.3f} | {r['dense_us']:.2f} | {f(r.get('dense_t_us'), '.2f')} | "
+                     f"{r['fine_us']:.2f} | {f(r.get('ordered_us'), '.2f')} | {r['floor_us']:.2f} | {sp} | "
+                     f"{f(r.get('teal_us'), '.2f')} | {f(r.get('teal_speedup'), '.2f')} | {r['vs_floor']:.3f} | "
+                     f"{r['gbps']:.0f} | {r['rel_err']:.2e} | {f(r.get('teal_rel_err'), '.2e')} |"
                      + (f" {r['config']} |" if "config" in r else ""))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -205,6 +238,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sweep-match", nargs="*", default=None,
                    help="with --sweep: only the configs whose name holds one of these strings "
                         "(e.g. BN256-BR1-BU16-P8-pf)")
+    p.add_argument("--dtypes", nargs="*", default=["bf16"], choices=list(DTYPES), help="weight/input dtypes (GPU)")
+    p.add_argument("--teal", action="store_true", help="time TEAL's kernel beside ours (T = 1)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -246,26 +281,26 @@ def run(args) -> list:
         for shape, (K, widths) in shapes.items():
             if args.shapes and shape not in args.shapes:
                 continue
-            for T in args.tokens:
-                for kept in args.kept:
-                    try:
-                        rs = run_case(model, shape, K, widths, T, kept, device, timer,
-                                      args.seed + 7 * T, sweep=sweep)
-                    except Exception as e:  # record and go on: one bad case must not lose the run
-                        print(f"FAILED {model} {shape} T={T} kept={kept}: {type(e).__name__}: {e}",
-                              flush=True)
-                        bad += 1
-                        continue
-                    for r in rs:
-                        ok = r["rel_err"] < 1e-2
-                        bad += not ok
-                        records.append(r)
-                        print(f"{model:12s} {shape:7s} T={T} kept={kept:.2f} union={r['union']:.3f} "
-                              f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
-                              f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
-                              f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
-                              f"[{time.time() - t0:.0f}s]", flush=True)
-                    write_results(records, meta, args.out)
+            for dtype, T, kept in itertools.product(args.dtypes if device.type == "cuda" else ["fp32"],
+                                                args.tokens, args.kept):
+                try:
+                    rs = run_case(model, shape, K, widths, T, kept, device, timer,
+                                  args.seed + 7 * T, sweep=sweep, dtype=dtype, teal=args.teal)
+                except Exception as e:  # record and go on: one bad case must not lose the run
+                    print(f"FAILED {model} {shape} {dtype} T={T} kept={kept}: {type(e).__name__}: {e}",
+                          flush=True)
+                    bad += 1
+                    continue
+                for r in rs:
+                    ok = r["rel_err"] < 1e-2
+                    bad += not ok
+                    records.append(r)
+                    print(f"{model:12s} {shape:7s} {dtype} T={T} kept={kept:.2f} union={r['union']:.3f} "
+                          f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
+                          f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
+                          f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
+                          f"[{time.time() - t0:.0f}s]", flush=True)
+                write_results(records, meta, args.out)
     write_results(records, meta, args.out)
     args.failed = bad
     return records

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .env import autotune_enabled, interpret_mode, num_sms
-from .routing import split_tickets
+from .routing import split_tickets, zeroed_accumulator
 
 __all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_gemv_reference",
            "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
@@ -177,13 +177,13 @@ def _split_rows(K, BK: tl.constexpr):
 
 
 @triton.jit
-def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cnt_ptr,
+def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, acc_ptr, cnt_ptr,
                       K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
                       b1, b2, b3, b4, th0, th1, th2, th3,
                       T: tl.constexpr, NSEG: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
-                      PF: tl.constexpr, RS: tl.constexpr):
+                      PF: tl.constexpr, ATOMIC: tl.constexpr, RS: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
     c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
@@ -242,9 +242,29 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
             tl.store(y_ptr + 2 * stride_yt + cols, y2.to(out_ty), mask=n_ok)
         if T > 3:
             tl.store(y_ptr + 3 * stride_yt + cols, y3.to(out_ty), mask=n_ok)
+    elif ATOMIC:
+        # fp32 sums in acc[token, column] (zero at launch); the last program of the slice to
+        # draw its ticket reads them, stores y and clears them for the next launch.
+        ap = acc_ptr + cols
+        tl.atomic_add(ap, y0, mask=n_ok, sem="relaxed")
+        if T > 1:
+            tl.atomic_add(ap + N, y1, mask=n_ok, sem="relaxed")
+        if T > 2:
+            tl.atomic_add(ap + 2 * N, y2, mask=n_ok, sem="relaxed")
+        if T > 3:
+            tl.atomic_add(ap + 3 * N, y3, mask=n_ok, sem="relaxed")
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if ticket == n_s - 1:
+            for t in tl.static_range(T):
+                tot = tl.load(ap + t * N, mask=n_ok, other=0.0, volatile=True)
+                tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+                tl.store(ap + t * N, tl.zeros_like(tot), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
     else:
         # fp32 partials ws[split, token, column]; the last program of the slice to draw its
-        # ticket (acquire) reads every partial, stored before each program's ticket (release).
+        # ticket (acquire) reads every partial, stored before each program's ticket (release),
+        # and sums them in split order: the same bits on every run.
         wsp = ws_ptr + tl.program_id(1) * T * N + cols
         tl.store(wsp, y0, mask=n_ok)
         if T > 1:
@@ -262,13 +282,17 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, cn
             tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
 
 
-def _cfg(bn, br, bu, warps, pps, pf, stages=1):
-    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf}, num_warps=warps,
-                         num_stages=stages)
+def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False):
+    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf, "ATOMIC": atomic},
+                         num_warps=warps, num_stages=stages)
 
 
 def _bk(c: triton.Config) -> int:
     return c.kwargs["BR"] * c.kwargs["BU"]
+
+
+def _atomic(c: triton.Config) -> bool:
+    return bool(c.kwargs.get("ATOMIC", False))
 
 
 # A step is a [BU, BR, BN] tile: BN columns (16-byte vectors along them), BR rows across the
@@ -280,7 +304,7 @@ def _bk(c: triton.Config) -> int:
 # on down, o and q|k|v and with 256..1024-column ones on up, at 1.36-1.76x the plain-read
 # floor. This list (present kernel) is a guess from that; `python -m wide.benchmarks.fine_gemv
 # --sweep` times it and more on a GPU.
-_CONFIGS = [
+_ORDERED = [
     _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
     _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
     _cfg(256, 1, 16, 1, 16, True), _cfg(256, 4, 8, 4, 8, True),
@@ -288,12 +312,24 @@ _CONFIGS = [
     # per SM): up 28.7 us against 31.5 us at 16 per SM (experiments/results/fine_gemv_compact_h100)
     _cfg(256, 1, 16, 1, 8, True),
 ]
+# Atomic tiles, TEAL's decomposition: about one step per program (a PPS past the row count
+# gives every program one [BK, BN] tile), so the GPU keeps thousands of independent
+# input -> threshold -> weight chains in flight instead of a few long loops; fp32 sums.
+_ATOMIC = [
+    _cfg(128, 16, 4, 4, 64, False, atomic=True), _cfg(128, 8, 8, 4, 64, False, atomic=True),
+    _cfg(64, 32, 2, 4, 64, False, atomic=True), _cfg(256, 8, 4, 4, 64, False, atomic=True),
+    _cfg(128, 4, 8, 2, 64, False, atomic=True), _cfg(256, 4, 8, 4, 32, True, atomic=True),
+    _cfg(128, 8, 8, 4, 16, True, atomic=True),
+]
+_CONFIGS = _ORDERED + _ATOMIC
 
 
-def _default_config() -> triton.Config:
+def _default_config(deterministic: bool = False) -> triton.Config:
     if interpret_mode():  # a few small programs: the interpreter pays per program
-        return _cfg(64, 8, 4, 1, 1, True)
-    return _cfg(64, 16, 8, 4, 8, True)
+        return _cfg(64, 8, 4, 1, 1, True, atomic=not deterministic)
+    if deterministic:
+        return _cfg(64, 16, 8, 4, 8, True)
+    return _cfg(128, 16, 4, 4, 64, False, atomic=True)
 
 
 def _rs(bn: int) -> int:
@@ -305,13 +341,16 @@ def _n_tiles(bounds: Sequence[int], bn: int) -> int:
     return sum(triton.cdiv(b - a, bn) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
-def _plan(K: int, tiles: int, bk: int, pps: int, sms: int) -> int:
-    """Split-K factor: about ``pps`` programs per SM, at least two BK steps per split, and no
-    empty split (the kernel recomputes the same chunk from the number of splits)."""
+def _plan(K: int, tiles: int, bk: int, pps: int, sms: int, atomic: bool = False) -> int:
+    """Split-K factor: about ``pps`` programs per SM and no empty split (the kernel recomputes
+    the same chunk from the number of splits); ordered splits also take at least two BK steps
+    each and at most MAX_SPLIT partials, which their reducer reads back."""
     if K == 0:
         return 1
     if interpret_mode():
         s = INTERPRET_SPLIT
+    elif atomic:
+        s = max(1, min(triton.cdiv(pps * sms, max(1, tiles)), triton.cdiv(K, bk)))
     else:
         s = max(1, min(MAX_SPLIT, triton.cdiv(pps * sms, max(1, tiles)), K // (2 * bk)))
     kc = triton.cdiv(triton.cdiv(K, s), bk) * bk
@@ -326,12 +365,16 @@ with warnings.catch_warnings():
     _BENCH = {}
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
-    _tuned_gemv = triton.autotune(configs=_CONFIGS, key=["K", "N", "b1", "b2", "b3", "T", "NSEG"],
-                                  **_BENCH)(_plain_gemv)
+    _KEY = ["K", "N", "b1", "b2", "b3", "T", "NSEG"]
+    _tuned_gemv = triton.autotune(configs=_CONFIGS, key=_KEY, **_BENCH)(_plain_gemv)
+    # deterministic=True: the ordered reduction only (the same bits on every run)
+    _tuned_ordered = triton.autotune(configs=_ORDERED, key=_KEY, **_BENCH)(_plain_gemv)
 
 
-def _configs_for_launch():
-    return _CONFIGS if autotune_enabled() else [_default_config()]
+def _configs_for_launch(deterministic: bool):
+    if autotune_enabled():
+        return _ORDERED if deterministic else _CONFIGS
+    return [_default_config(deterministic)]
 
 
 # ---------------------------------------------------------------- host side
@@ -470,24 +513,27 @@ def _check_segments(segments, N) -> List[int]:
 
 
 def _workspace(x, T, width, K, tiles_of, configs):
-    """fp32 partials for the largest split any candidate config uses, and one ticket per
-    column slice of the config with the most slices."""
+    """fp32 partials for the largest split any ordered candidate uses, the zeroed fp32 sums of
+    the atomic ones, and one ticket per column slice of the config with the most slices."""
     sms = num_sms(x.device)
     worst_s, worst_tiles = 1, 1
     for c in configs:
         tiles = tiles_of(c.kwargs["BN"])
         worst_tiles = max(worst_tiles, tiles)
-        worst_s = max(worst_s, _plan(K, tiles, _bk(c), c.kwargs["PPS"], sms))
+        if not _atomic(c):
+            worst_s = max(worst_s, _plan(K, tiles, _bk(c), c.kwargs["PPS"], sms))
     ws = torch.empty((worst_s, T, width), dtype=torch.float32, device=x.device) if worst_s > 1 else x
+    acc = zeroed_accumulator(x.device, T * width) if any(_atomic(c) for c in configs) else x
     tickets = split_tickets(x.device, worst_tiles)
-    return ws, tickets, sms
+    return ws, acc, tickets, sms
 
 
 def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Optional[torch.Tensor] = None,
               group_mask: Optional[torch.Tensor] = None, group_size: Optional[int] = None,
               segments: Optional[Sequence[int]] = None,
               thresholds: Union[Sequence[float], torch.Tensor, None] = None,
-              out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None,
+              deterministic: Optional[bool] = None) -> torch.Tensor:
     """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
 
     Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
@@ -498,7 +544,12 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     columns. Thresholds are floats (baked into the launch) or a float32 tensor on x's device
     (read by the kernel). A NaN input never passes a threshold, so it is dropped.
     Weight rows no token keeps are not read. ``config`` (a ``triton.Config`` of BN, BR, BU,
-    PPS, PF): launch with it instead of the autotuner's choice (tuning sweeps).
+    PPS, PF, ATOMIC): launch with it instead of the autotuner's choice (tuning sweeps).
+
+    Split-K sums are fp32 either way. By default the splits may add into one fp32 sum
+    atomically (the order, and so the last bits, can differ between runs); ``deterministic``
+    (default: ``torch.are_deterministic_algorithms_enabled()``) keeps to the reduction that
+    sums the splits' partials in a fixed order.
     """
     T, K = _check_x(x, w_t)
     N = w_t.shape[1]
@@ -515,8 +566,12 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     if K == 0:
         return y.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    configs = [config] if config is not None else _configs_for_launch()
-    ws, tickets, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if config is not None and deterministic and _atomic(config):
+        raise ValueError("an ATOMIC config sums its splits in no fixed order: not with deterministic=True")
+    configs = [config] if config is not None else _configs_for_launch(deterministic)
+    ws, acc, tickets, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
     gm = group_mask.view(torch.uint8) if group_mask is not None else x
     gm_stride = group_mask.stride(0) if group_mask is not None else 0
     if group_mask is not None and group_mask.stride(1) != 1:
@@ -527,14 +582,14 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
 
     def grid(meta):
         tiles = _n_tiles(bounds, meta["BN"])
-        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms))
+        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms, meta["ATOMIC"]))
 
-    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, tickets,
+    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
                  TH_PTR=th_t is not None)
     if config is None and autotune_enabled():
-        _tuned_gemv[grid](*args, **flags)
+        (_tuned_ordered if deterministic else _tuned_gemv)[grid](*args, **flags)
     else:
         c = configs[0]
         _plain_gemv[grid](*args, **flags, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)

@@ -48,33 +48,46 @@ SORT_MAX_GROUPS = 62
 INTERPRET_GEMV_SPLIT = 1
 
 
-# Split-K tickets, per (device, stream): zero between launches (the last program of a tile
-# re-arms its counter), so one buffer serves every launch on a stream and graph replays. A
+# Split-K tickets (and fp32 accumulators), per (kind, device, stream): zero between launches
+# (the last program of a tile re-arms its counter, clears its sums), so one buffer serves every launch on a stream and graph replays. A
 # grown buffer replaces the cached one, but every buffer stays alive: a captured graph keeps
 # using the address it was captured with.
 _TICKETS: Dict = {}
 _TICKETS_KEEP: list = []
 
 
-def split_tickets(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters for the split-K programs of one launch on the
-    current stream (see ``_splitk_store`` in gemm_mn)."""
+def _stream_buffer(kind: str, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (kind, str(device), stream)
     buf = _TICKETS.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(int(n), 4096), dtype=torch.int32, device=device)
+        buf = torch.zeros(max(int(n), 4096), dtype=dtype, device=device)
         _TICKETS[key] = buf
         _TICKETS_KEEP.append(buf)
     return buf
 
 
+def split_tickets(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters for the split-K programs of one launch on the
+    current stream (see ``_splitk_store`` in gemm_mn)."""
+    return _stream_buffer("tickets", device, n, torch.int32)
+
+
+def zeroed_accumulator(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` fp32 zeros that split-K programs add into atomically; the program that
+    reads a slice's sum writes zeros back, so the buffer is zero again between launches, as
+    the tickets are."""
+    return _stream_buffer("accumulator", device, n, torch.float32)
+
+
 def fresh_split_tickets(device: torch.device, stream) -> None:
-    """Let the next split-K launch on ``stream`` allocate its own ticket buffer. Call it
-    before the warm-up that precedes a capture: a graph replays on whatever stream its caller
-    uses, so two graphs captured on one (pooled) stream must not share counters; a ticket left
-    raised by a race would stop that tile from ever being reduced again."""
-    _TICKETS.pop((str(device), stream.cuda_stream), None)
+    """Let the next split-K launch on ``stream`` allocate its own ticket buffer (and
+    accumulator). Call it before the warm-up that precedes a capture: a graph replays on
+    whatever stream its caller uses, so two graphs captured on one (pooled) stream must not
+    share counters; a ticket left raised by a race would stop that tile from ever being
+    reduced again."""
+    for kind in ("tickets", "accumulator"):
+        _TICKETS.pop((kind, str(device), stream.cuda_stream), None)
 
 
 def next_pow2(n: int) -> int:
