@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-smoke kernels attention e2e e2e_modes bounds}
+ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine bounds}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -36,6 +36,16 @@ run e2e "${E2E_S:-200}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --sparsi
 run e2e_modes "${E2E_MODES_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_modes \
     --modes coarse,fine,hybrid --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 \
     --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --budget-s 450
+# The fine mode alone (issue 47): per-element GEMVs against cuBLAS, TEAL's kernel and the
+# plain-read floor at 25/50/75 % in bf16 and fp16 (T = 1; T = 2, 4 at 50 %), then the engine at
+# 50 %: TTFT 4k/16k, TPOT B = 1/2/4/8/32 at 4k and 16k, peak memory of the dense and fine engines
+run fine_gemv "${FINE_GEMV_S:-200}" bash -c "python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
+    --shapes up down qkv o --tokens 1 --kept 0.25 0.5 0.75 --dtypes bf16 fp16 --teal --out '$OUT/fine_gemv' \
+    && python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b --shapes up down qkv o --tokens 2 4 \
+    --kept 0.5 --out '$OUT/fine_gemv_batches'"
+run e2e_fine "${E2E_FINE_S:-330}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine \
+    --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 --batches 1,2,4,8,32 --reps 3 \
+    --decode-steps 16 --no-hf --memory --budget-s 300
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
     && python3 -m wide.benchmarks.bounds --results '$OUT'"
