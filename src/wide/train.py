@@ -406,7 +406,9 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             raise ValueError(f"{ckpt} was written by a distributed run: resume it with dist=DistContext() "
                              "(wide calibrate --fsdp, or under torchrun)")
         _check_resumable(ckpt, ts["args"], args, cfg)
-        load(model, ckpt)
+        # recover_directory chose it: a sealed checkpoint matched its manifest, and one written
+        # before manifests has none and still resumes
+        load(model, ckpt, require_manifest=False)
         if load_extra is not None:
             load_extra(ckpt)
         opt.load_state_dict(ts["optimizer"])
