@@ -287,6 +287,45 @@ def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_noth
     assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]
 
 
+def test_a_resumed_run_records_the_time_of_every_invocation_and_its_first_command(tiny_run, monkeypatch, capsys):
+    # issue 49, defect 4: after a kill and --resume, wall_s counted the last invocation only (0.3 s
+    # against 96 s uninterrupted) and kept it on later resumes, and resuming a finished run
+    # recorded the --resume line as the run's command
+    import time
+
+    from wide import train as train_module
+
+    tmp, common = tiny_run
+    argv = ["calibrate", *common, *TRAIN, "--steps", "4", "--out", str(tmp / "r")]
+    step = train_module.micro_batch_loss
+
+    def slow(*a, **k):
+        time.sleep(0.4)
+        return step(*a, **k)
+
+    def run(*extra):
+        monkeypatch.setattr("sys.argv", ["wide", *argv, *extra])
+        assert main([*argv, *extra]) == 0
+
+    monkeypatch.setattr(train_module, "micro_batch_loss", slow)
+    run("--stop-at", "2")  # as a kill after step 2's checkpoint leaves the run
+    monkeypatch.setattr(train_module, "micro_batch_loss", step)
+    run("--resume")
+    record = json.loads((tmp / "r" / "run.json").read_text())
+    assert record["wall_s"] >= 0.8  # the two slow steps of the first invocation
+    assert record["command"] == "wide " + " ".join([*argv, "--stop-at", "2"])
+    assert record["resumed"] == ["wide " + " ".join([*argv, "--resume"])]
+    rates = [h["tokens_per_s"] for h in json.loads((tmp / "r" / "history.json").read_text())]
+    assert len(rates) == 4 and record["tokens_per_s"] == pytest.approx(sum(rates) / 4)  # every step's, both runs
+    capsys.readouterr()
+    run("--resume")  # a finished run: nothing trains, and nothing recorded changes but the list of resumes
+    again = json.loads((tmp / "r" / "run.json").read_text())
+    assert (again["wall_s"], again["tokens_per_s"], again["command"]) == (
+        record["wall_s"], record["tokens_per_s"], record["command"])
+    assert again["resumed"] == record["resumed"] * 2
+    assert f"({record['wall_s'] / 60:.1f} min, recorded when the run finished" in capsys.readouterr().out
+
+
 def test_seal_vouches_for_a_router_directory_without_its_manifest(tiny_run, capsys):
     # issue 49, defect 3: without its manifest a router directory is refused by every command,
     # until `wide seal` records its files as they are

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 from . import compare, runs
@@ -106,34 +105,40 @@ def cmd_calibrate(args) -> dict:
     if ctx is None or ctx.is_main:
         runs.start_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
     earlier = _finished_run(args.out, args.steps) if args.resume else None
-    t0 = time.perf_counter()
     result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
                    stop_at=getattr(args, "stop_at", None), dist=ctx)
-    wall = time.perf_counter() - t0
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
-        return {"stopped_at": result["stopped_at"], "wall_s": wall}
+        return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
     offsets = runs.calibrate_offsets(model, args, train_ids)
     hist = result["history"]
     run = {
-        "command": runs.command(),
+        **runs.run_commands(args.out),
         "model": model_path, "wide_config": cfg.to_dict(), "train_args": vars(targs),
         "steps": args.steps, "tokens": args.steps * targs.sequences_per_step * train_ids.shape[1],
-        "wall_s": wall, "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
+        # the run's time summed over its invocations (wide.train.train), and each step's rate as it ran
+        **{k: result[k] for k in ("wall_s", "wall_s_partial") if k in result},
+        "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
         "machine": runs.machine(), "offsets": args.offsets, "date": datetime.date.today().isoformat(),
         "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
         "decontamination": decontamination,
     }
     if earlier is not None:  # this process trained nothing: the training's time is the recorded one
-        run.update({k: earlier[k] for k in ("wall_s", "machine", "date") if k in earlier}, recorded_earlier=True)
+        run.pop("wall_s_partial", None)
+        run.update({k: earlier[k] for k in ("wall_s", "wall_s_partial", "machine", "date") if k in earlier},
+                   recorded_earlier=True)
     if ctx is not None and not ctx.is_main:
         return run
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": args.steps, "run": run})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     when = ", recorded when the run finished earlier" if earlier is not None else ""
-    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({run['wall_s'] / 60:.1f} min{when}, "
+    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({_minutes(run)}{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _minutes(run: dict) -> str:
+    return f"{'at least ' if run.get('wall_s_partial') else ''}{run['wall_s'] / 60:.1f} min"
 
 
 def _finished_run(out, steps: int):
@@ -604,28 +609,27 @@ def cmd_recover(args) -> dict:
     write_more = static.save if static is not None else None
     runs.start_run(args, FINAL_DIR, runs.run_settings(args, RECOVER_SETTINGS))
     torch.manual_seed(targs.seed)  # the adapters' initialisation draws from the global RNG
-    t0 = time.perf_counter()
     result = recover(model, train_ids, targs, args.out, lora=lora, eval_ids=eval_ids, resume=args.resume,
                      freeze_routers=args.freeze_routers or static is not None, stop_at=args.stop_at,
                      extra=extra, write_more=write_more)
-    wall = time.perf_counter() - t0
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
-        return {"stopped_at": result["stopped_at"], "wall_s": wall}
+        return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
     model.eval()
     if static is None:
         runs.calibrate_offsets(model, args, train_ids)
     stage1 = runs.training_fields(meta)
     stage2_tokens = args.steps * targs.sequences_per_step * train_ids.shape[1]
-    run = {"command": runs.command(), "model": model_path, "train_args": vars(targs),
-           "lora": vars(lora), "wall_s": wall, "machine": runs.machine(), "date": datetime.date.today().isoformat(),
+    run = {**runs.run_commands(args.out), "model": model_path, "train_args": vars(targs), "lora": vars(lora),
+           **{k: result[k] for k in ("wall_s", "wall_s_partial") if k in result}, "machine": runs.machine(),
+           "date": datetime.date.today().isoformat(),
            "stage2_tokens": stage2_tokens, "tokens": stage2_tokens + (stage1["tokens"] or 0),
            "stage1": {k: stage1[k] for k in ("loss", "tokens", "seed")},
            "data": runs.run_settings(args, _DATA_SETTINGS), "decontamination": decontamination}
     out = Path(args.out) / FINAL_DIR
     save_recovered(model, out, extra={**extra, "run": run}, write_more=write_more)
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2, default=str))
-    print(f"routers + adapters saved to {out} ({wall / 60:.1f} min)")
+    print(f"routers + adapters saved to {out} ({_minutes(run)})")
     if args.merge_out:
         merge(model)
         dense_sd = {k: v for k, v in model.state_dict().items() if not k.startswith("wide_routers.")}

@@ -361,7 +361,10 @@ def check_mode(flag: str, mode: str, path=None, meta: Optional[dict] = None) -> 
 # ------------------------------------------------------------------ run directories
 
 SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
-RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
+# Every invocation's command line, the one that started the run first: run.json quotes that one,
+# not the --resume that finished it.
+COMMANDS_FILE = "commands.json"
+RUN_FILES = ("run.json", "history.json", SETTINGS_FILE, COMMANDS_FILE)
 # What makes a directory hold a run: settings alone are written before the first step, so a run
 # that failed before its first checkpoint (a loss gone non-finite, a kill) left nothing to resume
 # or lose, and the corrected command starts over there without --overwrite.
@@ -430,8 +433,31 @@ def start_run(args, final_dir: str, settings: dict) -> None:
         for f in RUN_FILES:
             (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir):
+    fresh = not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir)
+    if fresh:
         atomic_write_text(out / SETTINGS_FILE, json.dumps(settings, indent=1))
+    earlier = [] if fresh else _recorded_commands(out)
+    atomic_write_text(out / COMMANDS_FILE, json.dumps([*earlier, command()], indent=1))
+
+
+def _recorded_commands(out: Path) -> list:
+    """The command lines recorded for the run in ``out``; for a run from before commands.json,
+    the one its run.json quotes (a run that finished), else none known."""
+    for f, read in ((COMMANDS_FILE, lambda d: d), ("run.json", lambda d: [d["command"]])):
+        try:
+            found = read(json.loads((out / f).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(found, list) and all(isinstance(c, str) for c in found):
+            return found
+    return []
+
+
+def run_commands(out) -> dict:
+    """What run.json says about the commands of the run in ``out``: ``command``, the one that
+    started it, and ``resumed``, the later ones (where there are any)."""
+    commands = _recorded_commands(Path(out)) or [command()]
+    return {"command": commands[0], **({"resumed": commands[1:]} if len(commands) > 1 else {})}
 
 
 # ------------------------------------------------------------------ loading
@@ -675,5 +701,5 @@ def write_results(args, records) -> None:
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
            "check_results", "check_routers", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
-           "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
+           "SETTINGS_FILE", "COMMANDS_FILE", "run_commands", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
            "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]
