@@ -388,6 +388,43 @@ def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):
     assert float(routed["decode ppl"]) > 1 and float(routed["decode ppl, shared B=2"]) > 1
 
 
+def test_eval_prints_its_time_estimate_before_it_evaluates(tiny_run, capsys, monkeypatch):
+    # issue 49, defect 6: `wide eval --limit 50 --generation 16` on a CPU takes over 20 min and
+    # said nothing of it before it started
+    import wide
+    from transformers import AutoModelForCausalLM
+
+    tmp, common = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(common[1], dtype=torch.float32)
+    wide.save_routers(wide.wrap(model, WideConfig(ffn_group_size=32, router_init="random"), seed=0), tmp / "r")
+    before_first = []
+    evaluate_one = runs.evaluate_one
+
+    def first(*a, **k):
+        before_first.append(capsys.readouterr().out)
+        return evaluate_one(*a, **k)
+
+    monkeypatch.setattr(runs, "evaluate_one", first)
+    capsys.readouterr()
+    assert main(["eval", *common, "--routers", str(tmp / "r"), "--dense", "--tasks", "--max-eval-sequences", "4",
+                 "--batch-size", "2", "--generation", "2", "--generation-prompt", "4", "--generation-tokens", "4"]) == 0
+    line = next((x for x in before_first[0].splitlines() if x.startswith("estimate: ")), None)
+    assert line is not None, before_first[0]
+    assert re.fullmatch(r"estimate: about \d+ s for 2 models on cpu \(perplexity \d+ s, generation \d+ s; timed on the "
+                        r"dense model\); --limit, --max-eval-sequences, --tasks and --generation set how much is "
+                        r"evaluated", line), line
+    # what it counts: 4 windows of 16 tokens; 2 prompts of 4 tokens continued for 4 (the dense
+    # reference's text too for the routed model), and both models reading the 8 tokens for the KL
+    heldout = torch.zeros(4, 16, dtype=torch.long)
+    args = build_parser().parse_args(["eval", "--tasks", "--batch-size", "2", "--generation", "2",
+                                      "--generation-prompt", "4", "--generation-tokens", "4"])
+    assert runs.eval_work(args, None, heldout, routed=False) == {"perplexity": (64, 0), "generation": (8 + 32, 3)}
+    assert runs.eval_work(args, None, heldout, routed=True) == {"perplexity": (64, 0), "generation": (16 + 32, 6)}
+    work = [runs.eval_work(args, None, heldout, routed=r) for r in (False, True)]
+    assert runs.describe_estimate(work, (0.5, 10.0), "cpu").startswith(
+        "estimate: about 3 min for 2 models on cpu (perplexity 64 s, generation 2 min;")  # 2 x 32 s; 50 + 84 s
+
+
 def test_compare_keeps_teal_greedy_paths_across_runs(tiny_run, monkeypatch):
     """A comparison cut by a device call's time limit resumes in a new process: TEAL's greedy
     search (minutes on a GPU) runs once per run directory, not once per process."""

@@ -658,6 +658,11 @@ def cmd_eval(args) -> list:
     heldout, bpt = runs.heldout(args, tok)
     model, tok, model_path = runs.load_model(args, tok)
     dense = model  # the reference of --generation
+    # said before anything is evaluated: on a CPU the seven tasks with --generation take over 20 min
+    routed = [False] * (args.dense or not args.routers) + [True] * len(args.routers or [])
+    work = {r: runs.eval_work(args, tok, heldout, routed=r) for r in set(routed)}
+    print(runs.describe_estimate([work[r] for r in routed], runs.eval_speed(model, heldout, args.batch_size),
+                                 args.device or runs.default_device(), harness=bool(args.harness)), flush=True)
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
