@@ -441,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="coarse: the routers' groups in prefill and decode; fine: dense prefill, decode skips the "
                          "input elements under the checkpoint's per-element thresholds (routers not run); hybrid: "
                          "routed prefill, decode skips both routed groups and elements under the thresholds (fine "
-                         "and hybrid need routers saved with thresholds: wide calibrate --hybrid); dense: no "
-                         "sparsity. Without --routers, coarse runs the dense engine (default: %(default)s)")
+                         "and hybrid need routers saved with thresholds: wide calibrate --hybrid, or a shipped fine set for "
+                         "fine; coarse and hybrid need routers, which the fine sets do not have); dense: no sparsity. "
+                         "Without --routers, coarse runs the dense engine (default: %(default)s)")
     gn.add_argument("--prompt", action="append", required=True, type=_prompt,
                     help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
