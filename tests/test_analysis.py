@@ -92,14 +92,19 @@ def fake_records():
     return recs
 
 
+def compare_args(**kw):
+    """What write_outputs reads of a `wide compare` namespace."""
+    return SimpleNamespace(**{**dict(
+        steps=2, recovery_steps=2, batch_size=4, grad_accum=1, seq_len=16, seed=0, lr=2e-3, recovery_lr=2e-4, limit=5,
+        max_eval_sequences=2, targets=[0.5], dtype="float32", tasks=list(TASKS), device="cpu", loss="kd",
+        kd_temperature=1.0, mix_weight=0.5, amp="bf16", data="wiki", eval_data=None, decontaminate="all",
+        sparsity_warmup=0.0, router_init="random", router_rank=16, router_input="residual", tau_start=5.0,
+        tau_end=0.5, sparsity_coef=20.0, ffn_group_size=32, budget="global", lora_r=16, offsets="global"), **kw})
+
+
 def test_comparison_outputs(tmp_path):
     recs = fake_records()
-    args = SimpleNamespace(steps=2, recovery_steps=2, batch_size=4, grad_accum=1, seq_len=16, seed=0, lr=2e-3,
-                           recovery_lr=2e-4, limit=5, max_eval_sequences=2, targets=[0.5], dtype="float32",
-                           tasks=list(TASKS), device="cpu", loss="kd", kd_temperature=1.0, mix_weight=0.5, amp="bf16",
-                           data="wiki", eval_data=None, decontaminate="all", sparsity_warmup=0.0,
-                           router_init="random", router_rank=16, router_input="residual", tau_start=5.0, tau_end=0.5,
-                           sparsity_coef=20.0, ffn_group_size=32, budget="global", lora_r=16, offsets="global")
+    args = compare_args()
     compare.write_outputs(recs, tmp_path / "q", args, command="wide compare --steps 2")
     doc = json.loads((tmp_path / "q.json").read_text())
     assert doc["command"] == "wide compare --steps 2" and len(doc["records"]) == 4
@@ -118,3 +123,38 @@ def test_comparison_outputs(tmp_path):
         compare.write_outputs(recs, tmp_path / "dots" / stem, args, command="wide compare")
     assert sorted(p.name for p in (tmp_path / "dots").iterdir()) == [
         "run.v1.json", "run.v1.md", "run.v1.png", "run.v2.json", "run.v2.md", "run.v2.png"]
+
+
+def test_comparison_outputs_on_the_linear_axis_show_and_plot_linear_sparsity(tmp_path, monkeypatch):
+    # issue 49, defect 1: with --axis linear the table showed "FLOP sparsity 0.000" for TEAL and
+    # learned thresholds (they skip no routable group) and no linear column, and the plot put
+    # them all at x = 0 on a FLOP axis; the run's own axis was only in the JSON
+    import matplotlib.axes
+
+    recs = [{"op": "quality", "model": "tiny", "name": "dense", "label": "Dense", "method": "dense", "stage": 0,
+             "target": None, "sparsity": 0.0, "group_sparsity": 0.0, "linear_sparsity": 0.0, "ppl": 10.0}]
+    for name, linear, ppl in (("teal", 0.497, 14.0), ("learned", 0.503, 12.0), ("wide", 0.5, 30.0)):
+        recs.append({"op": "quality", "model": "tiny", "name": name, "label": compare.METHOD_ROWS[name][2],
+                     "method": name, "stage": 1, "target": 0.5, "sparsity": 0.61 if name == "wide" else 0.0,
+                     "group_sparsity": 0.0, "linear_sparsity": linear, "ppl": ppl})
+    xs, labels = [], []
+    plot, xlabel = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.set_xlabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, x, *a, **k: xs.append(list(x)) or plot(ax, x, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xlabel",
+                        lambda ax, text, *a, **k: labels.append(text) or xlabel(ax, text, *a, **k))
+    compare.write_outputs(recs, tmp_path / "lin", compare_args(axis="linear", tasks=[]), command="wide compare")
+    md = (tmp_path / "lin.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| ")]
+    table = {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
+    assert "linear sparsity" in rows[0] and "FLOP sparsity" not in rows[0], rows[0]
+    assert table["TEAL (uniform)"]["linear sparsity"] == "0.497"
+    assert table["Learned thresholds (no routers)"]["linear sparsity"] == "0.503"
+    assert table["WIDE (calibration)"]["linear sparsity"] == "0.500"
+    assert "linear-layer MACs" in md
+    assert sorted(xs) == [[0.497], [0.5], [0.503]]  # ppl only: no task was scored
+    assert labels and all("linear" in text for text in labels), labels
+    # the FLOP axis (the default) stays as it was
+    xs.clear(), labels.clear()
+    compare.write_outputs(recs, tmp_path / "flop", compare_args(tasks=[]), command="wide compare")
+    assert "| FLOP sparsity |" in (tmp_path / "flop.md").read_text()
+    assert sorted(xs) == [[0.0], [0.0], [0.61]] and all("FLOP" in text for text in labels)

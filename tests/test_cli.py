@@ -287,6 +287,65 @@ def test_overwrite_starts_the_run_over_and_resume_of_a_finished_run_changes_noth
     assert not [p.name for p in (tmp / "r").iterdir() if p.name.startswith(".")]
 
 
+def test_a_resumed_run_records_the_time_of_every_invocation_and_its_first_command(tiny_run, monkeypatch, capsys):
+    # issue 49, defect 4: after a kill and --resume, wall_s counted the last invocation only (0.3 s
+    # against 96 s uninterrupted) and kept it on later resumes, and resuming a finished run
+    # recorded the --resume line as the run's command
+    import time
+
+    from wide import train as train_module
+
+    tmp, common = tiny_run
+    argv = ["calibrate", *common, *TRAIN, "--steps", "4", "--out", str(tmp / "r")]
+    step = train_module.micro_batch_loss
+
+    def slow(*a, **k):
+        time.sleep(0.4)
+        return step(*a, **k)
+
+    def run(*extra):
+        monkeypatch.setattr("sys.argv", ["wide", *argv, *extra])
+        assert main([*argv, *extra]) == 0
+
+    monkeypatch.setattr(train_module, "micro_batch_loss", slow)
+    run("--stop-at", "2")  # as a kill after step 2's checkpoint leaves the run
+    monkeypatch.setattr(train_module, "micro_batch_loss", step)
+    run("--resume")
+    record = json.loads((tmp / "r" / "run.json").read_text())
+    assert record["wall_s"] >= 0.8  # the two slow steps of the first invocation
+    assert record["command"] == "wide " + " ".join([*argv, "--stop-at", "2"])
+    assert record["resumed"] == ["wide " + " ".join([*argv, "--resume"])]
+    rates = [h["tokens_per_s"] for h in json.loads((tmp / "r" / "history.json").read_text())]
+    assert len(rates) == 4 and record["tokens_per_s"] == pytest.approx(sum(rates) / 4)  # every step's, both runs
+    capsys.readouterr()
+    run("--resume")  # a finished run: nothing trains, and nothing recorded changes but the list of resumes
+    again = json.loads((tmp / "r" / "run.json").read_text())
+    assert (again["wall_s"], again["tokens_per_s"], again["command"]) == (
+        record["wall_s"], record["tokens_per_s"], record["command"])
+    assert again["resumed"] == record["resumed"] * 2
+    assert f"({record['wall_s'] / 60:.1f} min, recorded when the run finished" in capsys.readouterr().out
+
+
+def test_seal_vouches_for_a_router_directory_without_its_manifest(tiny_run, capsys):
+    # issue 49, defect 3: without its manifest a router directory is refused by every command,
+    # until `wide seal` records its files as they are
+    tmp, common = tiny_run
+    assert main(["calibrate", *common, *TRAIN, "--out", str(tmp / "r")]) == 0
+    routers = tmp / "r" / "routers"
+    (routers / "wide_manifest.json").unlink()
+    evaluate = ["eval", *common, "--routers", str(routers), "--tasks", "--max-eval-sequences", "2"]
+    capsys.readouterr()
+    assert main(evaluate) == 2
+    out, err = capsys.readouterr()
+    assert f"error: --routers: {routers} has no wide_manifest.json" in err and f"wide seal {routers}" in err
+    assert "loaded " not in out
+    assert main(["seal", str(routers)]) == 0
+    assert f"sealed {routers}" in capsys.readouterr().out
+    assert main(evaluate) == 0
+    assert main(["seal", str(routers)]) == 2
+    assert "has a wide_manifest.json already (its files match it)" in capsys.readouterr().err
+
+
 def test_generate_truncates_a_long_prompt_on_request_and_shows_its_start_only(tiny_run, capsys):
     _, common = tiny_run
     prompt = " ".join(["the cat sat on a mat"] * 30)  # 180 tokens; the model has 128 positions
@@ -327,6 +386,43 @@ def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):
     assert "decode ppl" in head and "decode ppl, shared B=2" in head, table[0]
     assert float(dense["decode ppl"]) > 1 and dense["decode ppl, shared B=2"] == "-"  # nothing to share
     assert float(routed["decode ppl"]) > 1 and float(routed["decode ppl, shared B=2"]) > 1
+
+
+def test_eval_prints_its_time_estimate_before_it_evaluates(tiny_run, capsys, monkeypatch):
+    # issue 49, defect 6: `wide eval --limit 50 --generation 16` on a CPU takes over 20 min and
+    # said nothing of it before it started
+    import wide
+    from transformers import AutoModelForCausalLM
+
+    tmp, common = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(common[1], dtype=torch.float32)
+    wide.save_routers(wide.wrap(model, WideConfig(ffn_group_size=32, router_init="random"), seed=0), tmp / "r")
+    before_first = []
+    evaluate_one = runs.evaluate_one
+
+    def first(*a, **k):
+        before_first.append(capsys.readouterr().out)
+        return evaluate_one(*a, **k)
+
+    monkeypatch.setattr(runs, "evaluate_one", first)
+    capsys.readouterr()
+    assert main(["eval", *common, "--routers", str(tmp / "r"), "--dense", "--tasks", "--max-eval-sequences", "4",
+                 "--batch-size", "2", "--generation", "2", "--generation-prompt", "4", "--generation-tokens", "4"]) == 0
+    line = next((x for x in before_first[0].splitlines() if x.startswith("estimate: ")), None)
+    assert line is not None, before_first[0]
+    assert re.fullmatch(r"estimate: about \d+ s for 2 models on cpu \(perplexity \d+ s, generation \d+ s; timed on the "
+                        r"dense model\); --limit, --max-eval-sequences, --tasks and --generation set how much is "
+                        r"evaluated", line), line
+    # what it counts: 4 windows of 16 tokens; 2 prompts of 4 tokens continued for 4 (the dense
+    # reference's text too for the routed model), and both models reading the 8 tokens for the KL
+    heldout = torch.zeros(4, 16, dtype=torch.long)
+    args = build_parser().parse_args(["eval", "--tasks", "--batch-size", "2", "--generation", "2",
+                                      "--generation-prompt", "4", "--generation-tokens", "4"])
+    assert runs.eval_work(args, None, heldout, routed=False) == {"perplexity": (64, 0), "generation": (8 + 32, 3)}
+    assert runs.eval_work(args, None, heldout, routed=True) == {"perplexity": (64, 0), "generation": (16 + 32, 6)}
+    work = [runs.eval_work(args, None, heldout, routed=r) for r in (False, True)]
+    assert runs.describe_estimate(work, (0.5, 10.0), "cpu").startswith(
+        "estimate: about 3 min for 2 models on cpu (perplexity 64 s, generation 2 min;")  # 2 x 32 s; 50 + 84 s
 
 
 def test_compare_keeps_teal_greedy_paths_across_runs(tiny_run, monkeypatch):

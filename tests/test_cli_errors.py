@@ -7,6 +7,9 @@ import shutil
 import pytest
 from conftest import write_tiny_run
 
+from transformers import AutoModelForCausalLM
+
+import wide
 from wide import data, runs
 from wide.cli import CALIBRATE_SETTINGS, build_parser, demo_args, main
 
@@ -43,6 +46,17 @@ def w(tmp_path_factory):
         for name, text in (("empty_meta", "{}"), ("bad_json", "{not json")):
             shutil.copytree(root / "done" / "routers", root / name)
             (root / name / "wide_config.json").write_text(text)
+        # per-element thresholds and no router, as the shipped fine sets hold them
+        fine_only = AutoModelForCausalLM.from_pretrained(root / "model")
+        wide.wrap(fine_only, wide.WideConfig(sparse_target="none", target_sparsity=0.5, loss_mode="linear"))
+        wide.fine.attach(fine_only, wide.FineConfig(target=0.5))
+        wide.save_routers(fine_only, root / "fine_only")
+        # issue 49, defect 3: a copy whose manifest is gone, its weights then damaged in place
+        shutil.copytree(root / "done" / "routers", root / "unsealed")
+        (root / "unsealed" / "wide_manifest.json").unlink()
+        with open(root / "unsealed" / "routers.safetensors", "r+b") as f:
+            f.seek(-16, 2)
+            f.write(bytes(16))
         w = type("W", (), {})()
         w.root, w.common = root, common
         w.calibrate = ["calibrate", *common, *TRAIN]
@@ -175,6 +189,33 @@ CASES = [
      "argument --prompt: must not be empty"),
     ("routers-for-another-shape", lambda w: ["eval", *w.common, "--routers", "smollm2-135m-50"],
      "trained for a different model"),
+    # issue 49, defects 2 and 5: what --mode needs, checked from the checkpoint's files before the
+    # model loads (a fine set ran --mode coarse as the dense model labelled "routed"; --mode fine on
+    # a router set failed after the load, naming model.wide_fine)
+    ("generate-coarse-without-routers", lambda w: ["generate", *w.model, "--routers", f"{w.root}/fine_only",
+                                                   "--prompt", "a"],
+     "--mode coarse runs the routers, and --routers"),
+    ("generate-hybrid-without-routers", lambda w: ["generate", *w.model, "--routers", f"{w.root}/fine_only",
+                                                   "--mode", "hybrid", "--prompt", "a"],
+     "--mode hybrid runs the routers, and --routers"),
+    ("generate-fine-without-thresholds", lambda w: ["generate", *w.model, "--routers", f"{w.root}/done/routers",
+                                                    "--mode", "fine", "--prompt", "a"],
+     "--mode fine decodes with per-element thresholds, and --routers"),
+    ("generate-hybrid-without-thresholds", lambda w: ["generate", *w.model, "--routers", f"{w.root}/done/routers",
+                                                      "--mode", "hybrid", "--prompt", "a"],
+     "--mode hybrid decodes with per-element thresholds, and --routers"),
+    ("generate-fine-without-a-checkpoint", lambda w: ["generate", *w.model, "--mode", "fine", "--prompt", "a"],
+     "--mode fine decodes with per-element thresholds: give --routers"),
+    ("generate-shipped-fine-set-coarse", lambda w: ["generate", "--routers", "smollm2-135m-fine-50", "--prompt", "Hi"],
+     "--mode coarse runs the routers, and --routers smollm2-135m-fine-50 has none"),
+    ("generate-shipped-router-set-fine", lambda w: ["generate", "--routers", "smollm2-135m-50", "--mode", "fine",
+                                                    "--prompt", "Hi"],
+     "--mode fine decodes with per-element thresholds, and --routers smollm2-135m-50 has none"),
+    # issue 49, defect 3: without its manifest nothing says the weights are the ones written
+    ("routers-without-manifest", lambda w: ["eval", *w.common, "--routers", f"{w.root}/unsealed"],
+     "has no wide_manifest.json"),
+    ("generate-routers-without-manifest", lambda w: ["generate", *w.model, "--routers", f"{w.root}/unsealed",
+                                                     "--prompt", "a"], "has no wide_manifest.json"),
     # one line naming the flag, the file and the byte (issue 41, defect 6)
     ("data-not-utf8", lambda w: [*w.calibrate, "--data", f"{w.root}/latin1.txt", "--out", f"{w.root}/x"],
      "/latin1.txt is not UTF-8 text: byte 22 (line 1)"),
@@ -200,6 +241,9 @@ ALSO = {"routers-config-empty": "lacks 'wide_config', 'model'", "model-missing":
         "unsupported-architecture": "--model", "generate-unsupported-architecture": "--model",
         "truncated-safetensors": "--model", "eval-truncated-safetensors": "--model",
         "routers-for-another-shape": "--routers",
+        "generate-coarse-without-routers": "use --mode fine", "generate-fine-without-thresholds": "--mode coarse",
+        "generate-shipped-fine-set-coarse": "use --mode fine", "routers-without-manifest": "wide seal",
+        "generate-routers-without-manifest": "--routers",
         "data-not-utf8": "--data ", "data-not-utf8-on-a-later-line": "--data ", "data-garbage": "--data ",
         "eval-data-not-utf8": "latin1.txt is not UTF-8 text: byte 22",
         "data-missing": "does not exist", "prompt-too-long": "--truncate-prompt", "eval-data-missing": "does not exist"}

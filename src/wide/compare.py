@@ -67,6 +67,15 @@ LEARNED_FAMILIES = ("hybrid", "learned")
 FINE_FAMILIES = {"teal": ("magnitude", "uniform"), "teal_greedy": ("magnitude", "greedy"),
                  "wina": ("wina", "uniform"), "wina_greedy": ("wina", "greedy")}
 AXES = ("flops", "linear")
+# axis -> (record key, table column, plot label, what the column counts): the table and the plot
+# show the run's own axis; on the FLOP axis every per-element method sits at 0 (it skips no group)
+AXIS_VIEW = {
+    "flops": ("sparsity", "FLOP sparsity", "realised FLOP-weighted sparsity",
+              "FLOP-weighted: share of the routable q+o and gate+up+down MACs skipped"),
+    "linear": ("linear_sparsity", "linear sparsity", "realised share of the linear-layer MACs skipped",
+               "linear: share of all linear-layer MACs skipped, q, k, v, o, gate, up and down, routed groups and "
+               "per-element inputs together"),
+}
 DEFAULT_METHODS = ("dense", "wide", "wide_lora", "dynamic_depth", "module_skip", "static_width")
 REFERENCE = "dynamic_depth"
 
@@ -426,8 +435,9 @@ def relative_to_reference(records: list) -> None:
             r["rel_ppl_vs_depth"] = 100.0 * (r["ppl"] - base["ppl"]) / base["ppl"]
 
 
-def table(records: list, tasks) -> str:
-    head = ["method", "stage", "target", "FLOP sparsity", "group sparsity", "ppl", "bpb", *tasks, "avg",
+def table(records: list, tasks, axis: str = "flops") -> str:
+    key, column = AXIS_VIEW[axis][:2]
+    head = ["method", "stage", "target", column, "group sparsity", "ppl", "bpb", *tasks, "avg",
             "avg vs depth", "ppl vs depth"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -440,14 +450,14 @@ def table(records: list, tasks) -> str:
     for r in records:
         cells = [r.get("label", r.get("method")), str(r.get("stage")),
                  "-" if r.get("target") is None else f"{r['target']:.0%}",
-                 f(r.get("sparsity")), f(r.get("group_sparsity")), f(r.get("ppl"), 2), f(r.get("bpb"))]
+                 f(r.get(key)), f(r.get("group_sparsity")), f(r.get("ppl"), 2), f(r.get("bpb"))]
         cells += [f(r.get(t)) for t in tasks] + [f(r.get("avg")), rel(r.get("rel_avg_vs_depth")),
                                                  rel(r.get("rel_ppl_vs_depth"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(records: list, path) -> None:
+def plot(records: list, path, axis: str = "flops") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -456,9 +466,14 @@ def plot(records: list, path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     dense = next((r for r in records if r.get("name") == "dense"), None)
     names = [n for n in METHOD_ROWS if n != "dense" and any(r.get("name") == n for r in records)]
+    key, _, label, _ = AXIS_VIEW[axis]
+
+    def x(r):  # a record without the key (written before linear_sparsity was) at 0, as evaluate_one writes it
+        return r.get(key) or 0.0
+
     for n in names:
-        rows = sorted((r for r in records if r.get("name") == n), key=lambda r: r["sparsity"])
-        xs = [r["sparsity"] for r in rows]
+        rows = sorted((r for r in records if r.get("name") == n), key=x)
+        xs = [x(r) for r in rows]
         style = "-" if METHOD_ROWS[n][1] == 1 else "--"
         if any(r.get("avg") is not None for r in rows):
             ax1.plot(xs, [r.get("avg") for r in rows], style, marker="o", label=METHOD_ROWS[n][2])
@@ -467,12 +482,12 @@ def plot(records: list, path) -> None:
         if dense.get("avg") is not None:
             ax1.axhline(dense["avg"], color="k", lw=0.8, ls=":", label="Dense")
         ax2.axhline(dense["ppl"], color="k", lw=0.8, ls=":", label="Dense")
-    ax1.set_xlabel("realised FLOP-weighted sparsity")
+    ax1.set_xlabel(label)
     ax1.set_ylabel("average zero-shot accuracy")
-    ax2.set_xlabel("realised FLOP-weighted sparsity")
+    ax2.set_xlabel(label)
     ax2.set_ylabel("held-out perplexity")
     ax2.set_yscale("log")
-    xmax = max([r.get("sparsity") or 0.0 for r in records] + [0.5])
+    xmax = max([x(r) for r in records] + [0.5])
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.set_xlim(-0.02, xmax + 0.05)  # one target alone would otherwise zoom into rounding noise
@@ -532,11 +547,12 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
     json_file, md_file = runs.results_files(out)  # the stem taken literally: run.v1 -> run.v1.json
     json_file.write_text(json.dumps(doc, indent=2))
     tasks = list(args.tasks)
+    axis = getattr(args, "axis", "flops")
     lines = [f"# {out.stem}", "", f"Command: `{command}`", "",
              f"Date: {doc['date']}; torch {doc['torch']}; device {device}", "",
-             table(records, tasks), "",
-             "Sparsity is realised on the held-out text (FLOP-weighted: share of the routable q+o and "
-             "gate+up+down MACs skipped; group: the paper's unweighted mean of module rates). Task columns are "
+             table(records, tasks, axis), "",
+             f"Sparsity is realised on the held-out text ({AXIS_VIEW[axis][3]}; group: the paper's unweighted "
+             "mean of the routed module rates). Task columns are "
              "acc_norm where lm-eval reports it, else acc. 'vs depth' is the relative change against token-level "
              "dynamic depth pruning (calibration only) at the same target.", ""]
     if args.limit:
@@ -549,7 +565,7 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                          f"greedy-token agreement {mc['argmax_agreement']:.4f} over {mc['tokens']} held-out tokens")
     md_file.write_text("\n".join(lines) + "\n")
     try:
-        plot(records, out.parent / f"{out.name}.png")
+        plot(records, out.parent / f"{out.name}.png", axis)
     except Exception as e:  # a missing plot must not lose the table of a long run
         print(f"warning: plot failed: {e}", file=sys.stderr)
 
@@ -589,7 +605,7 @@ def run(args) -> list:
         if not 0.0 < t < 1.0:
             raise ValueError(f"targets must lie in (0, 1), got {t}")
     records = Comparison(args).run()
-    print(table(records, list(args.tasks)))
+    print(table(records, list(args.tasks), args.axis))
     print(f"wrote {runs.results_files(args.out)[1]}, .json and .png")
     return records
 

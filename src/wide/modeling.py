@@ -526,7 +526,9 @@ def install_hooks(model) -> None:
         if state.linear_acc is not None and state.routing:
             for key, (kept, dense) in linear_macs(state).items():
                 acc = state.linear_acc.setdefault(key, [0.0, 0.0])
-                acc[0] += float(kept)
+                # outside torch.no_grad kept carries the straight-through graph of the masks and
+                # thresholds: the tracker wants the count alone (float() of it warned every forward)
+                acc[0] += float(kept.detach() if isinstance(kept, torch.Tensor) else kept)
                 acc[1] += float(dense)
 
     # The hook sits on the module that owns the layers, which receives the attention mask.
@@ -665,6 +667,15 @@ class Sparsity:
     linear_rate: Optional[torch.Tensor] = None
     linear: dict = field(default_factory=dict)  # projection -> its own skipped share
     attn_core_rate: Optional[torch.Tensor] = None  # share of the QK^T and PV MACs skipped
+
+    def floats(self) -> "Sparsity":
+        """The same rates as Python floats (None where a module is not routed)."""
+        f = lambda v: None if v is None else float(v)  # noqa: E731
+        return replace(
+            self, flop_rate=f(self.flop_rate), group_rate=f(self.group_rate), attn_rate=f(self.attn_rate),
+            ffn_rate=f(self.ffn_rate), linear_rate=f(self.linear_rate), attn_core_rate=f(self.attn_core_rate),
+            linear={k: f(v) for k, v in self.linear.items()},
+            per_layer={k: [f(v) for v in vals] for k, vals in self.per_layer.items()})
 
     def as_dict(self) -> dict:
         f = lambda v: None if v is None else float(v)  # noqa: E731
@@ -944,6 +955,8 @@ class _Tracker:
         self.linear_sums = None
 
     def summary(self) -> Sparsity:
+        """The sparsity realised over the block's forwards, in Python floats: a total to read or
+        print, not a loss (:func:`forward_sparsity` is the differentiable one)."""
         sums = self.sums if self.sums is not None else self.state.accumulators
         sums = {k: (torch.tensor(v[0]), torch.tensor(v[1])) for k, v in sums.items()}
         sp = _summarise(self.state.geometry, sums)
@@ -951,7 +964,7 @@ class _Tracker:
         linear = {k: (torch.tensor(v[0], dtype=torch.float64), torch.tensor(v[1], dtype=torch.float64))
                   for k, v in (linear or {}).items()}
         sp.linear_rate, sp.linear, sp.attn_core_rate = _linear_rates(linear)
-        return sp
+        return sp.floats()
 
 
 # ---------------------------------------------------------------- offset calibration

@@ -82,17 +82,19 @@ def base_model_for(name_or_path, base_model=None):
     return base_model
 
 
-def load(model, name_or_path, *, check_base: bool = True):
+def load(model, name_or_path, *, check_base: bool = True, require_manifest: bool = True):
     """``wide.load``: routers from a directory or a shipped name onto ``model`` (warning when
-    they were trained on another model of its shape, unless ``check_base=False``)."""
-    return serialization.load(model, resolve(name_or_path), check_base=check_base)
+    they were trained on another model of its shape, unless ``check_base=False``; a directory
+    without its sha256 manifest is refused unless ``require_manifest=False``)."""
+    return serialization.load(model, resolve(name_or_path), check_base=check_base,
+                              require_manifest=require_manifest)
 
 
-def from_pretrained(name_or_path, base_model=None, **hf_kwargs):
+def from_pretrained(name_or_path, base_model=None, *, require_manifest: bool = True, **hf_kwargs):
     """``wide.from_pretrained``: base model + routers in one call, like
     ``PeftModel.from_pretrained``. ``name_or_path`` is a router directory or the name of shipped
     routers (:func:`names`, e.g. "smollm2-135m-50"); ``base_model`` is a model, a local HF
     directory, or None: the default model for shipped routers, else the directory recorded at
     save time."""
     return serialization.from_pretrained(resolve(name_or_path), base_model_for(name_or_path, base_model),
-                                         **hf_kwargs)
+                                         require_manifest=require_manifest, **hf_kwargs)

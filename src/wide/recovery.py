@@ -173,13 +173,15 @@ def save_recovered(model, path, *, extra: Optional[dict] = None, write_more=None
     return save_routers(model, path, extra=extra, write_more=write)
 
 
-def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool = True, **hf_kwargs):
+def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool = True,
+                   require_manifest: bool = True, **hf_kwargs):
     """Base model (a model or a local HF directory) + everything a method directory holds, in
     one call: routers, LoRA adapters if any (merged by default), a static pruning mask if any.
 
     Works on stage-1 router directories too, so it is the one loader for every method, and on
     the names of shipped routers (wide.pretrained). A base model other than the one the
-    routers were trained on (same shape) loads with a warning unless ``check_base=False``.
+    routers were trained on (same shape) loads with a warning unless ``check_base=False``; a
+    directory without its sha256 manifest is refused unless ``require_manifest=False``.
     """
     from . import pretrained
     from .baselines import apply_static_file
@@ -187,7 +189,7 @@ def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool 
     base = pretrained.base_model_for(path, base)
     path = Path(pretrained.resolve(path))
     base = resolve_base_model(path, base, **hf_kwargs)
-    load(base, path, check_base=check_base)
+    load(base, path, check_base=check_base, require_manifest=require_manifest)
     if (path / ADAPTER_FILE).is_file():
         add_lora(base, lora_args_from_dir(path))
         read_adapters(base, path)

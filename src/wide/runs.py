@@ -8,7 +8,9 @@ build on this module, so neither needs the other.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import math
 import platform
 import sys
 import time
@@ -318,10 +320,53 @@ def check_routers(flag: str, path, hf_config=None) -> dict:
     return meta
 
 
+# The engine's modes (wide generate --mode, wide eval --harness-mode) that run the routers, and
+# those that decode with per-element thresholds.
+ROUTED_MODES = ("coarse", "hybrid")
+THRESHOLD_MODES = ("fine", "hybrid")
+
+
+def checkpoint_contents(path, meta: dict) -> tuple:
+    """(routers, thresholds): whether the router directory ``path`` (with its metadata ``meta``)
+    holds routers and per-element thresholds, from its files alone. A directory of per-element
+    thresholds only (the shipped fine sets, TEAL, WINA) is wrapped with sparse_target none: its
+    routers.safetensors is empty."""
+    from .serialization import THRESHOLDS_FILE
+
+    routers = (meta.get("wide_config") or {}).get("sparse_target", "all") != "none"
+    return routers, "fine" in meta and (Path(path) / THRESHOLDS_FILE).is_file()
+
+
+def check_mode(flag: str, mode: str, path=None, meta: Optional[dict] = None) -> None:
+    """Refuse an engine mode that the checkpoint given with --routers (``path``, None for none)
+    cannot run, before the model loads: one without routers would run coarse as the dense model
+    under the routed label, and one without thresholds fails fine or hybrid only once loaded."""
+    if path is None:
+        if mode in THRESHOLD_MODES:
+            need = "routers and per-element thresholds" if mode == "hybrid" else "per-element thresholds"
+            raise ValueError(f"{flag} {mode} decodes with {need}: give --routers with them (e.g. "
+                             f"{'a wide calibrate --hybrid run' if mode == 'hybrid' else 'smollm2-135m-fine-50'})")
+        return
+    from . import pretrained
+
+    name = pretrained.name_of(path) or path
+    routers, thresholds = checkpoint_contents(path, meta)
+    if mode in ROUTED_MODES and not routers:
+        raise ValueError(f"{flag} {mode} runs the routers, and --routers {name} has none (per-element thresholds "
+                         f"only): use {flag} fine, which decodes with its thresholds")
+    if mode in THRESHOLD_MODES and not thresholds:
+        raise ValueError(f"{flag} {mode} decodes with per-element thresholds, and --routers {name} has none "
+                         f"(routers only): use {flag} coarse, or a set with thresholds (wide calibrate --hybrid, or "
+                         "the shipped smollm2-135m-fine-50)")
+
+
 # ------------------------------------------------------------------ run directories
 
 SETTINGS_FILE = "settings.json"  # the options that decide a run's result, checked on --resume
-RUN_FILES = ("run.json", "history.json", SETTINGS_FILE)
+# Every invocation's command line, the one that started the run first: run.json quotes that one,
+# not the --resume that finished it.
+COMMANDS_FILE = "commands.json"
+RUN_FILES = ("run.json", "history.json", SETTINGS_FILE, COMMANDS_FILE)
 # What makes a directory hold a run: settings alone are written before the first step, so a run
 # that failed before its first checkpoint (a loss gone non-finite, a kill) left nothing to resume
 # or lose, and the corrected command starts over there without --overwrite.
@@ -390,8 +435,31 @@ def start_run(args, final_dir: str, settings: dict) -> None:
         for f in RUN_FILES:
             (out / f).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir):
+    fresh = not (out / SETTINGS_FILE).is_file() or not _run_parts(out, final_dir)
+    if fresh:
         atomic_write_text(out / SETTINGS_FILE, json.dumps(settings, indent=1))
+    earlier = [] if fresh else _recorded_commands(out)
+    atomic_write_text(out / COMMANDS_FILE, json.dumps([*earlier, command()], indent=1))
+
+
+def _recorded_commands(out: Path) -> list:
+    """The command lines recorded for the run in ``out``; for a run from before commands.json,
+    the one its run.json quotes (a run that finished), else none known."""
+    for f, read in ((COMMANDS_FILE, lambda d: d), ("run.json", lambda d: [d["command"]])):
+        try:
+            found = read(json.loads((out / f).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(found, list) and all(isinstance(c, str) for c in found):
+            return found
+    return []
+
+
+def run_commands(out) -> dict:
+    """What run.json says about the commands of the run in ``out``: ``command``, the one that
+    started it, and ``resumed``, the later ones (where there are any)."""
+    commands = _recorded_commands(Path(out)) or [command()]
+    return {"command": commands[0], **({"resumed": commands[1:]} if len(commands) > 1 else {})}
 
 
 # ------------------------------------------------------------------ loading
@@ -521,6 +589,107 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
     return rec
 
 
+# Zero-shot requests tokenised per task to estimate their length (the mean of a sample stands for all).
+ESTIMATE_SAMPLE = 256
+ESTIMATE_TOKENS = 64  # of each held-out row in the timed forward
+
+
+def eval_work(args, tok, heldout_ids, routed: bool) -> dict:
+    """What :func:`evaluate_one` runs for one model, per phase: (tokens read in full forwards,
+    decode steps on the KV cache). ``routed``: a routed model, whose generation measures continue
+    the dense reference as well and whose decode perplexity runs batch-shared too."""
+    N, L = heldout_ids.shape
+    work = {"perplexity": (N * L, 0)}
+    if getattr(args, "decode_batches", None):
+        n, P = min(args.decode_windows, N), L // 2
+        sizes = sorted(set(args.decode_batches))
+        batches = [sizes[-1], *(sizes if routed else [])]  # its own masks at the largest batch, then shared
+        work["decode perplexity"] = (len(batches) * n * P, sum(math.ceil(n / b) * (L - 1 - P) for b in batches))
+    if getattr(args, "generation", 0):
+        n, P, T = min(args.generation, N), args.generation_prompt, args.generation_tokens
+        texts = 2 if routed else 1  # the dense reference's continuation, and the model's own
+        # each continuation, then both models read prompt + continuation for the KL
+        work["generation"] = (texts * n * P + 2 * n * (P + T), texts * math.ceil(n / args.batch_size) * (T - 1))
+    if args.tasks:
+        work["zero-shot"] = (_zero_shot_tokens(tok, tuple(args.tasks), args.limit), 0)
+    return work
+
+
+@functools.lru_cache(maxsize=4)
+def _zero_shot_tokens(tok, tasks: tuple, limit: Optional[int]) -> int:
+    """Tokens the zero-shot requests of ``tasks`` read (each choice with its context)."""
+    from .data import load_zero_shot
+    from .evaluate import _encode_pair, build_requests
+
+    tokens = 0.0
+    for task in tasks:
+        docs = load_zero_shot(task)
+        reqs, _ = build_requests(task, docs[:limit] if limit else docs)
+        sample = reqs[::max(1, len(reqs) // ESTIMATE_SAMPLE)]
+        lengths = [sum(map(len, _encode_pair(tok, r.context, r.continuation))) for r in sample]
+        tokens += len(reqs) * sum(lengths) / max(1, len(lengths))
+    return int(tokens)
+
+
+def eval_speed(model, heldout_ids, batch_size: int) -> tuple:
+    """(seconds per token of a full forward, seconds per decode step) of ``model`` at
+    ``batch_size``, the faster of two timings each after a warm-up: a forward of that many
+    held-out rows cut to 64 tokens (a few seconds on a laptop CPU, where one row alone ran at
+    half the speed of the batch), and a decode step on their KV cache."""
+    import torch
+
+    from .evaluate import cache_kwargs
+
+    device = next(model.parameters()).device
+    rows = heldout_ids[:batch_size, :ESTIMATE_TOKENS].to(device)
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=rows[:1, :8])
+            per_token = timed(lambda: model(input_ids=rows)) / rows.numel()
+            out = model(input_ids=rows[:, :8], use_cache=True)
+            step = rows[:, 8:9] if rows.shape[1] > 8 else rows[:, -1:]
+            out = model(input_ids=step, use_cache=True, **cache_kwargs(model, out))
+            per_step = timed(lambda: model(input_ids=step, use_cache=True, **cache_kwargs(model, out)))
+    finally:
+        model.train(was_training)
+    return per_token, per_step
+
+
+def describe_estimate(work: list, speed: tuple, device: str, harness: bool = False) -> str:
+    """One line: the time the evaluations ``work`` (one :func:`eval_work` per model) should
+    take at ``speed`` (:func:`eval_speed`), in all and per phase, and the flags that set it."""
+    per_token, per_step = speed
+    phases: dict = {}
+    for w in work:
+        for phase, (tokens, steps) in w.items():
+            phases[phase] = phases.get(phase, 0.0) + tokens * per_token + steps * per_step
+    total = sum(phases.values())
+
+    def t(seconds: float) -> str:
+        return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+    detail = ", ".join(f"{phase} {t(v)}" for phase, v in phases.items())
+    models = f"{len(work)} model{'s' if len(work) > 1 else ''}"
+    return (f"estimate: about {t(total)} for {models} on {device} ({detail}; timed on the dense model"
+            f"{'; --harness tasks not included' if harness else ''}); --limit, --max-eval-sequences, --tasks and "
+            "--generation set how much is evaluated")
+
+
 def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     """Router offsets set so that the inference masks hit the target exactly on the first
     ``--offset-batches`` batches of the calibration text (nothing with ``--offsets none``),
@@ -634,6 +803,6 @@ def write_results(args, records) -> None:
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
-           "check_results", "check_routers", "run_settings", "prepare_run", "start_run",
-           "SETTINGS_FILE", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
-           "heldout", "evaluate_one", "command", "machine", "results_files", "write_results", "default_device"]
+           "check_results", "check_routers", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
+           "SETTINGS_FILE", "COMMANDS_FILE", "run_commands", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
+           "heldout", "evaluate_one", "eval_work", "eval_speed", "describe_estimate", "command", "machine", "results_files", "write_results", "default_device"]

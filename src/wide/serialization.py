@@ -312,12 +312,23 @@ def config_differences(saved: dict, config: WideConfig) -> dict:
     return {k: (saved.get(k), now[k]) for k in now if saved.get(k) != now[k] and k not in START_ONLY}
 
 
-def verify_manifest(path) -> None:
+def verify_manifest(path, required: bool = True) -> None:
     """Refuse a directory whose files no longer match the sha256 manifest it was sealed with
-    (bytes overwritten in place keep the size but not the hash). Directories written before
-    manifests existed have none and pass."""
+    (bytes overwritten in place keep the size but not the hash), and, unless ``required`` is
+    False, one without a manifest: every directory wide writes is sealed, and without the record
+    nothing tells damaged weights from the ones written (16 flipped bytes of a shipped set's
+    routers loaded without a word, at 5 % worse perplexity). A directory whose files are the
+    ones meant (written before manifests, or edited on purpose) is sealed as it is with
+    :func:`seal` (``wide seal``)."""
     path = Path(path)
-    if not (path / MANIFEST_FILE).is_file() or read_manifest(path) is not None:
+    if not (path / MANIFEST_FILE).is_file():
+        if required:
+            raise CheckpointError(f"{path} has no {MANIFEST_FILE}, the sha256 record every router directory is "
+                                  "written with, so damaged files would load unnoticed: restore it from where the "
+                                  "directory came from or, if its files are the ones meant (a directory from before "
+                                  f"manifests, or edited on purpose), seal them as they are with `wide seal {path}`")
+        return
+    if read_manifest(path) is not None:
         return
     bad = "its manifest"
     try:
@@ -329,6 +340,20 @@ def verify_manifest(path) -> None:
         pass
     raise CheckpointError(f"{path} does not match its {MANIFEST_FILE}: {bad} is corrupt or was changed after the "
                           "directory was written; restore it or write the directory again")
+
+
+def seal(path) -> Path:
+    """Write the sha256 manifest of a router directory that has none, so that from now on its
+    files load only as they are now: the explicit step that vouches for a directory written
+    before manifests or edited on purpose. Refuses a directory that has a manifest (one its
+    files fail means they changed: delete it first if the files as they are now are meant)."""
+    path = Path(path)
+    read_meta(path)
+    if (path / MANIFEST_FILE).exists():
+        match = "match it" if read_manifest(path) is not None else "do not match it (delete it to seal them as they are)"
+        raise CheckpointError(f"{path} is sealed already: its files {match}")
+    _seal(path, None)
+    return path
 
 
 def shape_differences(meta: dict, hf_config) -> str:
@@ -381,14 +406,15 @@ def recorded_base_model(path) -> tuple:
     return (MODEL_NAME if p.name == MODEL_NAME else recorded), None
 
 
-def load(model, path, *, check_base: bool = True):
+def load(model, path, *, check_base: bool = True, require_manifest: bool = True):
     """Wrap ``model`` with the routers saved in ``path`` (or load them into an already
     wrapped model with the same config), with their per-element thresholds where the directory
-    has them. Refuses routers made for another model shape, and damaged files. Routers of the
-    same shape trained on another model load with a :class:`BaseModelWarning` naming both,
-    unless ``check_base=False`` says that model is meant."""
+    has them. Refuses routers made for another model shape, and damaged files: files that fail
+    the directory's sha256 manifest, and a directory without one unless ``require_manifest=False``
+    (:func:`verify_manifest`). Routers of the same shape trained on another model load with a
+    :class:`BaseModelWarning` naming both, unless ``check_base=False`` says that model is meant."""
     meta = read_meta(path)
-    verify_manifest(path)
+    verify_manifest(path, required=require_manifest)
     desc = shape_differences(meta, model.config)
     if desc:
         raise CheckpointError(f"routers in {path} were trained for a different model ({desc})")
@@ -482,10 +508,12 @@ def resolve_base_model(path, base_model=None, **hf_kwargs):
     return base_model
 
 
-def from_pretrained(path, base_model=None, **hf_kwargs):
+def from_pretrained(path, base_model=None, *, require_manifest: bool = True, **hf_kwargs):
     """Load base model + routers in one call, like ``PeftModel.from_pretrained``.
 
     ``base_model`` is a model, a local HF directory, or None to use the model recorded at save
     time; one given here is meant, so another model than the recorded one loads silently.
+    ``require_manifest``: as :func:`load`'s.
     """
-    return load(resolve_base_model(path, base_model, **hf_kwargs), path, check_base=base_model is None)
+    return load(resolve_base_model(path, base_model, **hf_kwargs), path, check_base=base_model is None,
+                require_manifest=require_manifest)

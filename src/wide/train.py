@@ -322,7 +322,9 @@ def train(
     """Train ``parameters`` (default: the routers) of a wrapped model on packed sequences.
 
     ``train_ids``: LongTensor [N, L]. Writes ``out_dir/checkpoint`` every ``save_every``
-    steps and ``out_dir/routers`` at the end; returns the history. ``save_extra`` /
+    steps and ``out_dir/routers`` at the end; returns the history and ``wall_s``, the run's time
+    summed over the invocations that made it (``wall_s_partial`` where a checkpoint it resumed
+    from predates that record). ``save_extra`` /
     ``load_extra`` let stage 2 put its adapters in the same checkpoint. ``stop_at`` ends
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
     ``resume=True`` call continues the same run.
@@ -354,6 +356,7 @@ def _check_resumable(ckpt: Path, saved_args: dict, args: TrainArgs, cfg) -> None
 
 def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra, load_extra,
            stop_at, session) -> dict:
+    t_start = time.perf_counter()
     state = get_state(model)
     cfg = state.config
     fine = model._modules.get("wide_fine")
@@ -376,6 +379,9 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     history: list = []
     start_step = 0
+    # The run's time over every invocation: what the checkpoint resumed from had taken, plus this
+    # process's (the time a kill lost after the last checkpoint is not counted: its steps are redone).
+    earlier_s, partial = 0.0, False
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -398,6 +404,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         sched.load_state_dict(ts["scheduler"])
         start_step = ts["step"]
         history = ts["history"]
+        earlier_s, partial = _resumed_clock(ts)
         if progress:
             print(f"resumed from {ckpt} (written by {ts.get('world_size', 1)} processes) at step {start_step}/{args.steps}")
     elif resume and ckpt.exists():
@@ -406,7 +413,9 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
             raise ValueError(f"{ckpt} was written by a distributed run: resume it with dist=DistContext() "
                              "(wide calibrate --fsdp, or under torchrun)")
         _check_resumable(ckpt, ts["args"], args, cfg)
-        load(model, ckpt)
+        # recover_directory chose it: a sealed checkpoint matched its manifest, and one written
+        # before manifests has none and still resumes
+        load(model, ckpt, require_manifest=False)
         if load_extra is not None:
             load_extra(ckpt)
         opt.load_state_dict(ts["optimizer"])
@@ -414,14 +423,19 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         _set_rng_state(ts["rng"])
         start_step = ts["step"]
         history = ts["history"]
+        earlier_s, partial = _resumed_clock(ts)
         if progress:
             print(f"resumed from {ckpt} at step {start_step}/{args.steps}")
     elif resume and progress:
         print(f"no checkpoint in {ckpt}: starting a new run")
 
+    def elapsed() -> dict:
+        out = {"wall_s": earlier_s + time.perf_counter() - t_start}
+        return {**out, "wall_s_partial": True} if partial else out
+
     def checkpoint(step: int) -> None:
         trainer_state = {"step": step, "scheduler": sched.state_dict(), "args": asdict(args), "history": history,
-                         "tau": cfg.temperature(step, args.steps)}
+                         "tau": cfg.temperature(step, args.steps), **elapsed()}
         if session is not None:
             session.save_checkpoint(opt, ckpt, step=step, trainer_state=trainer_state, write_more=save_extra)
             return
@@ -533,7 +547,7 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         if done == stop_at:
             bar.close()
             state.tau = None
-            return {"history": history, "final_dir": None, "stopped_at": done}
+            return {"history": history, "final_dir": None, "stopped_at": done, **elapsed()}
     state.tau = None
     model.eval()
     if main:
@@ -541,7 +555,15 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         atomic_write_text(out_dir / "history.json", json.dumps(history, indent=1))
     if session is not None:
         session.barrier()
-    return {"history": history, "final_dir": str(out_dir / FINAL_DIR)}
+    return {"history": history, "final_dir": str(out_dir / FINAL_DIR), **elapsed()}
+
+
+def _resumed_clock(trainer_state: dict) -> tuple:
+    """(seconds the run had taken up to a checkpoint, whether that is a lower bound only): a
+    checkpoint written before checkpoints recorded their time gives (0, True)."""
+    if "wall_s" not in trainer_state:
+        return 0.0, True
+    return float(trainer_state["wall_s"]), bool(trainer_state.get("wall_s_partial"))
 
 
 def trainer_step(out_dir) -> int:
