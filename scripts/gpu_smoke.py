@@ -223,6 +223,27 @@ def thresholds_reach_graphs(model, eng, ids) -> bool:
     return kept and err == 0.0 and moved > 0
 
 
+# A fine engine on the kernels decodes dense where that measured faster (AcceleratedModel.decode_path);
+# the checks against the PyTorch path keep the thresholds at every batch they use.
+FINE_EVERY_BATCH = {"fine": {"fine_max_batch": 8}, "hybrid": {}}
+
+
+def dense_steps_match(model_type: str) -> bool:
+    """A fine engine's default decode: at batch 5 (past the GEMVs' 4) it runs the dense weights, the
+    same step as the dense engine (bf16; both on the fine engine's single transposed copy)."""
+    model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
+    with_thresholds(model, ids)
+    fine, dense = wide.accelerate(model, mode="fine"), wide.AcceleratedModel(model, mode="dense")
+    outs = []
+    for e in (fine, dense):
+        e.setup_cache(5, 128)
+        e.prefill(ids[:, :32])
+        outs.append(e.decode(ids[:, 32], torch.full((5,), 32, dtype=torch.long, device=DEVICE)))
+    err = rel(*outs)
+    print(f"  fine engine at batch 5: path {fine.decode_path(5)}, logits vs the dense engine rel err {err:.1e}")
+    return fine.decode_path(5) == "dense" and err < 1e-2
+
+
 def fine_modes_ok(model_type: str) -> bool:
     """Fine and hybrid decode: bf16 graphs against eager steps, then fp32 kernels against the
     PyTorch path (greedy tokens; each sequence's logits at batch 2 and at 5, past the GEMVs' 4). With the
@@ -233,7 +254,9 @@ def fine_modes_ok(model_type: str) -> bool:
     model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
     for mode in ("fine", "hybrid"):
-        eng = wide.accelerate(model, mode=mode)
+        # thresholds at every batch (fine_max_batch), as the PyTorch path runs them; the default
+        # engine's dense steps are checked by dense_steps_match below
+        eng = wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode])
         print(f"  {mode} (bf16): backend {eng.backend}")
         ok &= graphs_equal_eager(eng, ids, batches=(2, 1, 5))
         ok &= thresholds_reach_graphs(model, eng, ids)
@@ -242,7 +265,8 @@ def fine_modes_ok(model_type: str) -> bool:
     model, ids = build(model_type, torch.float32, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
     for mode in ("fine", "hybrid"):
-        kern, ref = wide.accelerate(model, mode=mode), wide.accelerate(model, mode=mode, backend="torch")
+        kern, ref = (wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode]),
+                     wide.accelerate(model, mode=mode, backend="torch"))
         prompt = ids[0, :16].tolist()
         got, want = (e.generate([prompt], max_new_tokens=16).tokens[0] for e in (kern, ref))
         agree = sum(a == b for a, b in zip(got, want))
@@ -340,7 +364,8 @@ def shipped_fine_matches_torch(n: int = 32) -> bool:
             continue
         ids = AutoTokenizer.from_pretrained(path).encode(prompt)
         model = wide.from_pretrained(name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(DEVICE)
-        engines = [wide.accelerate(model, mode="fine", backend=b) for b in ("triton", "torch")]
+        engines = [wide.accelerate(model, mode="fine", backend=b, **FINE_EVERY_BATCH["fine"] if b == "triton" else {})
+                   for b in ("triton", "torch")]
         want = engines[1].generate([ids], max_new_tokens=n).tokens[0]
         steps = []
         for i in range(n - 1):
@@ -406,6 +431,7 @@ def main() -> int:
         del eng
         checks.append(greedy_matches_hf_fp32(model_type))
         checks.append(fine_modes_ok(model_type))
+        checks.append(dense_steps_match(model_type))
         print(f"  {model_type}: {'OK' if all(checks) else 'FAILED'}")
         ok &= all(checks)
         del model

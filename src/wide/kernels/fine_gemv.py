@@ -21,9 +21,14 @@ theirs (``PF``), so the input -> threshold -> weight dependency never leaves a t
 nothing in flight. Columns of adjacent slices are read by adjacent programs at the same time,
 so a kept row is streamed whole across programs even when one slice is a 128-byte line. Each
 thread holds BU rows of its columns, summed in registers into one [BR, BN] accumulator per
-token, reduced across threads once at the end. Split-K partials are fp32; the last program of
-a column slice to draw its ticket sums them in split order (deterministic; no atomics on the
-output) and stores y.
+token, reduced across threads once at the end. Split-K sums are fp32, reduced one of two ways
+(``ATOMIC``, a config key): atomic tiles (TEAL's decomposition: about one step per program,
+thousands of short programs) add into a zeroed fp32 buffer with ``atomic_add``, and the last
+program of a column slice to draw its ticket stores y and clears the buffer (the order of the
+additions, and so the last bits, may vary between runs); ordered tiles (a few long programs)
+store partials that the last program sums in split order (the same bits on every run;
+``deterministic=True`` keeps to these). TEAL's own kernel adds into the fp16/bf16 output
+(1-4 % error against fp32, bench/results/h200/fine_gemv.md); neither reduction here does.
 """
 from __future__ import annotations
 
@@ -315,11 +320,14 @@ _ORDERED = [
 # Atomic tiles, TEAL's decomposition: about one step per program (a PPS past the row count
 # gives every program one [BK, BN] tile), so the GPU keeps thousands of independent
 # input -> threshold -> weight chains in flight instead of a few long loops; fp32 sums.
+# Provenance: the H200 sweep of 2026-12-07 (bench/results/h200/fine_gemv_sweep.md, T = 1, 50 %):
+# one warp on a 256-column slice, 16 rows per thread, one step per program was the fastest tile
+# on up (23.9 us) and o (10.8 us), against the best ordered tile's 25.6 / 12.2 and TEAL's kernel's
+# 23.0 / 9.6 (bench/results/h200/fine_gemv.md); every tile that spreads rows across threads
+# (BR > 1) ran 2-20x slower, so none is listed. The 8- and 32-row variants are untimed guesses.
 _ATOMIC = [
-    _cfg(128, 16, 4, 4, 64, False, atomic=True), _cfg(128, 8, 8, 4, 64, False, atomic=True),
-    _cfg(64, 32, 2, 4, 64, False, atomic=True), _cfg(256, 8, 4, 4, 64, False, atomic=True),
-    _cfg(128, 4, 8, 2, 64, False, atomic=True), _cfg(256, 4, 8, 4, 32, True, atomic=True),
-    _cfg(128, 8, 8, 4, 16, True, atomic=True),
+    _cfg(256, 1, 16, 1, 64, False, atomic=True), _cfg(256, 1, 16, 1, 16, True, atomic=True),
+    _cfg(256, 1, 8, 1, 64, False, atomic=True), _cfg(256, 1, 32, 1, 64, False, atomic=True),
 ]
 _CONFIGS = _ORDERED + _ATOMIC
 
@@ -327,9 +335,10 @@ _CONFIGS = _ORDERED + _ATOMIC
 def _default_config(deterministic: bool = False) -> triton.Config:
     if interpret_mode():  # a few small programs: the interpreter pays per program
         return _cfg(64, 8, 4, 1, 1, True, atomic=not deterministic)
+    # the sweep's fastest of each reduction (see _ATOMIC)
     if deterministic:
-        return _cfg(64, 16, 8, 4, 8, True)
-    return _cfg(128, 16, 4, 4, 64, False, atomic=True)
+        return _cfg(256, 1, 16, 1, 8, True)
+    return _cfg(256, 1, 16, 1, 64, False, atomic=True)
 
 
 def _rs(bn: int) -> int:
