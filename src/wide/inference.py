@@ -112,9 +112,9 @@ class _Layer:
 
 def _plain(layer: nn.Module, spec: arch.ArchSpec, role: str, idx: int, contiguous: bool = False):
     """(weight, bias or None) of a projection; refuses what the fast path cannot run. The
-    weight is an alias of the parameter's present storage (an engine that later points the
-    parameter elsewhere, :func:`~wide.arch.share_projection_weights`, leaves it alone); ``contiguous``: a row-major copy
-    where another engine left it as a view of its transposed layout."""
+    weight is an alias of the parameter's present storage, which an engine that later points
+    the parameter elsewhere (:func:`~wide.arch.share_projection_weights`) leaves alone;
+    ``contiguous``: a row-major copy where another engine left a view of its transposed layout."""
     mod = arch.projection(layer, spec, role)
     name = spec.projections[role][1]
     if not isinstance(mod, nn.Linear) or hasattr(mod, "lora_A") or hasattr(mod, "base_layer"):
