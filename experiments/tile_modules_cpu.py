@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-import wide.modeling as modeling
+import wide.method.modeling as modeling
 
 KINDS = ("attn", "ffn")
 

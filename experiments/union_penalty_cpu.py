@@ -29,8 +29,8 @@ import sys
 
 import torch
 
-import wide.train as train
-from wide.modeling import KINDS, get_state, union_penalty
+import wide.training.train as train
+from wide.method.modeling import KINDS, get_state, union_penalty
 
 
 # Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g): the
@@ -65,7 +65,7 @@ def measure(routers: list, windows: int = 32, draws: int = 200) -> list:
     from transformers import AutoTokenizer
 
     import wide
-    from wide.analysis import collect_masks
+    from wide.evaluation.analysis import collect_masks
     from wide.data import fetch_default_model, load_documents, pack_documents
 
     tok = AutoTokenizer.from_pretrained(fetch_default_model())

@@ -1,5 +1,5 @@
-"""Per-element activation sparsity (wide.fine: TEAL, WINA, learned thresholds) and the exact
-linear-MAC accounting every method's records carry (wide.modeling.linear_macs)."""
+"""Per-element activation sparsity (wide.method.fine: TEAL, WINA, learned thresholds) and the exact
+linear-MAC accounting every method's records carry (wide.method.modeling.linear_macs)."""
 
 import json
 import math
@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide import arch, fine, modeling
-from wide.modeling import PROJECTIONS, get_state, projection_shapes
-from wide.serialization import THRESHOLDS_FILE, CheckpointError
+from wide.base import arch
+from wide.method import fine, modeling
+from wide.method.modeling import PROJECTIONS, get_state, projection_shapes
+from wide.io.serialization import THRESHOLDS_FILE, CheckpointError
 
 
 def batches(n=4, b=2, t=12, seed=0, vocab=96):
@@ -213,7 +214,7 @@ def test_surrogate_gradient_matches_a_finite_difference():
 
 
 def test_learned_thresholds_train_and_seeds_reproduce(tmp_path):
-    from wide.train import TrainArgs, train
+    from wide.training.train import TrainArgs, train
 
     def run(seed, name):
         model = teal_model(allocation="learned", routers="all", target=0.5)
@@ -360,7 +361,7 @@ def test_bad_fine_configs_are_refused():
 
 
 def test_teacher_mode_runs_the_dense_backbone():
-    from wide.train import teacher_mode
+    from wide.training.train import teacher_mode
 
     model = teal_model(target=0.6)
     cal = batches(2)

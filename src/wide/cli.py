@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import compare, runs
-from .cliargs import add_fields, bounded, dest, from_args, options
-from .config import WideConfig
-from .estimate import DryRunArgs
-from .fine import FineConfig
-from .recovery import RECOVERY_DEFAULTS, LoraArgs
-from .sampling_data import SampleArgs
-from .train import RESUME_KEYS, TrainArgs
+from .commands import compare, runs
+from .base.cliargs import add_fields, bounded, dest, from_args, options
+from .method.config import WideConfig
+from .commands.estimate import DryRunArgs
+from .method.fine import FineConfig
+from .training.recovery import RECOVERY_DEFAULTS, LoraArgs
+from .commands.sampling_data import SampleArgs
+from .training.train import RESUME_KEYS, TrainArgs
 
 # The options whose change would make a resumed run mix two runs, by argparse dest. The
 # offset options are applied from scratch at the end of each invocation, so they cannot mix.
@@ -76,12 +76,12 @@ def _add_training_args(p: argparse.ArgumentParser, **defaults) -> None:
 
 
 def cmd_calibrate(args) -> dict:
-    from . import modeling
-    from .serialization import atomic_write_text, save_routers
-    from .train import FINAL_DIR, train
+    from .method import modeling
+    from .io.serialization import atomic_write_text, save_routers
+    from .training.train import FINAL_DIR, train
 
     if getattr(args, "dry_run", False):
-        from .estimate import dry_run
+        from .commands.estimate import dry_run
 
         return dry_run(args)
     ctx = _dist_context(args)
@@ -95,7 +95,7 @@ def cmd_calibrate(args) -> dict:
     targs = from_args(TrainArgs, args)
     modeling.wrap(model, cfg, seed=targs.seed)
     if getattr(args, "hybrid", False):
-        from . import fine
+        from .method import fine
 
         fine.attach(model, from_args(FineConfig, args, allocation="learned", target=cfg.target_sparsity))
         # thresholds start where TEAL's uniform allocation puts them (a resume then loads its own)
@@ -139,8 +139,8 @@ def cmd_calibrate(args) -> dict:
 def _finished_run(out, steps: int):
     """The run record (run.json) of a run in ``out`` that had finished all ``steps`` before this
     invocation resumed it, else None: resuming it trains nothing."""
-    from .serialization import CheckpointError
-    from .train import trainer_step
+    from .io.serialization import CheckpointError
+    from .training.train import trainer_step
 
     record = Path(out) / "run.json"
     try:
@@ -161,7 +161,7 @@ def calibrate_config(args) -> WideConfig:
 
 def _dist_context(args):
     """FSDP2 data parallelism under torchrun, or on one process with --fsdp."""
-    from . import distributed
+    from .training import distributed
 
     if not (getattr(args, "fsdp", False) or distributed.under_torchrun()):
         return None
@@ -172,7 +172,7 @@ def _dist_context(args):
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
-    from .arch import PRESETS
+    from .base.arch import PRESETS
 
     g = p.add_argument_group("distributed (FSDP2)")
     g.add_argument("--fsdp", action="store_true",
@@ -215,7 +215,7 @@ def check_calibrate(args) -> None:
         from_args(FineConfig, args, allocation="learned")
         if getattr(args, "fsdp", False):
             raise ValueError("--hybrid runs on one process for now: drop --fsdp")
-    from .train import FINAL_DIR
+    from .training.train import FINAL_DIR
 
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
 
@@ -225,7 +225,7 @@ def check_demo(args) -> None:
 
 
 def check_recover(args) -> None:
-    from .recovery import FINAL_DIR
+    from .training.recovery import FINAL_DIR
 
     model = runs.model_config(args)
     runs.check_data(args)
@@ -245,7 +245,7 @@ def check_eval(args) -> None:
     if args.harness:
         harness = _harness_module("--harness")
         if args.harness_mode in ("fine", "hybrid"):
-            from .serialization import THRESHOLDS_FILE
+            from .io.serialization import THRESHOLDS_FILE
 
             for rdir in args.routers or []:
                 if not (Path(rdir) / THRESHOLDS_FILE).is_file():
@@ -287,7 +287,7 @@ def check_sample_data(args) -> None:
 
 
 def cmd_sample_data(args) -> dict:
-    from .sampling_data import run
+    from .commands.sampling_data import run
 
     return run(args)
 
@@ -297,8 +297,8 @@ def cmd_demo(args):
     shipped routers and the demo's own on quality and on a few greedy continuations."""
     import torch
 
-    from . import demo
-    from .serialization import atomic_write_text
+    from .commands import demo
+    from .io.serialization import atomic_write_text
 
     args = demo_args(args)
     run = cmd_calibrate(args)
@@ -509,8 +509,8 @@ def _shown(text: str) -> str:
 def cmd_generate(args):
     from transformers import AutoConfig
 
-    from .inference import AcceleratedModel, accelerate, generate
-    from .recovery import load_recovered
+    from .engine.inference import AcceleratedModel, accelerate, generate
+    from .training.recovery import load_recovered
 
     tok, path = runs.load_tokenizer(args)
     ids = fit_prompts([tok.encode(p) for p in args.prompt],
@@ -560,12 +560,12 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
 
 
 def cmd_recover(args) -> dict:
-    from . import modeling
-    from .baselines import STATIC_FILE, apply_static_file
-    from .recovery import FINAL_DIR, load_recovered, merge, recover, save_recovered
+    from .method import modeling
+    from .method.baselines import STATIC_FILE, apply_static_file
+    from .training.recovery import FINAL_DIR, load_recovered, merge, recover, save_recovered
     import torch
 
-    from .serialization import atomic_write_text, read_meta, save_routers
+    from .io.serialization import atomic_write_text, read_meta, save_routers
 
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -620,11 +620,11 @@ def cmd_eval(args) -> list:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import pretrained
-    from .analysis import analyze
-    from .evaluate import harness_table, markdown_table
-    from .recovery import load_recovered
-    from .serialization import read_meta
+    from .io import pretrained
+    from .evaluation.analysis import analyze
+    from .evaluation.evaluate import harness_table, markdown_table
+    from .training.recovery import load_recovered
+    from .io.serialization import read_meta
 
     tok, _ = runs.load_tokenizer(args)
     heldout, bpt = runs.heldout(args, tok)
@@ -680,7 +680,7 @@ def _harness_scores(record: dict, model, tok, args, dense: bool = False) -> None
 def _one_line(show):
     """``warnings.showwarning`` that prints wide's own warnings as one ``warning:`` line, as the
     command line prints its other warnings; the rest as before."""
-    from .serialization import BaseModelWarning
+    from .io.serialization import BaseModelWarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, BaseModelWarning):
@@ -706,7 +706,7 @@ def _main(argv) -> int:
 
     try:
         if getattr(args, "routers", None):  # shipped names (wide.pretrained) as their directories
-            from . import pretrained
+            from .io import pretrained
 
             args.routers = ([str(pretrained.resolve(r)) for r in args.routers] if isinstance(args.routers, list)
                             else str(pretrained.resolve(args.routers)))

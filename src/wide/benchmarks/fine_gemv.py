@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wide.timing import graph_time_us, wall_time_us
+from wide.base.timing import graph_time_us, wall_time_us
 
 # model: shape -> (K, output widths of the weights fused along N)
 MODELS = {
@@ -143,7 +143,7 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, 
     # engine kept that copy alone
     base["dense_t_us"] = round(timer([lambda s=s: s[0] @ s[2] for s in sets]), 3)
     if teal and T == 1 and cuda:
-        from wide.benchmarks.teal_gemv import teal_gemv
+        from wide.kernels.teal_gemv import teal_gemv
         y_teal = teal_gemv(x0, w_t0, ths[0], 1 - kept)
         base["teal_rel_err"] = ((y_teal.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item()
         outs = [torch.empty(1, N, device=device, dtype=dt) for _ in sets]

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from wide.timing import do_bench_us, graph_time_us
+from wide.base.timing import do_bench_us, graph_time_us
 
 SHAPES = {  # name: (N, K, G)
     "gate_up": (14336, 4096, 128),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from wide.timing import graph_time_us, wall_time_us
+from wide.base.timing import graph_time_us, wall_time_us
 
 SIZES_MB = (16.8, 33.5, 58.7)
 CHUNKS = (16384, 32768, 65536)

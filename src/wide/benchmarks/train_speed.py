@@ -32,7 +32,7 @@ TINY = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size
 def load_model(name: str, tiny: bool, dtype: torch.dtype, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from wide import arch
+    from wide.base import arch
     from wide.data import fetch_default_model
 
     if tiny:
@@ -51,7 +51,7 @@ def load_model(name: str, tiny: bool, dtype: torch.dtype, device: str):
 def measure(model, *, loss: str, amp: str, batch_size: int, seq_len: int, steps: int, warmup: int,
             seed: int = 0) -> dict:
     """Median tokens/s of ``steps`` training steps after ``warmup`` ones, on random ids."""
-    from wide.train import TrainArgs, train
+    from wide.training.train import TrainArgs, train
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON results file (a .md table is written beside it)")
     a = ap.parse_args(argv)
 
-    from wide import modeling
-    from wide.config import WideConfig
+    from wide.method import modeling
+    from wide.method.config import WideConfig
 
     device = a.device or ("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     amps = a.amp or (["none", "bf16"] if device.startswith("cuda") else ["none"])

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 from . import runs
-from .baselines import NORMALIZE
-from .cliargs import add_fields, from_args
-from .config import WideConfig
-from .fileio import atomic_write_text
-from .fine import FineConfig
-from .recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
-from .train import TrainArgs, with_defaults
+from ..method.baselines import NORMALIZE
+from ..base.cliargs import add_fields, from_args
+from ..method.config import WideConfig
+from ..base.fileio import atomic_write_text
+from ..method.fine import FineConfig
+from ..training.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
+from ..training.train import TrainArgs, with_defaults
 
 METHOD_ROWS = {
     # name: (family, stage, label)
@@ -148,7 +148,7 @@ class Comparison:
     # ------------------------------------------------------------ building methods
 
     def _check_final(self, final: Path, settings: dict) -> bool:
-        from .serialization import read_meta
+        from ..io.serialization import read_meta
 
         if not final.is_dir():
             return False
@@ -162,9 +162,9 @@ class Comparison:
 
     def build(self, family: str, stage: int, target: float) -> Path:
         """Train (or reuse) one method; returns its final directory."""
-        from . import baselines, modeling
-        from .recovery import load_recovered, recover, save_recovered
-        from .train import train
+        from ..method import baselines, modeling
+        from ..training.recovery import load_recovered, recover, save_recovered
+        from ..training.train import train
 
         run = self.root / f"{family}-{_pct(target)}"
         final = run / f"stage{stage}" / "final"
@@ -190,7 +190,7 @@ class Comparison:
                     progress=not self.args.quiet, extra=extra)
             model.eval()
             if family in FINE_FAMILIES:  # the same shares of the adapted model's own inputs
-                from . import fine
+                from ..method import fine
 
                 fine.set_thresholds(model, fine.collect_scores(model, self.fine_batches()), model.wide_fine.sparsity)
             elif static is None:
@@ -219,7 +219,7 @@ class Comparison:
             cfg = baselines.method_config(family, model.config, target, **wide_overrides(self.args))
         modeling.wrap(model, cfg, seed=self.args.seed)  # --seed covers router initialisation too
         if family in LEARNED_FAMILIES:
-            from . import fine
+            from ..method import fine
 
             fine.attach(model, from_args(FineConfig, self.args, target=target, allocation="learned"))
             fine.calibrate(model, self.fine_batches(), progress=not self.args.quiet)
@@ -238,8 +238,8 @@ class Comparison:
     def _build_fine(self, model, family: str, target: float, final: Path, extra: dict) -> Path:
         """TEAL / WINA: thresholds from the dense model's activations on calibration text, no
         gradient step. Wrapped without routers, so they save, load and recover like the others."""
-        from . import fine, modeling
-        from .recovery import save_recovered
+        from ..method import fine, modeling
+        from ..training.recovery import save_recovered
 
         criterion, allocation = FINE_FAMILIES[family]
         modeling.wrap(model, WideConfig(sparse_target="none", target_sparsity=target, loss_mode="linear"))
@@ -267,7 +267,7 @@ class Comparison:
         slow part of a greedy method (about 3 min of an H100 for SmolLM2 up to 60 %), and a
         comparison cut by a device call's time limit must not redo it on the next call. A
         stored path up to a larger target serves a smaller one (it is the same walk)."""
-        from . import fine
+        from ..method import fine
 
         a = self.args
         up_to = max(a.targets)
@@ -307,7 +307,7 @@ class Comparison:
         return f"{name}@{target}|{h}"
 
     def evaluate(self, name: str, target) -> dict:
-        from .recovery import load_recovered
+        from ..training.recovery import load_recovered
 
         key = self.eval_key(name, target)
         if key in self.cache:
@@ -355,8 +355,8 @@ class Comparison:
         merge; the thresholded error and argmax agreement are reported beside it."""
         import torch
 
-        from .fine import get_fine
-        from .recovery import has_lora, load_recovered
+        from ..method.fine import get_fine
+        from ..training.recovery import has_lora, load_recovered
 
         ids = self.heldout[:4].to(self.device)
         unmerged = load_recovered(self.fresh(), final, merge_adapters=False)

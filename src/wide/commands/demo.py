@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from . import pretrained
+from ..io import pretrained
 
 SHIPPED = ("smollm2-135m-50", "smollm2-135m-25", "smollm2-135m-fine-50", "smollm2-135m-fine-25")
 PROMPTS = (
@@ -43,7 +43,7 @@ def samples(model_path, tok, routers: list, labels: list, device: str, dtype: to
     """A markdown section: each prompt continued by dense and by each router set."""
     from transformers import AutoModelForCausalLM
 
-    from .recovery import load_recovered
+    from ..training.recovery import load_recovered
 
     texts = {}
     for label, rdir in [("dense", None), *zip(labels, routers)]:

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .arch import KINDS
-from .modeling import ModelDims, resolve_geometry
+from ..base.arch import KINDS
+from ..method.modeling import ModelDims, resolve_geometry
 
 # Dense bf16 tensor-core peaks (FLOP/s), for the time estimate only.
 GPU_PEAK = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12}
@@ -140,9 +140,9 @@ def estimate(config, wide_config, *, world_size: int = 1, seq_len: int = 4096, b
 
 def dry_run(args) -> dict:
     """``wide calibrate --dry-run``: print the estimate of the run ``args`` describe."""
-    from .arch import hf_config
-    from .cliargs import from_args
-    from .config import WideConfig
+    from ..base.arch import hf_config
+    from ..base.cliargs import from_args
+    from ..method.config import WideConfig
     from .runs import DEFAULT
 
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))

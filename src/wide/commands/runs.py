@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .config import routing_name as config_routing_name
-from .data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
-from .evaluate import TASKS
+from ..method.config import routing_name as config_routing_name
+from ..data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
+from ..evaluation.evaluate import TASKS
 
 DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
 DEFAULT_SHAPE = "smollm2-135m"  # the default model's entry in wide.arch.PRESETS: checked before it is fetched
@@ -161,7 +161,7 @@ def model_config(args, *, routed: bool = True):
     """The transformers config of --model, read from its config.json alone (the default model:
     its known shape, so nothing is fetched yet), once the checks that need no weights loaded
     have passed: every safetensors file whole and, with ``routed``, an architecture wide routes."""
-    from . import arch
+    from ..base import arch
 
     check_model(args)
     if args.model == DEFAULT:
@@ -223,9 +223,9 @@ def check_geometry(hf_config, config) -> None:
     """The group sizes of WideConfig ``config`` against the model's config, naming the flags:
     dividing its query heads and FFN channels, and for the FFN a multiple of 16, which the GPU
     kernels need (ops.kernel_shape_error) and the help promises."""
-    from .cliargs import with_flags
-    from .config import WideConfig
-    from .modeling import ModelDims, resolve_geometry
+    from ..base.cliargs import with_flags
+    from ..method.config import WideConfig
+    from ..method.modeling import ModelDims, resolve_geometry
 
     dims = ModelDims.from_hf_config(hf_config)
     ffn = config.ffn_group_size
@@ -244,7 +244,7 @@ def check_data(args) -> None:
     """--data (and --eval-data) exist, are a kind of source the loader reads, and their text
     files decode as UTF-8 (every byte: reading is cheap next to tokenising); a JSONL file's
     first record holds --text-field (every record is checked again when the file is read)."""
-    from .data import is_token_shards
+    from ..data import is_token_shards
 
     _check_source("--data", args.data, args.text_field)
     eval_data = getattr(args, "eval_data", None)
@@ -256,7 +256,7 @@ def check_data(args) -> None:
 
 
 def _check_source(flag: str, source: str, text_field: str) -> None:
-    from .data import TEXT_SUFFIXES, check_utf8, valid_sources
+    from ..data import TEXT_SUFFIXES, check_utf8, valid_sources
 
     if source in BUILTIN_SOURCES:
         return
@@ -305,7 +305,7 @@ def check_routers(flag: str, path, hf_config=None) -> dict:
     """A router directory ``wide`` wrote, its files as its manifest sealed them (hashing a few
     MB costs less than the model load a damaged file would waste) and, given the model's
     ``hf_config``, trained for that shape; returns its metadata."""
-    from .serialization import read_meta, shape_differences, verify_manifest
+    from ..io.serialization import read_meta, shape_differences, verify_manifest
 
     try:
         meta = read_meta(path)
@@ -340,8 +340,8 @@ def run_settings(args, dests) -> dict:
 
 
 def _run_parts(out: Path, final_dir: str) -> list:
-    from .serialization import leftovers
-    from .train import CHECKPOINT_DIR
+    from ..io.serialization import leftovers
+    from ..training.train import CHECKPOINT_DIR
 
     parts = [out / CHECKPOINT_DIR, out / final_dir, *(out / f for f in RESULT_FILES)]
     return [p for p in parts if p.exists()] + leftovers(out / CHECKPOINT_DIR) + leftovers(out / final_dir)
@@ -351,9 +351,9 @@ def prepare_run(args, final_dir: str, settings: dict) -> None:
     """Refuse to replace a run by accident: an ``args.out`` holding a run needs --resume (which
     must keep every setting of ``settings``, by argparse dest, naming the flags that differ) or
     --overwrite. Reads only: under torchrun every rank runs it."""
-    from .cliargs import flag_of
-    from .serialization import newest_version
-    from .train import CHECKPOINT_DIR
+    from ..base.cliargs import flag_of
+    from ..io.serialization import newest_version
+    from ..training.train import CHECKPOINT_DIR
 
     out = Path(args.out).expanduser()
     check_out("--out", out)
@@ -380,8 +380,8 @@ def prepare_run(args, final_dir: str, settings: dict) -> None:
 def start_run(args, final_dir: str, settings: dict) -> None:
     """Right before training: clear the old run for --overwrite and record ``settings`` (those of
     the run resumed, where there is one: :func:`prepare_run` checked that they are the same)."""
-    from .serialization import atomic_write_text, remove_directory
-    from .train import CHECKPOINT_DIR
+    from ..io.serialization import atomic_write_text, remove_directory
+    from ..training.train import CHECKPOINT_DIR
 
     out = Path(args.out)
     if getattr(args, "overwrite", False):
@@ -410,7 +410,7 @@ def resolve(args) -> tuple:
 def resolve_model_dir(model: str) -> Path:
     """The directory of a --model value: the embedded default model (fetched once), or the
     directory itself."""
-    from .data import fetch_default_model
+    from ..data import fetch_default_model
 
     return fetch_default_model() if model == DEFAULT else Path(model).expanduser()
 
@@ -441,7 +441,7 @@ def load_model(args, tok=None) -> tuple:
 def eval_source(args) -> str:
     """Where the held-out text comes from: --eval-data, else --data, else (sampled token
     shards hold no held-out text) the embedded Wikipedia pages."""
-    from .data import is_token_shards
+    from ..data import is_token_shards
 
     if getattr(args, "eval_data", None):
         return args.eval_data
@@ -452,7 +452,7 @@ def packed(args, tok, split: str, max_tokens=None) -> tuple:
     """(ids [N, seq_len], documents, their UTF-8 bytes) of one split of DataArgs' text: the
     held-out split of :func:`eval_source`, or the calibration split of --data as it is
     (:func:`calibration` is what training reads)."""
-    from .data import count_bytes, load_documents, pack_documents
+    from ..data import count_bytes, load_documents, pack_documents
 
     source = eval_source(args) if split == "heldout" else args.data
     docs = load_documents(source, split=split, heldout_fraction=args.heldout_fraction, text_field=args.text_field)
@@ -464,7 +464,7 @@ def calibration(args, tok, max_tokens=None) -> tuple:
     """(ids [N, seq_len], decontamination report) of the calibration text: --data's
     calibration split without the documents that share a 13-gram with the held-out text or
     (--decontaminate all) the zero-shot tasks; the report says what was dropped."""
-    from .data import calibration_documents, describe_decontamination, pack_documents
+    from ..data import calibration_documents, describe_decontamination, pack_documents
 
     docs, report = calibration_documents(args.data, tokenizer=tok, heldout_fraction=args.heldout_fraction,
                                          text_field=args.text_field, eval_source=eval_source(args),
@@ -488,7 +488,7 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
     """One quality record: held-out perplexity, bits per byte, realised sparsity and, with
     ``args.tasks``, zero-shot accuracy; with ``args.generation``, free-text quality against
     ``reference`` (the dense model; the model itself when None)."""
-    from .evaluate import decode_perplexity, generation_quality, perplexity, zero_shot
+    from ..evaluation.evaluate import decode_perplexity, generation_quality, perplexity, zero_shot
 
     rec = {"op": "quality", "model": Path(args.model).name if args.model != DEFAULT else MODEL_NAME,
            "method": method, "stage": stage}
@@ -527,9 +527,9 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     with the time it took printed, so that a run's log shows where its time went."""
     if args.offsets == "none":
         return None
-    from .fine import get_fine, shift_to_target
-    from .modeling import calibrate_offsets as calibrate
-    from .modeling import get_state
+    from ..method.fine import get_fine, shift_to_target
+    from ..method.modeling import calibrate_offsets as calibrate
+    from ..method.modeling import get_state
 
     batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
     t0 = time.perf_counter()
@@ -611,7 +611,7 @@ def write_results(args, records) -> None:
     """``args.out``.json (records, device, date, command) and .md (table); nothing without --out."""
     import torch
 
-    from .evaluate import harness_table, markdown_table
+    from ..evaluation.evaluate import harness_table, markdown_table
 
     if not args.out:
         return

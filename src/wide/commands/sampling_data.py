@@ -37,10 +37,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .cliargs import check_fields
-from .data import SHARD_FORMAT, SHARD_MANIFEST, _separator_id, tokenizer_fingerprint
-from .fileio import atomic_output, sha256_file
-from .serialization import atomic_write_text
+from ..base.cliargs import check_fields
+from ..data import SHARD_FORMAT, SHARD_MANIFEST, _separator_id, tokenizer_fingerprint
+from ..base.fileio import atomic_output, sha256_file
+from ..io.serialization import atomic_write_text
 
 PROMPT_SOURCES = ("bos", "calibration")
 MANIFEST_VERSION = 1
@@ -92,7 +92,7 @@ def model_fingerprint(model_dir) -> dict:
 
 def code_version() -> dict:
     """wide's version and, in a git checkout, its commit (and whether the tree had changes)."""
-    from . import __version__
+    from .. import __version__
 
     out = {"version": __version__, "commit": None, "dirty": None}
     here = Path(__file__).resolve().parent
@@ -137,7 +137,7 @@ def sample_shard(model, args: SampleArgs, k: int, target: int, *, separator: int
                  prompts: Optional[torch.Tensor] = None) -> dict:
     """Documents (token id arrays) of shard ``k``: ``generate`` calls until the documents and
     one separator each reach ``target`` tokens. Returns tokens, offsets and counts."""
-    from .distributed import mix_seed
+    from ..training.distributed import mix_seed
 
     device = next(model.parameters()).device
     stop = [separator] + ([eos] if eos is not None and eos != separator else [])
@@ -269,7 +269,7 @@ def sample_data(model, tokenizer, args: SampleArgs, out_dir, *, model_info: dict
 def run(args) -> dict:
     """``wide sample-data``: load the model, pick prompts, sample (cli.py wires the options)."""
     from . import runs
-    from .cliargs import from_args
+    from ..base.cliargs import from_args
 
     sargs = from_args(SampleArgs, args)
     tok, path = runs.load_tokenizer(args)

@@ -49,14 +49,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import arch
-from .fine import get_fine
-from .modeling import PROJECTIONS
+from ..base import arch
+from ..method.fine import get_fine
+from ..method.modeling import PROJECTIONS
 from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:
-    from .kernels import silu_mul
-    from .kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
+    from ..kernels import silu_mul
+    from ..kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
 except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
     MAX_T = 4
 

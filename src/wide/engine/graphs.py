@@ -42,7 +42,7 @@ class GraphCapture:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            from .kernels.routing import fresh_split_tickets
+            from ..kernels.routing import fresh_split_tickets
         except ImportError:  # no Triton: the torch backend has no split-K counters
             pass
         else:

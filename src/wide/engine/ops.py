@@ -27,17 +27,17 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .kernels.env import autotune_enabled, interpret_mode
-from .kernels.reference import apply_rope
-from .routers import batch_shared_runs
-from .timing import time_graph
+from ..kernels.env import autotune_enabled, interpret_mode
+from ..kernels.reference import apply_rope
+from ..method.routers import batch_shared_runs
+from ..base.timing import time_graph
 
 try:
     import triton
 
-    from .kernels import (batch_shared_mask, build_route, decode_attention, ffn_up, gemm_k, gemm_mn,
+    from ..kernels import (batch_shared_mask, build_route, decode_attention, ffn_up, gemm_k, gemm_mn,
                           norm_route, prefill_attention, rope_decode, rope_prefill, router_mask, silu_mul)
-    from .kernels.routing import next_pow2
+    from ..kernels.routing import next_pow2
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the install

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .modeling import KINDS, get_state, observed_pass, track_sparsity
+from ..method.modeling import KINDS, get_state, observed_pass, track_sparsity
 
 
 @torch.no_grad()

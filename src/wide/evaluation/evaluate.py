@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .modeling import batch_shared_decode, track_sparsity
+from ..method.modeling import batch_shared_decode, track_sparsity
 
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 # Tasks lm-eval reports acc_norm for; the headline metric for the others is acc.
@@ -151,7 +151,7 @@ def zero_shot(model, tokenizer, tasks=TASKS, *, limit: Optional[int] = None, bat
               progress: bool = True, cache_dir=None) -> dict:
     """Score each task (first ``limit`` validation documents). For a wrapped model each task
     also reports its realised sparsity; ``avg`` is the mean headline metric."""
-    from .data import load_zero_shot
+    from ..data import load_zero_shot
 
     results = {}
     wrapped = hasattr(model, "wide_state")
@@ -185,7 +185,7 @@ ABOVE_CHANCE_TASKS = ("arc_easy", "arc_challenge", "winogrande", "piqa", "openbo
 def chance_level(task: str, limit: Optional[int] = None, cache_dir=None) -> float:
     """The accuracy of a uniform guess on the first ``limit`` documents of ``task`` (what
     ``score`` records as ``chance``), for records written before it did."""
-    from .data import load_zero_shot
+    from ..data import load_zero_shot
 
     docs = load_zero_shot(task, cache_dir=cache_dir)
     reqs, gold = build_requests(task, docs[:limit] if limit is not None else docs)

@@ -21,7 +21,7 @@ from typing import Union
 from . import serialization
 from .serialization import CheckpointError, read_manifest
 
-SHIPPED = Path(__file__).resolve().parent / "shipped"
+SHIPPED = Path(__file__).resolve().parents[1] / "shipped"
 PROVENANCE_FILE = "provenance.json"
 
 
@@ -76,7 +76,7 @@ def base_model_for(name_or_path, base_model=None):
     """The base model to load routers onto: ``base_model`` when given, else the default model
     for shipped routers, else None (the directory recorded in the checkpoint)."""
     if base_model is None and is_shipped(name_or_path):
-        from .data import fetch_default_model
+        from ..data import fetch_default_model
 
         return fetch_default_model()
     return base_model

@@ -30,11 +30,11 @@ from typing import Callable, Optional, Union
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import START_ONLY, WideConfig, with_predating
-from .fileio import atomic_write_text as _write_text
-from .fileio import sha256_file, umask_mode
-from .fine import FineConfig, attach, get_fine
-from .modeling import ModelDims, get_state, wrap
+from ..method.config import START_ONLY, WideConfig, with_predating
+from ..base.fileio import atomic_write_text as _write_text
+from ..base.fileio import sha256_file, umask_mode
+from ..method.fine import FineConfig, attach, get_fine
+from ..method.modeling import ModelDims, get_state, wrap
 
 ROUTERS_FILE = "routers.safetensors"
 # Per-element thresholds (wide.fine), beside the routers; their FineConfig is wide_config.json's "fine".
@@ -341,7 +341,7 @@ def shape_differences(meta: dict, hf_config) -> str:
 
 def _default_model_dir(p: Path) -> bool:
     """Whether ``p`` is wide's own copy of the default model (wide.data.fetch_default_model)."""
-    from .data import MODEL_NAME
+    from ..data import MODEL_NAME
 
     return p.name == MODEL_NAME and (p / "wide_source.json").is_file()
 
@@ -351,7 +351,7 @@ def base_model_id(name_or_path) -> Optional[str]:
     wide's copy of it (every machine gets its own, wherever its cache is), an existing directory
     as an absolute path (a relative one means nothing from another working directory), anything
     else (a hub id) as given; None when the model does not say."""
-    from .data import MODEL_NAME
+    from ..data import MODEL_NAME
 
     if not name_or_path:
         return None
@@ -368,7 +368,7 @@ def recorded_base_model(path) -> tuple:
     checkpoints recorded before absolute ones, is looked for beside the router directory's
     parents, nearest first, then in the working directory; a directory named like the default
     model that is not here is wide's copy on the machine that trained them (the shipped routers)."""
-    from .data import MODEL_NAME
+    from ..data import MODEL_NAME
 
     recorded = read_meta(path).get("base_model")
     if not recorded or recorded == MODEL_NAME:
@@ -465,7 +465,7 @@ def resolve_base_model(path, base_model=None, **hf_kwargs):
     or (None) the model recorded in the checkpoint at save time (:func:`recorded_base_model`),
     which must be here: a hub lookup is never tried for it."""
     if base_model is None:
-        from .data import MODEL_NAME, fetch_default_model
+        from ..data import MODEL_NAME, fetch_default_model
 
         trained_on, directory = recorded_base_model(path)
         if not trained_on:

@@ -26,9 +26,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import arch
+from ..base import arch
 from .config import WideConfig
-from .arch import KINDS
+from ..base.arch import KINDS
 from .modeling import Geometry, ModelDims, _summarise, get_state, resolve_geometry, wrap
 
 METHODS = ("wide", "dynamic_depth", "module_skip", "static_width")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .cliargs import check_fields
+from ..base.cliargs import check_fields
 
 SPARSE_TARGETS = ("attention", "ffn", "all", "none")
 LOSS_MODES = ("flops", "groups", "linear")

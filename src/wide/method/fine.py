@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from . import arch
-from .cliargs import check_fields
+from ..base import arch
+from ..base.cliargs import check_fields
 from .modeling import PROJECTIONS, ModelDims, get_state, install_hooks, projection_shapes
 from .routers import Float32Module
 

@@ -33,8 +33,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import arch
-from .arch import KINDS, SUPPORTED_MODEL_TYPES
+from ..base import arch
+from ..base.arch import KINDS, SUPPORTED_MODEL_TYPES
 from .config import WideConfig
 from .routers import TokenRouter, batch_shared_runs, group_runs
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels.reference import batch_shared_runs  # noqa: F401  (the rule lives beside its kernel's tests)
+from ..kernels.reference import batch_shared_runs  # noqa: F401  (the rule lives beside its kernel's tests)
 
 
 class Float32Module(nn.Module):

@@ -35,8 +35,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as tdist
 
-from .arch import KINDS, decoder_layers
-from .modeling import _summarise, get_state
+from ..base.arch import KINDS, decoder_layers
+from ..method.modeling import _summarise, get_state
 
 DCP_DIR = "dcp"
 
@@ -340,7 +340,7 @@ def save_checkpoint(ctx: DistContext, model, opt, path, *, step: int, trainer_st
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .serialization import save_routers
+    from ..io.serialization import save_routers
     from .train import TRAINER_STATE
 
     path = Path(path)

@@ -24,10 +24,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import arch
-from .cliargs import check_fields
-from .modeling import get_state, install_hooks, router_parameters
-from .serialization import CheckpointError, load, resolve_base_model, save_routers
+from ..base import arch
+from ..base.cliargs import check_fields
+from ..method.modeling import get_state, install_hooks, router_parameters
+from ..io.serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -181,8 +181,8 @@ def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool 
     the names of shipped routers (wide.pretrained). A base model other than the one the
     routers were trained on (same shape) loads with a warning unless ``check_base=False``.
     """
-    from . import pretrained
-    from .baselines import apply_static_file
+    from ..io import pretrained
+    from ..method.baselines import apply_static_file
 
     base = pretrained.base_model_for(path, base)
     path = Path(pretrained.resolve(path))

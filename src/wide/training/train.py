@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .cliargs import check_fields
-from .modeling import forward_sparsity, get_state, router_parameters, routing_disabled, sparsity_penalty, union_penalty
-from .serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
+from ..base.cliargs import check_fields
+from ..method.modeling import forward_sparsity, get_state, router_parameters, routing_disabled, sparsity_penalty, union_penalty
+from ..io.serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
                             remove_directory, save_routers)
 
 CHECKPOINT_DIR = "checkpoint"
@@ -251,7 +251,7 @@ def _set_rng_state(st: dict) -> None:
 @torch.no_grad()
 def evaluate_heldout(model, ids: torch.Tensor, batch_size: int, max_batches: Optional[int] = None) -> dict:
     """Mean next-token cross-entropy and realised sparsity with inference-time routing."""
-    from .modeling import track_sparsity
+    from ..method.modeling import track_sparsity
 
     was_training = model.training
     model.eval()
