@@ -90,7 +90,7 @@ import wide.engine.fine_engine as fine_engine  # noqa: E402
 import wide.engine.ops as wide_ops  # noqa: E402
 from wide.method.fine import KEEP_ALL  # noqa: E402
 from wide.engine.fine_engine import MAX_T  # noqa: E402
-from wide.method.modeling import PROJECTIONS  # noqa: E402
+from wide.method.geometry import PROJECTIONS  # noqa: E402
 
 smoke.DEVICE = "cpu"  # build() and the generators read the module global
 DEVICE = "cpu"

@@ -92,7 +92,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from wide.base import arch
-from wide.method.modeling import KINDS, get_state, routing_disabled
+from wide.base.arch import KINDS
+from wide.method.modeling import routing_disabled
+from wide.method.state import get_state
 
 MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "oracle-flat", "oracle-pool",
          "gate", "gate-flops")

@@ -46,7 +46,9 @@ import torch
 from oracle_masks_cpu import (add_ratios, calibration_windows, heldout_windows, perplexity, run_with_hooks,
                               vs_router_cell, write_results)
 from wide.base import arch
-from wide.method.modeling import KINDS, get_state, routing_disabled
+from wide.base.arch import KINDS
+from wide.method.modeling import routing_disabled
+from wide.method.state import get_state
 
 MODES = ("router", "comp", "comp-all")
 

@@ -30,7 +30,9 @@ import sys
 import torch
 
 import wide.training.train as train
-from wide.method.modeling import KINDS, get_state, union_penalty
+from wide.base.arch import KINDS
+from wide.method.sparsity import union_penalty
+from wide.method.state import get_state
 
 
 # Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g): the

@@ -107,7 +107,7 @@ def install(targets: dict, k: int = 32, steps: int = 12) -> dict:
 
 def _gap_std(model, ids, kinds) -> dict:
     """kind -> the mean over modules of the std of the routers' gaps on ``ids``."""
-    state = wide.method.modeling.get_state(model)
+    state = wide.method.state.get_state(model)
     stds: dict = {kd: [] for kd in kinds}
 
     def observe(layer, kind, x):
@@ -115,7 +115,7 @@ def _gap_std(model, ids, kinds) -> dict:
         if r is not None and kind in stds:
             stds[kind].append(float(r.gap(x).float().std()))
 
-    wide.method.modeling.observed_pass(model, [ids], state.input_observers, observe)
+    wide.method.offsets.observed_pass(model, [ids], state.input_observers, observe)
     return {kd: sum(v) / len(v) for kd, v in stds.items()}
 
 

@@ -11,7 +11,7 @@ import wide
 from wide.evaluation import analysis
 from wide.commands import compare
 from wide.evaluation.evaluate import TASKS
-from wide.method.modeling import get_state
+from wide.method.state import get_state
 
 
 def test_analysis_counts_by_hand(tmp_path):

@@ -6,7 +6,8 @@ from conftest import tiny_model
 
 import wide
 from wide.base import arch
-from wide.method.modeling import ModelDims, get_state
+from wide.method.geometry import ModelDims
+from wide.method.state import get_state
 from wide.training.recovery import LoraArgs
 
 

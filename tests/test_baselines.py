@@ -8,7 +8,8 @@ from conftest import tiny_config, tiny_model
 
 import wide
 from wide.method import baselines
-from wide.method.modeling import Geometry, ModelDims, get_state
+from wide.method.geometry import Geometry, ModelDims
+from wide.method.state import get_state
 
 
 def batches(n=2, seed=0):

@@ -15,7 +15,7 @@ from wide import data
 from wide.training import recovery, train as training
 from wide.cli import main
 from wide.method.config import WideConfig
-from wide.method.modeling import get_state
+from wide.method.state import get_state
 from wide.training.train import TrainArgs, distillation_loss, micro_batch_loss, teacher_mode, train
 
 
@@ -107,7 +107,7 @@ def test_kd_is_zero_when_routing_skips_nothing():
     get_state(model).tau = 1.0
     x = torch.randint(0, 96, (2, 9))
     got = micro_batch_loss(model, x, TrainArgs(loss="kd"))
-    assert float(wide.method.modeling.forward_sparsity(model).group_rate) == 0.0
+    assert float(wide.method.sparsity.forward_sparsity(model).group_rate) == 0.0
     assert float(got["kd"]) == pytest.approx(0.0, abs=1e-7)
 
 
@@ -143,10 +143,10 @@ def test_teacher_pass_leaves_the_students_sparsity_records():
     fixed_masks(model)
     x = torch.randint(0, 96, (1, 6))
     model(input_ids=x)
-    before = float(wide.method.modeling.forward_sparsity(model).flop_rate)
+    before = float(wide.method.sparsity.forward_sparsity(model).flop_rate)
     with torch.no_grad(), teacher_mode(model):
         model(input_ids=x)
-    assert float(wide.method.modeling.forward_sparsity(model).flop_rate) == before > 0
+    assert float(wide.method.sparsity.forward_sparsity(model).flop_rate) == before > 0
 
 
 def test_stage1_kd_gradients_reach_only_the_routers():

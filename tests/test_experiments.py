@@ -168,7 +168,9 @@ def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     its penalty is the library's plus coef x that (over the sparsity coefficient train.py puts
     on the whole penalty); it pulls the masks toward shared groups."""
     import wide.training.train as train
-    from wide.method.modeling import forward_sparsity, get_state, router_parameters, sparsity_penalty
+    from wide.method.modeling import router_parameters
+    from wide.method.sparsity import forward_sparsity, sparsity_penalty
+    from wide.method.state import get_state
 
     trial = _script("union_penalty_cpu")
     model = _wrapped()
@@ -197,7 +199,7 @@ def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp
     and multiplies by the sparsity coefficient)."""
     import wide
     import wide.training.train as train
-    from wide.method.modeling import forward_sparsity, sparsity_penalty
+    from wide.method.sparsity import forward_sparsity, sparsity_penalty
 
     monkeypatch.setattr(train, "forward_sparsity", forward_sparsity)  # restored after the test
     monkeypatch.setattr(train, "sparsity_penalty", sparsity_penalty)
@@ -282,7 +284,7 @@ def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
     change its mind), every group of every token scaled by 1 +- eps."""
     import torch.nn.functional as F
 
-    from wide.method.modeling import get_state
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     model = _wrapped().double()  # more digits for the differences (HF's RMSNorm still runs in fp32)
@@ -380,7 +382,8 @@ def test_oracle_trial_gate_modes(mode):
     import torch.nn.functional as F
 
     from wide.base import arch
-    from wide.method.modeling import get_state, recording_masks
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     model = _wrapped()
@@ -423,7 +426,8 @@ def test_oracle_trial_low_rank_mode():
     module itself, so it keeps the oracle's groups; a rank-R copy is the truncated SVD; its
     multiply-adds, 2R(H + F) per token, come off the FLOP sparsity; attention is refused."""
     from wide.base import arch
-    from wide.method.modeling import get_state, recording_masks
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     assert trial.parse_mode("lowrank32:ffn") == ("lowrank", 32, ("ffn",)) == trial.parse_mode("lowrank32")
@@ -472,7 +476,8 @@ def test_oracle_trial_low_rank_mode():
 
 def test_oracle_trial_layer_range():
     """``@FIRST-LAST`` applies a mode to those layers only; the others keep the routers' masks."""
-    from wide.method.modeling import get_state, recording_masks
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     assert trial.split_layers("oracle:ffn@1-2") == ("oracle:ffn", range(1, 3))
@@ -502,7 +507,7 @@ def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional
     """C_g is the mean of h_g W_g^T over the tokens that skip g (or over all), first position
     left out, computed by brute force from the projections' unmasked inputs and the masks."""
     from wide.base import arch
-    from wide.method.modeling import get_state
+    from wide.method.state import get_state
 
     trial = _compensation_trial(monkeypatch)
     model = _wrapped()
@@ -543,7 +548,7 @@ def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional
 def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
     """The hook adds (1 - m) @ C to the projection's output and nothing else; C = 0 changes nothing."""
     from wide.base import arch
-    from wide.method.modeling import get_state
+    from wide.method.state import get_state
 
     trial = _compensation_trial(monkeypatch)
     model = _wrapped()

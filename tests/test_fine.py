@@ -1,5 +1,5 @@
 """Per-element activation sparsity (wide.method.fine: TEAL, WINA, learned thresholds) and the exact
-linear-MAC accounting every method's records carry (wide.method.modeling.linear_macs)."""
+linear-MAC accounting every method's records carry (wide.method.sparsity.linear_macs)."""
 
 import json
 import math
@@ -11,8 +11,9 @@ from conftest import tiny_model
 
 import wide
 from wide.base import arch
-from wide.method import fine, modeling
-from wide.method.modeling import PROJECTIONS, get_state, projection_shapes
+from wide.method import fine, modeling, sparsity
+from wide.method.geometry import PROJECTIONS, projection_shapes
+from wide.method.state import get_state
 from wide.io.serialization import THRESHOLDS_FILE, CheckpointError
 
 
@@ -117,7 +118,7 @@ def test_linear_sparsity_counts_a_hand_built_mask_exactly():
     fine.attach(model, fine.FineConfig(target=0.5))
     # thresholds that keep everything but layer 1's down input: zero it for all tokens
     model.wide_fine.log_threshold.data[1, PROJECTIONS.index("down")] = float("inf")
-    with torch.no_grad(), modeling.track_sparsity(model) as t:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t:
         model(input_ids=torch.tensor([[5, 6, 7]]))
     sp = t.summary()
     H, I = 64, 96
@@ -155,7 +156,7 @@ def test_linear_sparsity_matches_the_inputs_projections_really_read():
     fine.attach(model, fine.FineConfig(target=0.3))
     ids = batches(1, b=2, t=10, seed=3)
     fine.calibrate(model, ids)
-    with torch.no_grad(), modeling.track_sparsity(model) as t, modeling.recording_masks(model) as rec:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t, modeling.recording_masks(model) as rec:
         seen = projection_inputs(model, ids)
     geo = get_state(model).geometry
     shapes = projection_shapes(geo.dims)
@@ -174,7 +175,7 @@ def test_linear_sparsity_matches_the_inputs_projections_really_read():
 def test_dense_and_router_only_models_count_linear_sparsity():
     model = tiny_model("llama")
     modeling.wrap(model, wide.WideConfig(sparse_target="none"), seed=0)
-    with torch.no_grad(), modeling.track_sparsity(model) as t:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t:
         model(input_ids=batches(1)[0])
     assert float(t.summary().linear_rate) == 0.0 and float(t.summary().attn_core_rate) == 0.0
 

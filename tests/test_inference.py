@@ -206,7 +206,7 @@ def test_choose_fastest_measures_once_per_key():
 def test_offsets_sit_mid_gap():
     # Calibration puts each threshold halfway between neighbouring margins, so a change of
     # summation order cannot flip a calibration token, and the realised rate stays exact.
-    from wide.method.modeling import _mid_gap
+    from wide.method.offsets import _mid_gap
     v = torch.tensor([0.0, 1.0, 2.0, 3.0])
     assert _mid_gap([v], 2.0) == 1.5 and _mid_gap([v], 1.2) == 1.5
     assert _mid_gap([v], 5.0) == 5.0  # above every margin already
@@ -220,7 +220,8 @@ def test_offsets_sit_mid_gap():
         if r is not None:
             margins.append(r.margin(x).flatten())
 
-    from wide.method.modeling import get_state, observed_pass
+    from wide.method.offsets import observed_pass
+    from wide.method.state import get_state
     observed_pass(model, [ids], get_state(model).input_observers, grab)
     m = torch.cat(margins)
     assert float(m.abs().min()) > 1e-6
@@ -240,7 +241,7 @@ def _mid_gap_brute(v: torch.Tensor, thr: float) -> float:
 def test_offset_search_on_sorted_margins_matches_brute_force():
     # Offset calibration sorts each module's margins once and binary-searches them, instead of
     # comparing every margin at each bisection step: the same shares, gaps and quantiles.
-    from wide.method.modeling import _mid_gap, _set_offsets, _skipped_share
+    from wide.method.offsets import _mid_gap, _set_offsets, _skipped_share
     g = torch.Generator().manual_seed(3)
     # rounded so that many margins tie, at the thresholds tried too
     chunks = [torch.round(torch.randn(n, generator=g) * 8) / 8 for n in (1, 7, 500, 2048)]

@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 import wide
 from wide.training import recovery
-from wide.method.modeling import get_state
+from wide.method.state import get_state
 from wide.training.train import TrainArgs
 
 

@@ -11,7 +11,8 @@ from conftest import tiny_model
 import wide
 from wide.cli import main
 from wide.method.config import WideConfig
-from wide.method.modeling import batch_shared_decode, get_state, plan_tiles, recording_masks
+from wide.method.modeling import batch_shared_decode, plan_tiles, recording_masks
+from wide.method.state import get_state
 from wide.method.routers import batch_shared_runs, group_runs
 
 

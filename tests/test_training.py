@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 import wide
 from wide.io import serialization
 from wide.method.config import WideConfig
-from wide.method.modeling import Geometry, ModelDims, _summarise, get_state, sparsity_penalty
+from wide.method.geometry import Geometry, ModelDims
+from wide.method.sparsity import _summarise, sparsity_penalty
+from wide.method.state import get_state
 from wide.io.serialization import CheckpointError
 from wide.training.train import TrainArgs, batch_indices, lr_lambda, target_config, train
 

@@ -11,17 +11,9 @@
 import sys as _sys
 
 from .method.config import WideConfig
-from .method.modeling import (
-    calibrate_offsets,
-    forward_sparsity,
-    freeze_backbone,
-    router_parameters,
-    sparsity_loss,
-    track_sparsity,
-    union_penalty,
-    unwrap,
-    wrap,
-)
+from .method.modeling import freeze_backbone, router_parameters, unwrap, wrap
+from .method.offsets import calibrate_offsets
+from .method.sparsity import forward_sparsity, sparsity_loss, track_sparsity, union_penalty
 from .engine.inference import AcceleratedModel, accelerate, generate
 from .io.serialization import CheckpointError, save_routers
 from .method import fine

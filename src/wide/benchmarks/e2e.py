@@ -154,7 +154,7 @@ def fine_bytes_fraction(model, records, B: int, mode: str) -> dict:
     kernels' reads, from the step's group masks, in hybrid). ``active_frac_per_token``: the
     MAC-weighted share of the layers' weights one token needs."""
     from wide.engine.fine_engine import MAX_T
-    from wide.method.modeling import PROJECTIONS
+    from wide.method.geometry import PROJECTIONS
 
     wb = weight_bytes(model)
     L = wb["layers"]
@@ -199,7 +199,7 @@ def fine_thresholds(model, batches, shares) -> dict:
     model keeps a ``wide_fine`` with its hooks off (``enabled = False``): the engines read the
     thresholds, and the HF baseline and router offsets stay what they were."""
     from wide.method import fine as wf
-    from wide.method.modeling import get_state
+    from wide.method.state import get_state
 
     fine = wf.get_fine(model) or wf.attach(model, wf.FineConfig())
     state = model.wide_state

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..base.arch import KINDS
-from ..method.modeling import ModelDims, resolve_geometry
+from ..method.geometry import ModelDims, resolve_geometry
 
 # Dense bf16 tensor-core peaks (FLOP/s), for the time estimate only.
 GPU_PEAK = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12}

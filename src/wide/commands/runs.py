@@ -225,7 +225,7 @@ def check_geometry(hf_config, config) -> None:
     kernels need (ops.kernel_shape_error) and the help promises."""
     from ..base.cliargs import with_flags
     from ..method.config import WideConfig
-    from ..method.modeling import ModelDims, resolve_geometry
+    from ..method.geometry import ModelDims, resolve_geometry
 
     dims = ModelDims.from_hf_config(hf_config)
     ffn = config.ffn_group_size
@@ -528,8 +528,8 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     if args.offsets == "none":
         return None
     from ..method.fine import get_fine, shift_to_target
-    from ..method.modeling import calibrate_offsets as calibrate
-    from ..method.modeling import get_state
+    from ..method.offsets import calibrate_offsets as calibrate
+    from ..method.state import get_state
 
     batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
     t0 = time.perf_counter()

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from ..base import arch
 from ..method.fine import get_fine
-from ..method.modeling import PROJECTIONS
+from ..method.geometry import PROJECTIONS
 from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:

@@ -59,7 +59,8 @@ import torch.nn as nn
 from ..base import arch
 from .fine_engine import MAX_T, NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
-from ..method.modeling import Geometry, get_state
+from ..method.geometry import Geometry
+from ..method.state import get_state
 from .ops import make_ops, pick_backend
 from .routing_rules import make_rule
 from .sampling import GenerationResult, check_sampling, cut_at_eos, eos_tensor, sample_logits

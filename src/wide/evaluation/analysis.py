@@ -17,7 +17,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..method.modeling import KINDS, get_state, observed_pass, track_sparsity
+from ..base.arch import KINDS
+from ..method.offsets import observed_pass
+from ..method.sparsity import track_sparsity
+from ..method.state import get_state
 
 
 @torch.no_grad()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..method.modeling import batch_shared_decode, track_sparsity
+from ..method.modeling import batch_shared_decode
+from ..method.sparsity import track_sparsity
 
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 # Tasks lm-eval reports acc_norm for; the headline metric for the others is acc.

@@ -34,7 +34,9 @@ from ..method.config import START_ONLY, WideConfig, with_predating
 from ..base.fileio import atomic_write_text as _write_text
 from ..base.fileio import sha256_file, umask_mode
 from ..method.fine import FineConfig, attach, get_fine
-from ..method.modeling import ModelDims, get_state, wrap
+from ..method.geometry import ModelDims
+from ..method.modeling import wrap
+from ..method.state import get_state
 
 ROUTERS_FILE = "routers.safetensors"
 # Per-element thresholds (wide.fine), beside the routers; their FineConfig is wide_config.json's "fine".

@@ -29,7 +29,10 @@ import torch
 from ..base import arch
 from .config import WideConfig
 from ..base.arch import KINDS
-from .modeling import Geometry, ModelDims, _summarise, get_state, resolve_geometry, wrap
+from .geometry import Geometry, ModelDims, resolve_geometry
+from .modeling import wrap
+from .sparsity import _summarise
+from .state import get_state
 
 METHODS = ("wide", "dynamic_depth", "module_skip", "static_width")
 STATIC_FILE = "static_masks.json"

@@ -35,7 +35,9 @@ from tqdm.auto import tqdm
 
 from ..base import arch
 from ..base.cliargs import check_fields
-from .modeling import PROJECTIONS, ModelDims, get_state, install_hooks, projection_shapes
+from .geometry import PROJECTIONS, ModelDims, projection_shapes
+from .modeling import install_hooks
+from .state import get_state
 from .routers import Float32Module
 
 CRITERIA = ("magnitude", "wina")
@@ -552,7 +554,7 @@ def greedy_sparsity(tables: list, target: float) -> torch.Tensor:
 
 @torch.no_grad()
 def measured_linear_sparsity(model, batches) -> float:
-    from .modeling import track_sparsity
+    from .sparsity import track_sparsity
 
     was_training = model.training
     model.eval()

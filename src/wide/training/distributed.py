@@ -36,7 +36,8 @@ import torch
 import torch.distributed as tdist
 
 from ..base.arch import KINDS, decoder_layers
-from ..method.modeling import _summarise, get_state
+from ..method.sparsity import _summarise
+from ..method.state import get_state
 
 DCP_DIR = "dcp"
 

@@ -26,7 +26,8 @@ import torch
 
 from ..base import arch
 from ..base.cliargs import check_fields
-from ..method.modeling import get_state, install_hooks, router_parameters
+from ..method.modeling import install_hooks, router_parameters
+from ..method.state import get_state
 from ..io.serialization import CheckpointError, load, resolve_base_model, save_routers
 from .train import TrainArgs, train
 

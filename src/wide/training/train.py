@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..base.cliargs import check_fields
-from ..method.modeling import forward_sparsity, get_state, router_parameters, routing_disabled, sparsity_penalty, union_penalty
+from ..method.modeling import router_parameters, routing_disabled
+from ..method.sparsity import forward_sparsity, sparsity_penalty, union_penalty
+from ..method.state import get_state
 from ..io.serialization import (atomic_write_text, config_differences, load, read_meta, recover_directory,
                             remove_directory, save_routers)
 
@@ -251,7 +253,7 @@ def _set_rng_state(st: dict) -> None:
 @torch.no_grad()
 def evaluate_heldout(model, ids: torch.Tensor, batch_size: int, max_batches: Optional[int] = None) -> dict:
     """Mean next-token cross-entropy and realised sparsity with inference-time routing."""
-    from ..method.modeling import track_sparsity
+    from ..method.sparsity import track_sparsity
 
     was_training = model.training
     model.eval()
