@@ -18,7 +18,7 @@ logits:
   on every token: what ``wide eval`` and training measure.
 * ``coarse`` | ``fine`` | ``hybrid`` | ``dense``: the static-cache engine (``wide.accelerate``),
   as ``wide generate --mode`` runs it. Loglikelihood requests are one prefill
-  (:meth:`~wide.inference.AcceleratedModel.logits`), ``generate_until`` the engine's own
+  (:meth:`~wide.engine.inference.AcceleratedModel.logits`), ``generate_until`` the engine's own
   prefill and decode. The engine applies per-element thresholds at decode only, so in ``fine``
   mode loglikelihood requests score the dense model and in ``hybrid`` mode the routers alone.
   Without a CUDA GPU the engine runs its PyTorch path (the same values, not the kernels' speed),

@@ -96,7 +96,7 @@ def spec_for(config_or_model) -> ArchSpec:
     if spec is None:
         raise UnsupportedArchitecture(
             f"wide supports the Llama-family architectures {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"this model is {model_type!r} (add an ArchSpec to wide.arch.ARCHS to route another)")
+            f"this model is {model_type!r} (add an ArchSpec to wide.base.arch.ARCHS to route another)")
     return spec
 
 

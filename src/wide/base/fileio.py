@@ -38,7 +38,7 @@ def umask_mode(directory: bool = False) -> int:
 def atomic_write_text(path: Union[str, Path], text: str) -> None:
     """Replace ``path`` whole, durably: a kill leaves the old text or the new one, never half.
     The temporary sibling is ``.NAME.tmp-PID-*``, the pattern of wide's leftover cleanup
-    (wide.serialization.leftovers)."""
+    (wide.io.serialization.leftovers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -1,11 +1,11 @@
-"""Stage-1 training throughput: tokens per second of ``wide.train.train`` steps (routers only,
+"""Stage-1 training throughput: tokens per second of ``wide.training.train.train`` steps (routers only,
 frozen backbone, 50% FLOP target) for each loss (ce, kd: one extra teacher forward per
 micro-batch), autocast mode and batch size, with the peak GPU memory.
 
     python -m wide.benchmarks.train_speed --batch-size 16 64 128 --out $OUT/train_speed.json
     (or: wide bench train_speed ...)
 
-``--model`` is ``default`` (SmolLM2-135M, the real weights), a preset of ``wide.arch.PRESETS``
+``--model`` is ``default`` (SmolLM2-135M, the real weights), a preset of ``wide.base.arch.PRESETS``
 (random weights of that shape) or a local HF directory. A step is timed by the wall clock
 between consecutive steps of the real loop (each step ends with one host sync, so a step's time
 covers its GPU work); the number is the median over ``--steps`` steps after ``--warmup``. The

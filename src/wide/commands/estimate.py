@@ -1,5 +1,5 @@
 """``wide calibrate --dry-run``: memory per rank and step time of a planned run under
-``wide.distributed.shard_model``, from the model's config alone (no weights are loaded).
+``wide.training.distributed.shard_model``, from the model's config alone (no weights are loaded).
 docs/distributed.md says what each row counts and how close it came to measured peaks.
 """
 
@@ -18,7 +18,7 @@ GPU_PEAK = {"h200": 989e12, "h100": 989e12, "a100": 312e12, "l40s": 362e12}
 
 @dataclass
 class DryRunArgs:
-    """The options only ``--dry-run`` reads (wide.cliargs metadata)."""
+    """The options only ``--dry-run`` reads (wide.base.cliargs metadata)."""
 
     world_size: Optional[int] = field(default=None, metadata={
         "help": "ranks for --dry-run (default: WORLD_SIZE or 1)", "min": 1})

@@ -49,7 +49,7 @@ MAX_IDLE_CALLS = 10  # generate() calls in a row with nothing but empty samples 
 
 @dataclass
 class SampleArgs:
-    # The metadata is each field's command-line option (wide.cliargs).
+    # The metadata is each field's command-line option (wide.base.cliargs).
     tokens: int = field(default=1_000_000, metadata={
         "help": "tokens to sample, counting one separator per document as packing does", "min": 1})
     seed: int = field(default=0, metadata={"help": "seed of every generate() call", "min": 0, "max": 2 ** 63 - 1})

@@ -1,4 +1,4 @@
-"""How the engine (:mod:`wide.inference`) turns the routers' per-token decisions into the masks
+"""How the engine (:mod:`wide.engine.inference`) turns the routers' per-token decisions into the masks
 its kernels run: one rule object per engine, chosen at construction, whose methods the prefill
 and decode loops call unconditionally (docs/routing_structure.md has the rules themselves).
 
@@ -17,7 +17,7 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
   reads the weights of that set only. Prefill routes per token.
 
-The masked HF path implements the same rules in :mod:`wide.modeling` (``_tiled``, ``_shared``);
+The masked HF path implements the same rules in :mod:`wide.method.modeling` (``_tiled``, ``_shared``);
 tests check that both give the same logits.
 """
 
@@ -246,7 +246,7 @@ def make_rule(engine, batch_shared: bool) -> TokenRule:
         if tile != 1:
             raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "
                              f"per tile of {tile} tokens (the masked HF path runs both: "
-                             "wide.modeling.batch_shared_decode)")
+                             "wide.method.modeling.batch_shared_decode)")
         if engine.cfg.tie_modules:
             raise ValueError("batch-shared decode needs routers with margins per module; tied (dynamic-depth) "
                              "decisions have none")

@@ -309,7 +309,7 @@ def decode_perplexity(model, ids: torch.Tensor, *, batch_sizes=(8, 32), prompt_l
 
     A wrapped model is scored with its own routing (per sequence: ``"own"``, batch size
     irrelevant, run at the largest batch) and, for each batch size B, with
-    :func:`~wide.modeling.batch_shared_decode` over batches of B windows (``"batch_shared"``),
+    :func:`~wide.method.modeling.batch_shared_decode` over batches of B windows (``"batch_shared"``),
     whose routing depends on the batch: this is its quality cost. Windows are dealt to batches
     with a stride (window i goes to batch i mod n_batches), so one batch holds windows from far
     apart in the held-out text, i.e. unrelated documents, not neighbouring chunks of one article.

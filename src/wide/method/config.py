@@ -47,7 +47,7 @@ def with_predating(saved: dict) -> dict:
 
 @dataclass
 class WideConfig:
-    # The metadata is each field's command-line option (wide.cliargs): its help, and its flag
+    # The metadata is each field's command-line option (wide.base.cliargs): its help, and its flag
     # where that is not --field-name. It is not part of asdict, so saved configs do not see it.
     # Every target lies below 1: routers trained to skip every group leave no model to evaluate.
     target_sparsity: float = field(default=0.5, metadata={
@@ -68,7 +68,7 @@ class WideConfig:
     # One GQA pack per group (None): the K/V head of a skipped group is read by no other group.
     attn_group_size: Optional[int] = field(default=None, metadata={
         "help": "query heads per attention group (default: one GQA pack = query heads per KV head)", "min": 1})
-    # None picks per model (wide.modeling.auto_ffn_group_size): 128 channels where that still cuts
+    # None picks per model (wide.method.geometry.auto_ffn_group_size): 128 channels where that still cuts
     # the FFN into at least 64 groups, finer on small models, whose quality measured 19 % better at
     # 96 groups than at 12 (docs/method.md, "Group size"). wrap() stores the size it picked.
     ffn_group_size: Optional[int] = field(default=None, metadata={
@@ -124,7 +124,7 @@ class WideConfig:
         "help": "what the routers read to decide a tile (--route-tile > 1): its first token's input, or the mean "
                 "of the previous tile's inputs (the first tile of a text: its first token's)"})
     # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline):
-    # set by wide.baselines, not a command-line option.
+    # set by wide.method.baselines, not a command-line option.
     tie_modules: bool = False
     extra: dict = field(default_factory=dict)
 

@@ -20,7 +20,7 @@ The keep rule is ``|x_k| * scale_k >= threshold`` in fp32, the same expression t
 kernels evaluate. A model carries this as ``model.wide_fine``; it needs a wrapped model
 (``wide.wrap``, ``sparse_target="none"`` when there is no router) because the routing state
 is where the hooks read the routers' masks and leave the kept-input counts that
-``wide.modeling.linear_macs`` turns into the exact linear sparsity.
+``wide.method.sparsity.linear_macs`` turns into the exact linear sparsity.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class FineSparsity(Float32Module):
             for p in PROJECTIONS:
                 self.log_scale[p] = nn.Parameter(torch.zeros(L, shapes[p][1]), requires_grad=config.per_channel)
         self.enabled = True
-        self.progress = 0.0  # share of training done (the surrogate's temperature), set by wide.train
+        self.progress = 0.0  # share of training done (the surrogate's temperature), set by wide.training.train
 
     def learnable(self) -> list:
         """The parameters training moves: learned thresholds, and per-channel scales."""

@@ -1,6 +1,6 @@
 """Calibration and recovery on several processes with PyTorch FSDP2 (``fully_shard``).
 
-The one training loop of ``wide.train`` runs unchanged in every process; a ``DistContext``
+The one training loop of ``wide.training.train`` runs unchanged in every process; a ``DistContext``
 passed to it (``train(..., dist=ctx)``) hands it a :class:`TrainingSession`, which changes
 four things:
 
@@ -107,7 +107,7 @@ class DistContext:
         return slice(self.rank * per, (self.rank + 1) * per)
 
     def session(self, model, seed: int) -> "TrainingSession":
-        """What ``wide.train.train(..., dist=self)`` runs its loop with."""
+        """What ``wide.training.train.train(..., dist=self)`` runs its loop with."""
         return TrainingSession(self, model, seed)
 
     def shard(self, model, **kwargs):
@@ -170,7 +170,7 @@ def shard_model(model, ctx: DistContext, *, mixed_precision: Optional[bool] = No
         raise RuntimeError(f"wide's FSDP2 path needs fully_shard(ignored_params=...), added in torch 2.7; "
                            f"this is torch {torch.__version__}")
     if not tdist.is_initialized():
-        raise RuntimeError("shard_model needs a process group: call wide.distributed.init() (under torchrun)")
+        raise RuntimeError("shard_model needs a process group: call wide.training.distributed.init() (under torchrun)")
     from torch.distributed.device_mesh import init_device_mesh
 
     keep = trainable_parameters(model)
@@ -203,7 +203,7 @@ def shard_model(model, ctx: DistContext, *, mixed_precision: Optional[bool] = No
 class KeyedGumbel:
     """``WideState.mask_fn`` for training: the router's own logits with Gumbel noise keyed
     by the sample's place in the global batch, hard straight-through like
-    ``wide.routers.gumbel_straight_through``. Outside training it is the inference rule."""
+    ``wide.method.routers.gumbel_straight_through``. Outside training it is the inference rule."""
 
     def __init__(self, model, seed: int):
         self.model = model
@@ -233,7 +233,7 @@ class KeyedGumbel:
 
 
 class TrainingSession:
-    """What ``wide.train.train`` needs from the distributed side during one call: data and noise
+    """What ``wide.training.train.train`` needs from the distributed side during one call: data and noise
     per rank, the global sparsity loss, gradient averaging and DCP checkpoints."""
 
     def __init__(self, ctx: DistContext, model, seed: int):
@@ -337,7 +337,7 @@ def save_checkpoint(ctx: DistContext, model, opt, path, *, step: int, trainer_st
                     write_more: Optional[Callable[[Path], None]] = None) -> None:
     """Every rank writes its part of the DCP checkpoint into a staging directory; after a
     barrier rank 0 adds the router files and trainer state and puts the whole in place with
-    ``wide.serialization``'s crash-safe protocol (manifest, renames, recovery on resume)."""
+    ``wide.io.serialization``'s crash-safe protocol (manifest, renames, recovery on resume)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

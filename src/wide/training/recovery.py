@@ -45,7 +45,7 @@ RECOVERY_DEFAULTS = {"lr": RECOVERY_LR, "sparsity_warmup": 0.0}
 
 @dataclass
 class LoraArgs:
-    # The metadata is each field's command-line option (wide.cliargs).
+    # The metadata is each field's command-line option (wide.base.cliargs).
     r: int = field(default=16, metadata={"flag": "--lora-r", "help": "LoRA rank", "min": 1})
     alpha: int = field(default=32, metadata={"flag": "--lora-alpha", "help": "LoRA scale numerator (scale = alpha / r)", "gt": 0})
     dropout: float = field(default=0.1, metadata={"flag": "--lora-dropout", "help": "dropout on the LoRA branch", "min": 0, "lt": 1})
@@ -203,12 +203,12 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
             progress: bool = True, stop_at: Optional[int] = None, extra: Optional[dict] = None,
             write_more=None, dist=None, shard: bool = True, activation_checkpointing: bool = False) -> dict:
     """Stage 2 on a model wrapped with stage-1 routers: add LoRA, train adapters (+ routers)
-    with ``wide.train.train``, save ``out_dir/recovered`` (routers + adapters, unmerged).
+    with ``wide.training.train.train``, save ``out_dir/recovered`` (routers + adapters, unmerged).
 
     ``args`` should carry stage 2's rate and no target warm-up (``RECOVERY_DEFAULTS``). The model keeps its
     adapters unmerged on return; call ``merge(model)`` for inference.
 
-    ``dist`` (a ``wide.distributed.DistContext``) runs it as one rank of a data-parallel run:
+    ``dist`` (a ``wide.training.distributed.DistContext``) runs it as one rank of a data-parallel run:
     the backbone is sharded after the adapters are added (unless ``shard=False``), so they stay
     replicated in float32, and only the main rank writes ``out_dir/recovered``.
     """

@@ -8,7 +8,7 @@ the two; the sparsity penalty is added to each (docs/method.md, "Self-distillati
 
 The data order is a pure function of (seed, step), so a resumed run sees exactly the
 batches the uninterrupted run would have seen; checkpoints hold the optimizer, scheduler,
-temperature and RNG states. They are written with ``wide.serialization``'s crash-safe
+temperature and RNG states. They are written with ``wide.io.serialization``'s crash-safe
 protocol, and a resume first recovers the newest complete one, so a kill -9 at any moment
 loses at most the steps since the last checkpoint.
 """
@@ -49,7 +49,7 @@ DEVICE_IDS_MAX_BYTES = 2 << 30
 
 @dataclass
 class TrainArgs:
-    # The metadata is each field's command-line option (wide.cliargs).
+    # The metadata is each field's command-line option (wide.base.cliargs).
     steps: int = field(default=300, metadata={"help": "optimizer steps", "min": 1})
     batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch", "min": 1})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per step", "min": 1})
@@ -185,7 +185,7 @@ def _tuner_layers(model) -> list:
 def adapters_disabled(model):
     """PEFT adapters switched off for the block, as ``PeftModel.disable_adapter()`` does it
     (``enable_adapters(False)`` on every tuner layer), on a model whose adapters
-    ``inject_adapter_in_model`` added in place (wide.recovery). PEFT's switch also changes the
+    ``inject_adapter_in_model`` added in place (wide.training.recovery). PEFT's switch also changes the
     adapters' ``requires_grad``: that is put back as it was."""
     layers = _tuner_layers(model)
     grads = [(p, p.requires_grad) for m in layers for p in m.parameters()]
@@ -329,11 +329,11 @@ def train(
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
     ``resume=True`` call continues the same run.
 
-    ``dist`` (a ``wide.distributed.DistContext``) runs this loop as one rank of a data-parallel
+    ``dist`` (a ``wide.training.distributed.DistContext``) runs this loop as one rank of a data-parallel
     run: ``batch_size`` is then the global micro-batch, the sparsity loss is that of the global
     batch, and checkpoints are DCP checkpoints that resume on any number of processes. The loop
     only calls the session ``dist.session(model, seed)`` gives it, so this module does not
-    depend on ``wide.distributed``.
+    depend on ``wide.training.distributed``.
     """
     session = dist.session(model, args.seed) if dist is not None else None
     try:
