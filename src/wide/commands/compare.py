@@ -4,7 +4,7 @@ zero-shot tasks.
 
 Every trained method gets a run directory ``RUNS/<method>-<pct>/stage{1,2}`` that is resumed
 on a rerun; a finished method leaves ``final/`` (routers, adapters or static masks, loadable
-with ``wide.recovery.load_recovered``). Evaluations are cached in ``RUNS/evals.json`` under a
+with ``wide.training.recovery.load_recovered``). Evaluations are cached in ``RUNS/evals.json`` under a
 key that includes every setting that changes the numbers, so an interrupted comparison picks
 up where it stopped and a finished one only rewrites the outputs.
 
@@ -74,7 +74,7 @@ REFERENCE = "dynamic_depth"
 @dataclass
 class CompareArgs:
     """The options of ``wide compare`` beyond the shared model, data, evaluation and training
-    ones (wide.cliargs metadata)."""
+    ones (wide.base.cliargs metadata)."""
 
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS), metadata={
         "nargs": "+", "choices": list(METHOD_ROWS), "help": "methods to run"})

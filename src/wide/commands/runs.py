@@ -1,7 +1,7 @@
 """What every command runs on: the model, data, evaluation and training-run options (as
-dataclasses whose fields carry their command-line help, see ``wide.cliargs``), loading the
+dataclasses whose fields carry their command-line help, see ``wide.base.cliargs``), loading the
 model and tokenizer, packing the calibration and held-out text, one evaluation record, the
-results files and the machine they were measured on. ``wide.cli`` and ``wide.compare`` both
+results files and the machine they were measured on. ``wide.cli`` and ``wide.commands.compare`` both
 build on this module, so neither needs the other.
 """
 
@@ -21,7 +21,7 @@ from ..data import BUILTIN_SOURCES, DECONTAMINATE_MODES, MODEL_NAME, jsonl_text
 from ..evaluation.evaluate import TASKS
 
 DEFAULT = "default"  # --model value that stands for the embedded SmolLM2 (wide.data.fetch_default_model)
-DEFAULT_SHAPE = "smollm2-135m"  # the default model's entry in wide.arch.PRESETS: checked before it is fetched
+DEFAULT_SHAPE = "smollm2-135m"  # the default model's entry in wide.base.arch.PRESETS: checked before it is fetched
 FFN_TILE = 16  # channels of the routed GPU kernels' FFN tile: FFN group sizes are multiples of it
 DTYPES = ("float32", "bfloat16", "float16")
 OFFSET_MODES = ("global", "per_module", "none")
@@ -119,7 +119,7 @@ class HarnessArgs:
 
 @dataclass
 class RunArgs:
-    """What a training command does around ``wide.train.train``."""
+    """What a training command does around ``wide.training.train.train``."""
 
     max_train_tokens: Optional[int] = field(default=None, metadata={
         "help": "cap on packed training tokens (default: all)", "min": 1})
@@ -495,7 +495,7 @@ def evaluate_one(model, tok, args, heldout_ids, bytes_per_token, method: str, st
     ppl = perplexity(model, heldout_ids, batch_size=args.batch_size, bytes_per_token=bytes_per_token)
     rec.update(ppl=ppl["ppl"], bpb=ppl.get("bpb"), heldout_tokens=ppl["tokens"],
                sparsity=ppl.get("flop_sparsity", 0.0), group_sparsity=ppl.get("group_sparsity", 0.0),
-               # every record, dense included, on the one axis all methods share (wide.modeling.linear_macs)
+               # every record, dense included, on the one axis all methods share (wide.method.sparsity.linear_macs)
                linear_sparsity=ppl.get("linear_sparsity") or 0.0,
                attn_core_sparsity=(ppl.get("sparsity") or {}).get("attn_core_rate") or 0.0)
     if "sparsity" in ppl:

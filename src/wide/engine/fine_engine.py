@@ -28,7 +28,7 @@ step that run the thresholds fall back to GEMMs on the thresholded inputs: cuBLA
 the routed kernels (or cuBLAS, as measured) in ``hybrid``; they compute the same values but read
 every weight row that any token needs, which at such batches is about all of them. So a ``fine``
 engine on the kernels decodes such batches with the dense weights instead, and measures the
-batches of up to 4 (:meth:`~wide.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
+batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
 fixes the limit).
 
 The Triton backend reads the weights in the transposed layout of the kernels

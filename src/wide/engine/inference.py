@@ -16,7 +16,7 @@ beside it that shares its weights and has its own forward, in the gpt-fast style
   token's keys are needed by later tokens) and go to the cache; attention runs on
   ``prefill_attention`` / ``decode_attention``, which skip inactive head groups.
 
-What runs each step is the engine's ops object (:mod:`wide.ops`), chosen once at construction
+What runs each step is the engine's ops object (:mod:`wide.engine.ops`), chosen once at construction
 from the backend and mode; the layer loops below call it unconditionally. ``"triton"`` (CUDA
 with compute capability >= 8.0, or the CPU under ``TRITON_INTERPRET=1`` for tests) runs the
 kernels of :mod:`wide.kernels`: besides the routed GEMMs and attention, fused residual + RMSNorm
@@ -34,13 +34,13 @@ baseline the end-to-end benchmark divides by. Modes:
   groups and, inside the kept ones, the input elements under their thresholds.
 * ``"dense"``: the baseline above.
 
-The fine and hybrid decode ops are :mod:`wide.fine_engine`'s (which says how the router mask
+The fine and hybrid decode ops are :mod:`wide.engine.fine_engine`'s (which says how the router mask
 and the thresholds compose, and what batches above 4 tokens a step run). The routing rule (per
 token, tiles of positions for routers trained with ``route_tile``, or batch-shared decode) is a
-:mod:`wide.routing_rules` object, also chosen once, that turns the routers' decisions into the
+:mod:`wide.engine.routing_rules` object, also chosen once, that turns the routers' decisions into the
 masks the ops run.
 
-Module paths, norms, biases and q/k norms come from the model's :class:`~wide.arch.ArchSpec`;
+Module paths, norms, biases and q/k norms come from the model's :class:`~wide.base.arch.ArchSpec`;
 what the spec or the kernels cannot run is refused with a ``ValueError`` at construction (or,
 for a sliding window shorter than the cache, at :meth:`AcceleratedModel.setup_cache`).
 """
@@ -105,7 +105,7 @@ class _Layer:
     qk_norm: Optional[torch.Tensor] = None  # [q_norm.weight; k_norm.weight], for the kernels
     qk_eps: float = 0.0
     routers: dict = field(default_factory=dict)  # kind -> TokenRouter (or None)
-    fine: Optional[object] = None  # wide.fine_engine.FineLayer: thresholds, transposed weights (fine, hybrid)
+    fine: Optional[object] = None  # wide.engine.fine_engine.FineLayer: thresholds, transposed weights (fine, hybrid)
 
     def norm(self, kind: str) -> nn.Module:
         return self.attn_norm if kind == "attn" else self.ffn_norm
@@ -114,13 +114,13 @@ class _Layer:
 def _plain(layer: nn.Module, spec: arch.ArchSpec, role: str, idx: int, contiguous: bool = False):
     """(weight, bias or None) of a projection; refuses what the fast path cannot run. The
     weight is an alias of the parameter's present storage (an engine that later points the
-    parameter elsewhere, :func:`~wide.arch.share_projection_weights`, leaves it alone); ``contiguous``: a row-major copy
+    parameter elsewhere, :func:`~wide.base.arch.share_projection_weights`, leaves it alone); ``contiguous``: a row-major copy
     where another engine left it as a view of its transposed layout."""
     mod = arch.projection(layer, spec, role)
     name = spec.projections[role][1]
     if not isinstance(mod, nn.Linear) or hasattr(mod, "lora_A") or hasattr(mod, "base_layer"):
         raise ValueError(f"layer {idx} {name} is a {type(mod).__name__}, not a plain nn.Linear: "
-                         "merge LoRA adapters (wide.recovery) before wide.accelerate")
+                         "merge LoRA adapters (wide.training.recovery) before wide.accelerate")
     if mod.bias is not None and role not in spec.bias_ok:
         allowed = ", ".join(spec.bias_ok) or "none"
         raise ValueError(f"layer {idx} {name} has a bias; wide.accelerate runs {spec.model_type} "
@@ -143,7 +143,7 @@ def _sliding_window(cfg) -> Optional[int]:
 
 class AcceleratedModel:
     """Static-cache inference engine over a wrapped (or, for ``mode="dense"``, any) HF model of
-    a family whose :class:`~wide.arch.ArchSpec` has ``engine=True`` (Llama, Mistral, Qwen2,
+    a family whose :class:`~wide.base.arch.ArchSpec` has ``engine=True`` (Llama, Mistral, Qwen2,
     Qwen3). Shares the HF model's weights; see the module docstring."""
 
     def __init__(self, model, backend: str = "auto", mode: str = "coarse",
@@ -206,7 +206,7 @@ class AcceleratedModel:
         self.layers = [self._layer(layer, spec, i) for i, layer in enumerate(arch.decoder_layers(model))]
         self.ops = make_ops(self)
         # Decode's ops: the same object except where decode applies per-element thresholds.
-        self.fine = None  # wide.fine_engine.FineThresholds of a fine or hybrid engine
+        self.fine = None  # wide.engine.fine_engine.FineThresholds of a fine or hybrid engine
         self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
         # Fine on the kernels: a decode batch runs the thresholds or the dense weights (the
         # prefill ops, on the same single copy), per batch size (decode_path).
@@ -618,10 +618,10 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     ones the dense weights (None: measured per batch size on CUDA, thresholds everywhere on
     other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
     sequences that run the thresholds run GEMMs on the thresholded inputs
-    (:mod:`wide.fine_engine`).
+    (:mod:`wide.engine.fine_engine`).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
-    batch (:mod:`wide.routing_rules`), so it reads only those groups' weights; a sequence's
+    batch (:mod:`wide.engine.routing_rules`), so it reads only those groups' weights; a sequence's
     output then depends on the sequences batched with it. Routers trained with ``route_tile``
     share masks over tiles of positions, in prefill and decode alike.
 

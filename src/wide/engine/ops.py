@@ -1,6 +1,6 @@
 """The engine's operations per backend, and the routed-kernel-or-cuBLAS choice.
 
-:class:`~wide.inference.AcceleratedModel` picks one ops object at construction
+:class:`~wide.engine.inference.AcceleratedModel` picks one ops object at construction
 (:func:`make_ops`) and its prefill and decode loops call its methods unconditionally:
 
 * :class:`TorchOps`: dense matmuls and masks with HF's own modules (norms, RoPE formula), on
@@ -13,7 +13,7 @@
   and gate/up GEMMs as in gpt-fast; the baseline the end-to-end benchmark divides by.
 * :class:`UnroutedTorchOps`, :class:`UnroutedTritonOps`: the prefill of ``mode="fine"``, dense
   on the model's own weights (cuBLAS, SDPA) with no router run and no concatenated copy; its
-  decode ops (per-element thresholds, and ``mode="hybrid"``'s) are in :mod:`wide.fine_engine`.
+  decode ops (per-element thresholds, and ``mode="hybrid"``'s) are in :mod:`wide.engine.fine_engine`.
 
 Masks are bool ``[..., groups]`` (``[B, T, G]`` in prefill, ``[B, G]`` in decode; None = the
 module runs dense). A method given a mask of None runs the dense computation.
@@ -500,12 +500,12 @@ class UnroutedTritonOps(UnroutedOps, TritonOps):
 
 def make_ops(engine) -> TorchOps:
     """The ops object of an engine's backend and mode (its prefill ops, and its decode ops
-    except in the fine and hybrid modes: :func:`wide.fine_engine.make_decode_ops`)."""
+    except in the fine and hybrid modes: :func:`wide.engine.fine_engine.make_decode_ops`)."""
     triton = engine.backend == "triton"
     if engine.mode == "dense":
         return DenseTritonOps(engine) if triton else DenseTorchOps(engine)
     if engine.mode == "fine":
         # on the kernels: the dense engine's fused GEMMs, on the decode GEMVs' transposed copy
-        # (wide.fine_engine keeps that copy alone); the torch backend keeps the model's weights
+        # (wide.engine.fine_engine keeps that copy alone); the torch backend keeps the model's weights
         return DenseTritonOps(engine) if triton else UnroutedTorchOps(engine)
     return TritonOps(engine) if triton else TorchOps(engine)

@@ -246,7 +246,7 @@ def remove_directory(path: Union[str, Path]) -> None:
 
 
 def atomic_write_text(path: Union[str, Path], text: str) -> None:
-    """Replace a small file of a run whole (wide.fileio.atomic_write_text), then remove what
+    """Replace a small file of a run whole (wide.base.fileio.atomic_write_text), then remove what
     writes of it killed earlier left behind."""
     _write_text(path, text)
     _remove_leftovers(path)

@@ -14,7 +14,7 @@ query heads": the head's attention output for token t depends only on q_t, and K
 computed for every token and head as usual. Likewise zeroing down_proj's input channels is
 exactly "these gate/up columns were not computed". Training therefore computes skipped
 groups densely and masks them, which is what lets gradients reach the routers; speed comes
-from the kernels in ``wide.kernels`` (see ``wide.inference``).
+from the kernels in ``wide.kernels`` (see ``wide.engine.inference``).
 
 Two structured rules give the kernels whole blocks to skip (docs/routing_structure.md):
 ``WideConfig.route_tile`` makes the tokens of a position tile share the mask of the tile's first
@@ -273,7 +273,7 @@ def _decide(state: WideState, router: Optional[TokenRouter], layer: int, kind: s
 def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
     if not state.routing:
         return
-    # Routers decide in float32 (wide.routers) also under a bf16 autocast of the backbone.
+    # Routers decide in float32 (wide.method.routers) also under a bf16 autocast of the backbone.
     with torch.autocast(x.device.type, enabled=False):
         _route_fp32(state, routers, layer, kind, x)
 
@@ -467,7 +467,7 @@ def routing_disabled(model):
     """Every forward inside the block runs the dense backbone: no router runs, no mask (learned
     or static) applies and nothing is recorded. What the last routed forward left (its masks and
     its sparsity records) is put back on exit, so a dense pass may run between a routed forward
-    and its loss. The distillation teacher of ``wide.train`` runs under it."""
+    and its loss. The distillation teacher of ``wide.training.train`` runs under it."""
     state = get_state(model)
     saved = (state.routing, dict(state.masks), list(state.records), dict(state.tile_store), dict(state.kept_inputs))
     forward = {k: getattr(state, k) for k in ("attention_mask", "position_ids", "past_length", "tiles", "shape")}
@@ -510,7 +510,7 @@ def recording_masks(model):
 @contextlib.contextmanager
 def batch_shared_decode(model):
     """Inside the block, every decode step (one new token per sequence on a KV cache) runs one
-    group set per layer and module for the whole batch: ``wide.routers.batch_shared_runs`` of
+    group set per layer and module for the whole batch: ``wide.method.routers.batch_shared_runs`` of
     the sequences' (tile-rule) margins, as many groups as the batch's mean width asks for.
     Prefills and training forwards are unchanged.
 
