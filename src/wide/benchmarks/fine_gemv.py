@@ -204,7 +204,7 @@ def write_results(records, meta, out):
              "kept: share of each token's inputs over the threshold (i.i.d. random); union: share of the "
              "weight rows read (any token keeps them). floor: a plain read of the union's bytes. fine: the "
              "autotuned kernel (atomic or ordered fp32 split-K sums, whichever is faster); ordered: "
-             "deterministic=True. TEAL: its kernel rebuilt (wide.benchmarks.teal_gemv; fp16/bf16 atomic "
+             "deterministic=True. TEAL: its kernel rebuilt (wide.kernels.teal_gemv; fp16/bf16 atomic "
              "sums), T = 1. dense^T: cuBLAS on the kernels' transposed copy.", "",
              "| shape | dtype | N | K | T | kept | union | dense us | dense^T us | fine us | ordered us | floor us | "
              "speedup | TEAL us | TEAL speedup | fine / floor | GB/s | rel err | TEAL rel err |"
