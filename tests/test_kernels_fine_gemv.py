@@ -334,7 +334,7 @@ def test_benchmark_cpu_records(tmp_path):
         assert math.isclose(r["speedup"], r["dense_us"] / r["fine_us"], rel_tol=1e-3, abs_tol=1e-4)
         assert math.isclose(r["vs_floor"], r["fine_us"] / r["floor_us"], rel_tol=1e-3, abs_tol=1e-4)
         assert (r["union"] == 0.5) if r["T"] == 1 else (0.5 < r["union"] <= 1.0)
-    assert "| fine_gemv | tiny | qkv |" in out.with_suffix(".md").read_text()
+    assert "| tiny qkv | fp32 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["atomic", "ordered"])
