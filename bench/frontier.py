@@ -87,8 +87,8 @@ def merge_generation(docs: list, path) -> list:
 def linear_from_flops(record: dict) -> float:
     """The linear sparsity of a routed-groups-only record from its realised FLOP-weighted rate:
     skipped MACs / all linear MACs = rate x routable MACs / linear MACs, per layer and token."""
-    from wide.arch import PRESETS
-    from wide.modeling import ModelDims, projection_shapes
+    from wide.base.arch import PRESETS
+    from wide.method.geometry import ModelDims, projection_shapes
 
     cfg = PRESETS["smollm2-135m"]
     if "smollm2" not in str(record.get("model", "")).lower():

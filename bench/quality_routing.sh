@@ -76,7 +76,7 @@ mkdir -p "$RESULTS" "$RUNS"
 # The dense reference is the scaling grid's (same command and settings): not measured again.
 # DENSE=eval measures it again instead (bench/quality_scaling.sh does, before the first variant):
 # records since 2026-12-05 carry per-document task scores, which pair with a dense record's only
-# if it has them too (wide.evaluate.above_chance_se).
+# if it has them too (wide.evaluation.evaluate.above_chance_se).
 [ -f "$RESULTS/dense.json" ] || [ "${DENSE:-copy}" = eval ] || cp bench/results/quality_scaling/dense.json "$RESULTS/"
 END=$(( $(date +%s) + ${BUDGET_S:-1000000} ))
 left() { echo $(( END - $(date +%s) )); }

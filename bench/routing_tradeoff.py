@@ -79,7 +79,7 @@ def speed(runs: list) -> dict:
 
 def table(q: dict, s: dict, q_old: Optional[dict] = None) -> tuple:
     """``q_old``: the same rules at an earlier recipe, shown beside as one more column."""
-    from wide.evaluate import above_chance
+    from wide.evaluation.evaluate import above_chance
 
     dense, token = q["dense"], q["token"]
     rows = []

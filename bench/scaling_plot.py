@@ -106,7 +106,7 @@ def kept_cell(kept: dict, r) -> str:
 def kept_with_error(records) -> dict:
     """id(record) -> (share of dense's above-chance accuracy over the six tasks, BoolQ left out;
     its standard error from the documents scored, or None)."""
-    from wide.evaluate import above_chance, above_chance_se, chance_levels
+    from wide.evaluation.evaluate import above_chance, above_chance_se, chance_levels
 
     dense = next((r for r in records if r.get("method") == "dense"), None)
     if dense is None:
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         lines.append(f"\nZero-shot scores use the first {', '.join(map(str, limits))} validation documents of each task. "
                      "\"Above chance kept\": (mean accuracy - mean chance) / (dense's mean accuracy - mean chance) over "
                      "the six tasks other than BoolQ, where dense SmolLM2 scores below the majority rate; ± its standard "
-                     "error from the documents scored (wide.evaluate.above_chance_se: paired with dense's where both "
+                     "error from the documents scored (wide.evaluation.evaluate.above_chance_se: paired with dense's where both "
                      "records carry per-document scores, else an upper estimate; seeds add their own spread).")
     (out / f"{STEM}.md").write_text("\n".join(lines) + "\n")
     plot(records, out / f"{STEM}.png")

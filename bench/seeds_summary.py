@@ -47,7 +47,7 @@ def load(paths) -> tuple:
 
 def with_above_chance(records: list) -> None:
     """above_chance_kept on every record of one seed, against that seed's dense record."""
-    from wide.evaluate import above_chance, chance_levels
+    from wide.evaluation.evaluate import above_chance, chance_levels
 
     dense = next((r for r in records if r.get("name") == "dense"), None)
     if dense is None:

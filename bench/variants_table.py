@@ -38,8 +38,8 @@ SETTINGS = (("data", "data", "data"), ("batch", "train_args", "batch_size"), ("l
 
 def settings(run: dict) -> dict:
     """The table's settings of one run.json; fields a run predates read as what wide did then."""
-    from wide.config import with_predating
-    from wide.train import with_defaults
+    from wide.method.config import with_predating
+    from wide.training.train import with_defaults
 
     data = dict(run.get("data", {}))
     if data.get("data"):  # a path (sampled shards) by its folder's name: samples-s0
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     md = (f"# Router choices (bench/quality_routing.sh)\n\nMade by `python3 bench/variants_table.py "
           f"{args.folder}` from the records beside it and their runs/*.run.json.\n\n{table(records)}\n\n"
           "Above chance kept: the share of dense's above-chance accuracy over the six tasks other than BoolQ, "
-          "± its standard error from the documents scored (wide.evaluate.above_chance_se: document by document "
+          "± its standard error from the documents scored (wide.evaluation.evaluate.above_chance_se: document by document "
           "against dense where both records carry per-document scores, else an upper estimate; seeds add their "
           "own spread).\n")
     (args.folder / f"{STEM}.md").write_text(md)

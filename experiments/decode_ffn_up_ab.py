@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from wide.kernels import ffn_up, gemm_mn
 from wide.kernels.gemm_mn import ffn_up_reference
-from wide.timing import time_graph
+from wide.base.timing import time_graph
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ gk = importlib.import_module("wide.kernels.gemm_k")
 gm = importlib.import_module("wide.kernels.gemm_mn")
 from wide.benchmarks import read_floors  # noqa: E402
 from wide.kernels.routing import split_tickets  # noqa: E402
-from wide.timing import graph_time_us  # noqa: E402
+from wide.base.timing import graph_time_us  # noqa: E402
 
 
 @triton.jit

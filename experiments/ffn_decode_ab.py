@@ -33,7 +33,7 @@ from wide.kernels import RouterPartials, ffn_up, gemm_k
 from wide.kernels.gemm_mn import _router_decision, router_launch_args
 from wide.kernels.env import interpret_mode
 from wide.kernels.routing import check_group_size, check_mask, next_pow2
-from wide.timing import graph_time_us
+from wide.base.timing import graph_time_us
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 import os
 import sys
 
-if "--interpreter" in sys.argv:  # before triton is imported (by wide.ops, through gpu_smoke)
+if "--interpreter" in sys.argv:  # before triton is imported (by wide.engine.ops, through gpu_smoke)
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse
@@ -86,11 +86,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_smoke as smoke  # noqa: E402
 
 import wide  # noqa: E402
-import wide.fine_engine as fine_engine  # noqa: E402
-import wide.ops as wide_ops  # noqa: E402
-from wide.fine import KEEP_ALL  # noqa: E402
-from wide.fine_engine import MAX_T  # noqa: E402
-from wide.modeling import PROJECTIONS  # noqa: E402
+import wide.engine.fine_engine as fine_engine  # noqa: E402
+import wide.engine.ops as wide_ops  # noqa: E402
+from wide.method.fine import KEEP_ALL  # noqa: E402
+from wide.engine.fine_engine import MAX_T  # noqa: E402
+from wide.method.geometry import PROJECTIONS  # noqa: E402
 
 smoke.DEVICE = "cpu"  # build() and the generators read the module global
 DEVICE = "cpu"
@@ -169,7 +169,7 @@ SPREAD = [Variant(f"S{k}", "routed", "kernel", "stoch", seed=k) for k in range(S
 
 
 class Emu:
-    """What the proxied F.linear / SDPA of wide.ops and wide.fine_engine do now."""
+    """What the proxied F.linear / SDPA of wide.engine.ops and wide.engine.fine_engine do now."""
 
     variant: Variant | None = None
     routed: set = set()  # data_ptrs of the weights the routed kernels read

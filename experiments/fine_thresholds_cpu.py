@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import wide  # noqa: E402
-from wide import fine, modeling  # noqa: E402
+from wide.method import fine, geometry, modeling, sparsity  # noqa: E402
 from wide.data import fetch_default_model, load_documents, pack_documents  # noqa: E402
-from wide.evaluate import perplexity  # noqa: E402
-from wide.train import TrainArgs, train  # noqa: E402
+from wide.evaluation.evaluate import perplexity  # noqa: E402
+from wide.training.train import TrainArgs, train  # noqa: E402
 
 
 def setup(threads: int):
@@ -68,10 +68,10 @@ def learn(a) -> dict:
     modeling.freeze_backbone(model)
     start = perplexity(model, H, batch_size=8, progress=False)
     gen = {}
-    if a.gen:  # free text against the dense model (wide.evaluate.generation_quality), one prompt per window
+    if a.gen:  # free text against the dense model (wide.evaluation.evaluate.generation_quality), one prompt per window
         from transformers import AutoModelForCausalLM
 
-        from wide.evaluate import generation_quality
+        from wide.evaluation.evaluate import generation_quality
         ref = AutoModelForCausalLM.from_pretrained(fetch_default_model(), dtype=torch.float32).eval()
         n = min(a.gen, H.shape[0])
         gen["start_gen"] = generation_quality(model, ref, H, prompts=n, progress=False)
@@ -87,7 +87,7 @@ def learn(a) -> dict:
     return {"start_ppl": start["ppl"], "start_linear": start["sparsity"]["linear_rate"], "ppl": r["ppl"],
             "linear_sparsity": r["sparsity"]["linear_rate"], "flop_sparsity": r["flop_sparsity"],
             "per_projection": r["sparsity"]["linear"], "train_s": train_s,
-            "mean_log_threshold": {p: float(th[:, j].mean()) for j, p in enumerate(modeling.PROJECTIONS)}, **gen}
+            "mean_log_threshold": {p: float(th[:, j].mean()) for j, p in enumerate(geometry.PROJECTIONS)}, **gen}
 
 
 def drop(a) -> dict:
@@ -111,7 +111,7 @@ def drop(a) -> dict:
                 fn.enabled = on
                 ce = float(model(input_ids=x, labels=x).loss)
                 out[f"routers_{routers}_thresholds_{'on' if on else 'off'}"] = {
-                    "ce": ce, "group_sparsity": float(modeling.forward_sparsity(model).group_rate)}
+                    "ce": ce, "group_sparsity": float(sparsity.forward_sparsity(model).group_rate)}
         model.wide_state.tau = None
     return out
 

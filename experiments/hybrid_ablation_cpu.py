@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from wide import cli, fine, runs
-from wide.evaluate import perplexity
-from wide.recovery import load_recovered
+from wide import cli
+from wide.method import fine
+from wide.commands import runs
+from wide.evaluation.evaluate import perplexity
+from wide.training.recovery import load_recovered
 
 
 @contextlib.contextmanager

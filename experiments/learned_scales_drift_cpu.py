@@ -1,7 +1,7 @@
 """Is the learned thresholds' free-text distance from dense (gen KL 0.123 at 25 % on the frontier,
 against TEAL greedy's 0.028, with a perplexity below dense's) the per-channel scales' fit to the
 calibration text, or a worse approximation? The shipped sets as saved, then the same sets with
-their per-channel scales set to 1 and one shift of every log threshold (wide.fine.shift_to_target,
+their per-channel scales set to 1 and one shift of every log threshold (wide.method.fine.shift_to_target,
 as compare lands learned thresholds) putting them back on the target linear sparsity of the
 calibration text: the learned per-layer allocation kept, the channel fit removed (not a
 retraining without scales). Held-out perplexity on every held-out window and the frontier's
@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 import wide
-from wide import cli, fine, runs
-from wide.evaluate import generation_quality, perplexity
+from wide import cli
+from wide.method import fine
+from wide.commands import runs
+from wide.evaluation.evaluate import generation_quality, perplexity
 
 
 def measure(model, dense, ids, prompts) -> dict:

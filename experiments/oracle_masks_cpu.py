@@ -39,7 +39,7 @@ as the routers chose on that token, unless the mode says otherwise.
                     by a linear map of rank R (a number; ``probe`` alone: full rank) from the
                     module's router input, fitted by least squares on ``--probe-windows``
                     windows of the calibration text with the routers' masks. The routers
-                    themselves are linear maps of rank 16 (wide.routers), so probe16 is in their
+                    themselves are linear maps of rank 16 (wide.method.routers), so probe16 is in their
                     function class: if it gets near the oracle, a router could too
     gate            FFN only: the routers' count, the groups of largest ||SiLU(gate)_g||. Realisable
                     without an oracle: run gate_proj densely first, then up and down on the
@@ -91,8 +91,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from wide import arch
-from wide.modeling import KINDS, get_state, routing_disabled
+from wide.base import arch
+from wide.base.arch import KINDS
+from wide.method.modeling import routing_disabled
+from wide.method.state import get_state
 
 MODES = ("router", "random", "oracle", "oracle-act", "oracle-kl", "oracle-ce", "oracle-flat", "oracle-pool",
          "gate", "gate-flops")
@@ -492,7 +494,7 @@ def fit_mlp_probes(model, ids: torch.Tensor, widths, normed: bool = False, batch
 
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor, batch_size: int, policy=None) -> dict:
-    """wide.evaluate.perplexity's count (the first token of a window is context only), with
+    """wide.evaluation.evaluate.perplexity's count (the first token of a window is context only), with
     the policy's first pass before each batch."""
     per_window = []
     for i in tqdm(range(0, ids.shape[0], batch_size), desc="perplexity", leave=False):

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.time()
     if not check_only:
-        from wide.timing import graph_time_us
+        from wide.base.timing import graph_time_us
     for (name, (fused, N, K, G)), T in itertools.product(shapes.items(), a.tokens):
         x = torch.randn(T, K, generator=gen).to(dev, dt)
         ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dev, dt) for _ in range(2 if fused else 1)]

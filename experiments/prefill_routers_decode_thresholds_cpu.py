@@ -1,7 +1,7 @@
 """Issue 39's alternative "routers for prefill, magnitude thresholds for decode": the prompt runs
 through the shipped routers (coarse groups: what makes prefill fast), the continuation through
 the shipped learned thresholds (per-element decode), one KV cache handed from the first to the
-second. Free-text quality as the frontier measures it (wide.evaluate.generation_quality: the
+second. Free-text quality as the frontier measures it (wide.evaluation.evaluate.generation_quality: the
 same 128 held-out prompts of 32 tokens, seed 0, 32 greedy tokens; KL(dense || model) on the
 dense continuation teacher-forced, greedy agreement), beside each half alone:
 
@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import wide
-from wide import cli, runs
-from wide.evaluate import cache_kwargs, distinct_n, greedy_continuations
+from wide import cli
+from wide.commands import runs
+from wide.evaluation.evaluate import cache_kwargs, distinct_n, greedy_continuations
 
 PAIRS = {25: ("smollm2-135m-25", "smollm2-135m-fine-25"), 50: ("smollm2-135m-50", "smollm2-135m-fine-50")}
 

@@ -45,8 +45,10 @@ import torch
 
 from oracle_masks_cpu import (add_ratios, calibration_windows, heldout_windows, perplexity, run_with_hooks,
                               vs_router_cell, write_results)
-from wide import arch
-from wide.modeling import KINDS, get_state, routing_disabled
+from wide.base import arch
+from wide.base.arch import KINDS
+from wide.method.modeling import routing_disabled
+from wide.method.state import get_state
 
 MODES = ("router", "comp", "comp-all")
 
@@ -112,9 +114,9 @@ def adds_skipped(state, key: tuple, c: torch.Tensor):
 
 
 def install_trainable() -> None:
-    """Makes wide.modeling.install_hooks give each layer's routers a trainable C per kind
+    """Makes wide.method.modeling.install_hooks give each layer's routers a trainable C per kind
     (``routers.comp[kind]``, [G, out], zeros) and hook it onto the reduction projections."""
-    import wide.modeling as modeling
+    import wide.method.modeling as modeling
 
     original = modeling.install_hooks
 

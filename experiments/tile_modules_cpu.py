@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import sys
 
-import wide.modeling as modeling
+import wide.method.modeling as modeling
+from wide.method.state import _valid_tokens
 
 KINDS = ("attn", "ffn")
 
@@ -50,7 +51,7 @@ def install(tiled_kind: str) -> None:
 
     def weights_one_kind(state, x):
         if current["kind"] is not None and current["kind"] != tiled_kind:
-            return modeling._valid_tokens(state, x)
+            return _valid_tokens(state, x)
         return weights(state, x)
 
     modeling._route_fp32, modeling._tiled, modeling._decision_weights = route_fp32, tiled_one_kind, weights_one_kind

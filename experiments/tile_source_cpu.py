@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-import wide.modeling as modeling
+import wide.method.modeling as modeling
 
 
 def previous_tile_source(x: torch.Tensor, tile: int) -> torch.Tensor:

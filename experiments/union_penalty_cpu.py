@@ -29,8 +29,10 @@ import sys
 
 import torch
 
-import wide.train as train
-from wide.modeling import KINDS, get_state, union_penalty
+import wide.training.train as train
+from wide.base.arch import KINDS
+from wide.method.sparsity import union_penalty
+from wide.method.state import get_state
 
 
 # Mean over routed modules of mean_g 1 - (1 - f_g)^k (f_g: share of tokens running g): the
@@ -65,7 +67,7 @@ def measure(routers: list, windows: int = 32, draws: int = 200) -> list:
     from transformers import AutoTokenizer
 
     import wide
-    from wide.analysis import collect_masks
+    from wide.evaluation.analysis import collect_masks
     from wide.data import fetch_default_model, load_documents, pack_documents
 
     tok = AutoTokenizer.from_pretrained(fetch_default_model())

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 import wide
-from wide.arch import KINDS
+from wide.base.arch import KINDS
 from wide.benchmarks import e2e
-from wide.modeling import recording_masks
+from wide.method.modeling import recording_masks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from union_penalty_cpu import union_share  # noqa: E402  (the trial's measure draws unions the same way)
@@ -107,7 +107,7 @@ def install(targets: dict, k: int = 32, steps: int = 12) -> dict:
 
 def _gap_std(model, ids, kinds) -> dict:
     """kind -> the mean over modules of the std of the routers' gaps on ``ids``."""
-    state = wide.modeling.get_state(model)
+    state = wide.method.state.get_state(model)
     stds: dict = {kd: [] for kd in kinds}
 
     def observe(layer, kind, x):
@@ -115,7 +115,7 @@ def _gap_std(model, ids, kinds) -> dict:
         if r is not None and kind in stds:
             stds[kind].append(float(r.gap(x).float().std()))
 
-    wide.modeling.observed_pass(model, [ids], state.input_observers, observe)
+    wide.method.offsets.observed_pass(model, [ids], state.input_observers, observe)
     return {kd: sum(v) / len(v) for kd, v in stds.items()}
 
 

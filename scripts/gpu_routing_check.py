@@ -1,11 +1,11 @@
-"""GPU check of the engine's routing rules (wide.routing_rules), before they are timed: a small
+"""GPU check of the engine's routing rules (wide.engine.routing_rules), before they are timed: a small
 random Llama (scripts/gpu_smoke.py's) with routers at 50 %, rules tile16 (first token decides),
 tile16prev (the previous tile's mean decides: decode sums kept inside the norm kernel) and
 batch_shared:
 
 * fp32 (TF32 dots in the kernels, named with ``TRITON_F32_DEFAULT``: their own default is
   tf32x3, ~fp32, since 2026-12-06): prefill logits and 16 decode steps at batch 4 against the
-  masked HF path under the same rule (route_tile, wide.modeling.batch_shared_decode), with
+  masked HF path under the same rule (route_tile, wide.method.modeling.batch_shared_decode), with
   per-token routing beside them as the yardstick. The kernels' TF32 dots move a router margin by
   ~1e-3, enough to flip a decision that sits near its threshold, and one flipped decision moves
   the logits far more than rounding does (in batch-shared decode it swaps a group for the whole
@@ -46,9 +46,9 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), 
 
 import torch  # noqa: E402
 
-from wide.evaluate import cache_kwargs  # noqa: E402
-from wide.inference import AcceleratedModel  # noqa: E402
-from wide.modeling import batch_shared_decode  # noqa: E402
+from wide.evaluation.evaluate import cache_kwargs  # noqa: E402
+from wide.engine.inference import AcceleratedModel  # noqa: E402
+from wide.method.modeling import batch_shared_decode  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_smoke import build, rel  # noqa: E402

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 import wide
-from wide import arch
-from wide import fine as wf
+from wide.base import arch
+from wide.method import fine as wf
 from wide.kernels import routing
 
 BASE = dict(num_hidden_layers=4, vocab_size=512, max_position_embeddings=1024, head_dim=128,
@@ -446,7 +446,7 @@ def main() -> int:
     raised = sum(int(b.abs().sum()) for b in routing._TICKETS_KEEP)
     print(f"split-K tickets left raised: {raised}")
     ok &= raised == 0
-    from wide.ops import K_CHOICES
+    from wide.engine.ops import K_CHOICES
     print("routed-or-cuBLAS choices:", {(k[0], k[1], k[3]): v for k, v in K_CHOICES.items()})
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from wide import arch
+from wide.base import arch
 
 
 def _interpret_device_calls_without_repatching():

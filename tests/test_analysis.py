@@ -8,9 +8,10 @@ import torch
 from conftest import tiny_model
 
 import wide
-from wide import analysis, compare
-from wide.evaluate import TASKS
-from wide.modeling import get_state
+from wide.evaluation import analysis
+from wide.commands import compare
+from wide.evaluation.evaluate import TASKS
+from wide.method.state import get_state
 
 
 def test_analysis_counts_by_hand(tmp_path):

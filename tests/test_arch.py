@@ -5,9 +5,10 @@ import torch
 from conftest import tiny_model
 
 import wide
-from wide import arch
-from wide.modeling import ModelDims, get_state
-from wide.recovery import LoraArgs
+from wide.base import arch
+from wide.method.geometry import ModelDims
+from wide.method.state import get_state
+from wide.training.recovery import LoraArgs
 
 
 @pytest.mark.parametrize("model_type", arch.SUPPORTED_MODEL_TYPES)

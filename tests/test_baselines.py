@@ -7,8 +7,9 @@ import torch
 from conftest import tiny_config, tiny_model
 
 import wide
-from wide import baselines
-from wide.modeling import Geometry, ModelDims, get_state
+from wide.method import baselines
+from wide.method.geometry import Geometry, ModelDims
+from wide.method.state import get_state
 
 
 def batches(n=2, seed=0):
@@ -160,7 +161,7 @@ def test_method_configs_and_static_persistence(tmp_path):
     pruning = baselines.static_width(model, batches(), 0.25)
     ids = batches(1, seed=9)[0]
     expected = model(ids).logits
-    from wide.recovery import load_recovered, save_recovered
+    from wide.training.recovery import load_recovered, save_recovered
 
     save_recovered(model, tmp_path / "s", write_more=pruning.save)
     again = load_recovered(tiny_model("llama"), tmp_path / "s")

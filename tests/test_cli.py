@@ -1,5 +1,5 @@
 """Command-line plumbing that the unit tests of the library do not reach: options generated from
-the settings dataclasses (wide.cliargs), and the commands end to end on a tiny local model."""
+the settings dataclasses (wide.base.cliargs), and the commands end to end on a tiny local model."""
 
 import argparse
 import dataclasses
@@ -12,14 +12,16 @@ import pytest
 import torch
 from conftest import write_tiny_run
 
-from wide import cliargs, data, runs
+from wide.base import cliargs
+from wide import data
+from wide.commands import runs
 from wide.cli import build_parser, demo_args, main
-from wide.compare import CompareArgs
-from wide.config import WideConfig
-from wide.estimate import DryRunArgs
-from wide.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
-from wide.sampling_data import SampleArgs
-from wide.train import TrainArgs
+from wide.commands.compare import CompareArgs
+from wide.method.config import WideConfig
+from wide.commands.estimate import DryRunArgs
+from wide.training.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
+from wide.commands.sampling_data import SampleArgs
+from wide.training.train import TrainArgs
 
 
 def test_demo_has_every_option_calibrate_and_eval_read():
@@ -227,7 +229,7 @@ def test_missing_model_directory_is_a_user_error(tmp_path, capsys):
 
 
 def test_fsdp_on_one_process_and_its_resume(tiny_run, capsys):
-    from wide import distributed
+    from wide.training import distributed
 
     tmp, common = tiny_run
     argv = ["calibrate", *common, "--steps", "3", "--batch-size", "2", "--eval-every", "0", "--offsets", "none",
@@ -428,7 +430,7 @@ def test_eval_prints_its_time_estimate_before_it_evaluates(tiny_run, capsys, mon
 def test_compare_keeps_teal_greedy_paths_across_runs(tiny_run, monkeypatch):
     """A comparison cut by a device call's time limit resumes in a new process: TEAL's greedy
     search (minutes on a GPU) runs once per run directory, not once per process."""
-    from wide import fine
+    from wide.method import fine
 
     tmp, common = tiny_run
     calls = []

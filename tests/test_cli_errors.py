@@ -10,7 +10,8 @@ from conftest import write_tiny_run
 from transformers import AutoModelForCausalLM
 
 import wide
-from wide import data, runs
+from wide import data
+from wide.commands import runs
 from wide.cli import CALIBRATE_SETTINGS, build_parser, demo_args, main
 
 TRAIN = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "1", "--ffn-group-size", "32"]
@@ -264,7 +265,7 @@ def test_bad_input_is_one_line_and_exit_2(w, argv, expected, capsys, request):
 
 
 def test_an_unexpected_error_keeps_its_traceback(w, monkeypatch):
-    from wide import runs
+    from wide.commands import runs
 
     def bug(*a, **k):
         raise KeyError("a bug, not a user error")

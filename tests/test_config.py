@@ -2,7 +2,7 @@
 check the same declarations."""
 import pytest
 
-from wide.config import WideConfig
+from wide.method.config import WideConfig
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -90,7 +90,7 @@ def test_pack_cache_hit_skips_tokenisation(tmp_path):
     pack_documents(docs + ["new"], tok, 16, cache_dir=tmp_path)  # different text: a new entry
     assert tok.calls == 2
     # a shared cache on a multi-user machine: the umask's mode, not mkstemp's 0600
-    from wide.fileio import umask_mode
+    from wide.base.fileio import umask_mode
 
     assert {f.stat().st_mode & 0o777 for f in (tmp_path / "tokens").glob("*.npy")} == {umask_mode()}
 

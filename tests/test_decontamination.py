@@ -9,7 +9,8 @@ import pytest
 from conftest import TINY_WORDS, write_tiny_run
 from transformers import AutoTokenizer
 
-from wide import data, runs
+from wide import data
+from wide.commands import runs
 from wide.data import NGRAM, decontam, decontaminate, ngram_hashes
 
 

@@ -1,4 +1,4 @@
-"""Self-distillation (wide.train: --loss ce | kd | mix): the loss against a hand-written
+"""Self-distillation (wide.training.train: --loss ce | kd | mix): the loss against a hand-written
 reference, the teacher (the same backbone without routers, and without LoRA in stage 2),
 gradients, bf16 autocast with float32 routers, resume checks and seed determinism."""
 
@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from conftest import tiny_model, write_tiny_run
 
 import wide
-from wide import data, recovery, train as training
+from wide import data
+from wide.training import recovery, train as training
 from wide.cli import main
-from wide.config import WideConfig
-from wide.modeling import get_state
-from wide.train import TrainArgs, distillation_loss, micro_batch_loss, teacher_mode, train
+from wide.method.config import WideConfig
+from wide.method.state import get_state
+from wide.training.train import TrainArgs, distillation_loss, micro_batch_loss, teacher_mode, train
 
 
 def reference_kl(student_logits, teacher_logits, T):
@@ -106,7 +107,7 @@ def test_kd_is_zero_when_routing_skips_nothing():
     get_state(model).tau = 1.0
     x = torch.randint(0, 96, (2, 9))
     got = micro_batch_loss(model, x, TrainArgs(loss="kd"))
-    assert float(wide.modeling.forward_sparsity(model).group_rate) == 0.0
+    assert float(wide.method.sparsity.forward_sparsity(model).group_rate) == 0.0
     assert float(got["kd"]) == pytest.approx(0.0, abs=1e-7)
 
 
@@ -142,10 +143,10 @@ def test_teacher_pass_leaves_the_students_sparsity_records():
     fixed_masks(model)
     x = torch.randint(0, 96, (1, 6))
     model(input_ids=x)
-    before = float(wide.modeling.forward_sparsity(model).flop_rate)
+    before = float(wide.method.sparsity.forward_sparsity(model).flop_rate)
     with torch.no_grad(), teacher_mode(model):
         model(input_ids=x)
-    assert float(wide.modeling.forward_sparsity(model).flop_rate) == before > 0
+    assert float(wide.method.sparsity.forward_sparsity(model).flop_rate) == before > 0
 
 
 def test_stage1_kd_gradients_reach_only_the_routers():
@@ -194,7 +195,7 @@ def test_resume_with_another_loss_is_refused_and_an_old_checkpoint_resumes(tmp_p
     for k in ("loss", "kd_temperature", "mix_weight", "amp"):
         del ts["args"][k]
     torch.save(ts, state_file)
-    from wide.serialization import MANIFEST_FILE, _seal  # the checkpoint's seal covers the edited file
+    from wide.io.serialization import MANIFEST_FILE, _seal  # the checkpoint's seal covers the edited file
 
     sealed = json.loads((tmp_path / "checkpoint" / MANIFEST_FILE).read_text())
     _seal(tmp_path / "checkpoint", {k: v for k, v in sealed.items() if k != "files"})
@@ -263,7 +264,7 @@ def test_train_args_validate_the_new_fields():
 
 
 def test_kd_in_the_data_parallel_loop_and_in_stage2(tmp_path):
-    from wide.distributed import DistContext
+    from wide.training.distributed import DistContext
 
     ids = torch.randint(0, 96, (16, 8), generator=torch.Generator().manual_seed(0))
     args = TrainArgs(steps=2, batch_size=4, eval_every=0, save_every=0, seed=2, loss="kd")

@@ -10,11 +10,12 @@ import torch.multiprocessing as mp
 from conftest import tiny_model
 
 import wide
-from wide import arch, distributed, recovery
-from wide.config import WideConfig
-from wide.distributed import DistContext
-from wide.estimate import estimate
-from wide.train import TrainArgs, train
+from wide.base import arch
+from wide.training import distributed, recovery
+from wide.method.config import WideConfig
+from wide.training.distributed import DistContext
+from wide.commands.estimate import estimate
+from wide.training.train import TrainArgs, train
 
 STEPS, STOP = 5, 3
 

@@ -16,18 +16,18 @@ from wide.benchmarks import e2e  # noqa: E402
 def once(monkeypatch):
     """--tiny runs at half the benchmark's tiny widths, each timed prefill and decode loop run
     once without a warm-up. These tests read what the benchmark records, not its times
-    (wide.timing's tests check reps and warm-ups), and under the interpreter every extra run or
+    (wide.base.timing's tests check reps and warm-ups), and under the interpreter every extra run or
     column is paid for in whole decode steps; the kernels' own tests cover the shapes."""
-    import wide.timing
+    import wide.base.timing
 
-    real = wide.timing.step_time_s
+    real = wide.base.timing.step_time_s
     calls = []
 
     def step_time_s(fn, reps, warmup=1, device="cuda"):
         calls.append((reps, warmup))
         return real(fn, reps=1, warmup=0, device=device)
 
-    monkeypatch.setattr(wide.timing, "step_time_s", step_time_s)
+    monkeypatch.setattr(wide.base.timing, "step_time_s", step_time_s)
     for key in ("vocab_size", "hidden_size", "intermediate_size"):
         monkeypatch.setitem(e2e.TINY, key, e2e.TINY[key] // 2)
     return calls
@@ -38,7 +38,7 @@ def test_e2e_two_models_tiny(tmp_path, once):
             "--batches", "1", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
             "--out-dir", str(tmp_path)]
     assert e2e.main(argv) == 0
-    assert once, "the benchmark no longer times through wide.timing.step_time_s: update the fixture"
+    assert once, "the benchmark no longer times through wide.base.timing.step_time_s: update the fixture"
     meta = json.loads((tmp_path / "e2e.json").read_text())
     assert meta["errors"] == [] and meta["models"] == ["llama-3.1-8b", "qwen2.5-7b"]
     recs = meta["records"]

@@ -1,4 +1,4 @@
-"""The engine's per-element modes (wide.accelerate(mode="fine" | "hybrid"), wide.fine_engine) against
+"""The engine's per-element modes (wide.accelerate(mode="fine" | "hybrid"), wide.engine.fine_engine) against
 the masked HF path with the same thresholds, on tiny Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k
 norms) models, both backends (the kernels under the Triton interpreter, fp32).
 
@@ -15,10 +15,10 @@ import torch  # noqa: E402
 from conftest import tiny_model, write_tiny_run  # noqa: E402
 
 import wide  # noqa: E402
-from wide import fine as wf  # noqa: E402
-from wide.evaluate import cache_kwargs  # noqa: E402
-from wide.inference import AcceleratedModel  # noqa: E402
-from wide.modeling import batch_shared_decode  # noqa: E402
+from wide.method import fine as wf  # noqa: E402
+from wide.evaluation.evaluate import cache_kwargs  # noqa: E402
+from wide.engine.inference import AcceleratedModel  # noqa: E402
+from wide.method.modeling import batch_shared_decode  # noqa: E402
 
 # head_dim 64 (the attention kernels take 64 or 128), 4 query / 2 KV heads, FFN 128 = 4 x 32.
 TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_heads=4,
@@ -251,7 +251,7 @@ def test_cli_generate_modes(tmp_path, capsys):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from wide.recovery import load_recovered
+    from wide.training.recovery import load_recovered
 
     opts = write_tiny_run(tmp_path)
     common = opts[:2]

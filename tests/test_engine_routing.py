@@ -1,6 +1,6 @@
-"""The engine's routing rules (wide.routing_rules): tile-coherent routers and batch-shared decode
+"""The engine's routing rules (wide.engine.routing_rules): tile-coherent routers and batch-shared decode
 on the static-cache engine give the logits of the masked HF path that implements the same rules
-(wide.modeling), prefill and decode, on both backends (the kernels under the interpreter)."""
+(wide.method.modeling), prefill and decode, on both backends (the kernels under the interpreter)."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 
 import wide  # noqa: E402
-from wide.modeling import batch_shared_decode  # noqa: E402
+from wide.method.modeling import batch_shared_decode  # noqa: E402
 
 TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
@@ -69,7 +69,7 @@ def test_steps_inside_every_tile_skip_the_routers(backend, source, monkeypatch):
     for name in ("mask", "margins"):
         f = getattr(eng.ops, name)
         monkeypatch.setattr(eng.ops, name, lambda *a, f=f, **k: calls.append(1) or f(*a, **k))
-    import wide.ops as ops_module
+    import wide.engine.ops as ops_module
     kernel = ops_module.norm_route
     monkeypatch.setattr(ops_module, "norm_route", lambda *a, **k: (calls.append(1) if len(a) > 4 and a[4] is not None
                                                                   else None) or kernel(*a, **k))
@@ -197,12 +197,12 @@ def test_batch_shared_refusals():
 
 @pytest.mark.parametrize("rule", ["token", "tile4", "tile4prev", "batch_shared"])
 def test_decode_step_survives_a_graph_captures_warm_up(rule):
-    # A CUDA-graph capture first runs the step twice eagerly (wide.graphs.warm_up), then the
+    # A CUDA-graph capture first runs the step twice eagerly (wide.engine.graphs.warm_up), then the
     # replay runs it once more: what the step leaves behind must be what one run leaves. The
     # previous-tile rule's running sums grow by the step's row, so the warm-up puts them back
     # (rule.step_state); on the H200 the graph missed that and drifted from eager by 0.65
     # (experiments/results/routing/routing_check_prev.json). Steps 10-13 cross a tile start at 12.
-    from wide.graphs import warm_up
+    from wide.engine.graphs import warm_up
     tile = {"tile4": dict(route_tile=4), "tile4prev": dict(route_tile=4, tile_source="previous")}.get(rule, {})
     model = routed(**tile)
     ids = ids_of(2, 14)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide.evaluate import (ABOVE_CHANCE_TASKS, Request, above_chance, above_chance_se, build_requests, loglikelihoods,
+from wide.evaluation.evaluate import (ABOVE_CHANCE_TASKS, Request, above_chance, above_chance_se, build_requests, loglikelihoods,
                            perplexity, score)
 
 
@@ -192,7 +192,7 @@ def test_real_default_model_routes_and_scores():
 def test_decode_perplexity_matches_full_forward_and_batch_of_one():
     """Decode mode on the KV cache scores what one full forward scores on the same positions;
     batch-shared routing over batches of one is the routers' own routing."""
-    from wide.evaluate import decode_perplexity
+    from wide.evaluation.evaluate import decode_perplexity
 
     ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(0))
     model = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, attn_group_size=1, router_init="random"),
@@ -215,8 +215,8 @@ def test_generation_quality_of_a_model_against_itself_and_against_a_sparser_one(
     from conftest import tiny_model
 
     import wide
-    from wide import fine, modeling
-    from wide.evaluate import distinct_n, generation_quality
+    from wide.method import fine, modeling
+    from wide.evaluation.evaluate import distinct_n, generation_quality
 
     ids = torch.randint(0, 96, (6, 20), generator=torch.Generator().manual_seed(0))
     dense = tiny_model("llama")
@@ -243,7 +243,7 @@ def test_generation_quality_of_a_model_against_itself_and_against_a_sparser_one(
 def test_generation_match_and_prefix_count_positions():
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from wide.evaluate import generation_quality
+    from wide.evaluation.evaluate import generation_quality
 
     class Fixed(torch.nn.Module):
         """Predicts token (last + step) % 7 whatever it reads; ``shift`` changes it after 3 tokens."""

@@ -113,7 +113,7 @@ def test_tile_source_trial_is_causal_and_tile_coherent():
 
 
 def _tile_masks(model, ids):
-    from wide.modeling import recording_masks
+    from wide.method.modeling import recording_masks
 
     with recording_masks(model) as seen, torch.no_grad():
         model(input_ids=ids)
@@ -131,7 +131,7 @@ def _wrapped(**cfg):
 
 def test_library_previous_tile_source_is_the_trials_rule(monkeypatch):
     """``--tile-source previous`` in the library routes full sequences as the trial did."""
-    import wide.modeling as modeling
+    import wide.method.modeling as modeling
 
     ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))
     library = _tile_masks(_wrapped(route_tile=4, tile_source="previous"), ids)
@@ -144,7 +144,7 @@ def test_library_previous_tile_source_is_the_trials_rule(monkeypatch):
 
 @pytest.mark.parametrize("tiled", ["ffn", "attn"])
 def test_tile_modules_trial_tiles_one_kind_only(tiled, monkeypatch):
-    import wide.modeling as modeling
+    import wide.method.modeling as modeling
 
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
     per_token = _tile_masks(_wrapped(), ids)
@@ -167,8 +167,10 @@ def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     """The union trial's proxy is mean_g 1 - (1 - f_g)^k over the modules' training masks, and
     its penalty is the library's plus coef x that (over the sparsity coefficient train.py puts
     on the whole penalty); it pulls the masks toward shared groups."""
-    import wide.train as train
-    from wide.modeling import forward_sparsity, get_state, router_parameters, sparsity_penalty
+    import wide.training.train as train
+    from wide.method.modeling import router_parameters
+    from wide.method.sparsity import forward_sparsity, sparsity_penalty
+    from wide.method.state import get_state
 
     trial = _script("union_penalty_cpu")
     model = _wrapped()
@@ -196,8 +198,8 @@ def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp
     two with the option give the same losses and routers (to float rounding: the trial divides
     and multiplies by the sparsity coefficient)."""
     import wide
-    import wide.train as train
-    from wide.modeling import forward_sparsity, sparsity_penalty
+    import wide.training.train as train
+    from wide.method.sparsity import forward_sparsity, sparsity_penalty
 
     monkeypatch.setattr(train, "forward_sparsity", forward_sparsity)  # restored after the test
     monkeypatch.setattr(train, "sparsity_penalty", sparsity_penalty)
@@ -282,7 +284,7 @@ def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
     change its mind), every group of every token scaled by 1 +- eps."""
     import torch.nn.functional as F
 
-    from wide.modeling import get_state
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     model = _wrapped().double()  # more digits for the differences (HF's RMSNorm still runs in fp32)
@@ -293,7 +295,7 @@ def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
     gain, _ = policy.first_order[(last, "ffn")]
     routed = get_state(model).masks[(last, "ffn")]
     policy.remove()
-    from wide.modeling import routing_disabled
+    from wide.method.modeling import routing_disabled
 
     with torch.no_grad(), routing_disabled(model):
         dense = F.log_softmax(model(input_ids=ids).logits.float(), -1)
@@ -379,8 +381,9 @@ def test_oracle_trial_gate_modes(mode):
     projection as run for every group; attention keeps the routers' masks."""
     import torch.nn.functional as F
 
-    from wide import arch
-    from wide.modeling import get_state, recording_masks
+    from wide.base import arch
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     model = _wrapped()
@@ -422,8 +425,9 @@ def test_oracle_trial_low_rank_mode():
     """lowrankR scores FFN groups from a rank-R copy of gate and up: at full rank that is the
     module itself, so it keeps the oracle's groups; a rank-R copy is the truncated SVD; its
     multiply-adds, 2R(H + F) per token, come off the FLOP sparsity; attention is refused."""
-    from wide import arch
-    from wide.modeling import get_state, recording_masks
+    from wide.base import arch
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     assert trial.parse_mode("lowrank32:ffn") == ("lowrank", 32, ("ffn",)) == trial.parse_mode("lowrank32")
@@ -472,7 +476,8 @@ def test_oracle_trial_low_rank_mode():
 
 def test_oracle_trial_layer_range():
     """``@FIRST-LAST`` applies a mode to those layers only; the others keep the routers' masks."""
-    from wide.modeling import get_state, recording_masks
+    from wide.method.modeling import recording_masks
+    from wide.method.state import get_state
 
     trial = _script("oracle_masks_cpu")
     assert trial.split_layers("oracle:ffn@1-2") == ("oracle:ffn", range(1, 3))
@@ -501,8 +506,8 @@ def _compensation_trial(monkeypatch):
 def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional):
     """C_g is the mean of h_g W_g^T over the tokens that skip g (or over all), first position
     left out, computed by brute force from the projections' unmasked inputs and the masks."""
-    from wide import arch
-    from wide.modeling import get_state
+    from wide.base import arch
+    from wide.method.state import get_state
 
     trial = _compensation_trial(monkeypatch)
     model = _wrapped()
@@ -542,8 +547,8 @@ def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional
 
 def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
     """The hook adds (1 - m) @ C to the projection's output and nothing else; C = 0 changes nothing."""
-    from wide import arch
-    from wide.modeling import get_state
+    from wide.base import arch
+    from wide.method.state import get_state
 
     trial = _compensation_trial(monkeypatch)
     model = _wrapped()
@@ -577,8 +582,8 @@ def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
 def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
     """``calibrate``'s C: zeros at the start (the model's output unchanged), among the routers'
     parameters (trained, saved and loaded with them), and reached by the loss's gradient."""
-    import wide.modeling as modeling
-    from wide.modeling import router_parameters
+    import wide.method.modeling as modeling
+    from wide.method.modeling import router_parameters
 
     monkeypatch.setattr(modeling, "install_hooks", modeling.install_hooks)  # restored after the test
     trial = _compensation_trial(monkeypatch)

@@ -1,5 +1,5 @@
-"""Per-element activation sparsity (wide.fine: TEAL, WINA, learned thresholds) and the exact
-linear-MAC accounting every method's records carry (wide.modeling.linear_macs)."""
+"""Per-element activation sparsity (wide.method.fine: TEAL, WINA, learned thresholds) and the exact
+linear-MAC accounting every method's records carry (wide.method.sparsity.linear_macs)."""
 
 import json
 import math
@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide import arch, fine, modeling
-from wide.modeling import PROJECTIONS, get_state, projection_shapes
-from wide.serialization import THRESHOLDS_FILE, CheckpointError
+from wide.base import arch
+from wide.method import fine, modeling, sparsity
+from wide.method.geometry import PROJECTIONS, projection_shapes
+from wide.method.state import get_state
+from wide.io.serialization import THRESHOLDS_FILE, CheckpointError
 
 
 def batches(n=4, b=2, t=12, seed=0, vocab=96):
@@ -116,7 +118,7 @@ def test_linear_sparsity_counts_a_hand_built_mask_exactly():
     fine.attach(model, fine.FineConfig(target=0.5))
     # thresholds that keep everything but layer 1's down input: zero it for all tokens
     model.wide_fine.log_threshold.data[1, PROJECTIONS.index("down")] = float("inf")
-    with torch.no_grad(), modeling.track_sparsity(model) as t:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t:
         model(input_ids=torch.tensor([[5, 6, 7]]))
     sp = t.summary()
     H, I = 64, 96
@@ -154,7 +156,7 @@ def test_linear_sparsity_matches_the_inputs_projections_really_read():
     fine.attach(model, fine.FineConfig(target=0.3))
     ids = batches(1, b=2, t=10, seed=3)
     fine.calibrate(model, ids)
-    with torch.no_grad(), modeling.track_sparsity(model) as t, modeling.recording_masks(model) as rec:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t, modeling.recording_masks(model) as rec:
         seen = projection_inputs(model, ids)
     geo = get_state(model).geometry
     shapes = projection_shapes(geo.dims)
@@ -173,7 +175,7 @@ def test_linear_sparsity_matches_the_inputs_projections_really_read():
 def test_dense_and_router_only_models_count_linear_sparsity():
     model = tiny_model("llama")
     modeling.wrap(model, wide.WideConfig(sparse_target="none"), seed=0)
-    with torch.no_grad(), modeling.track_sparsity(model) as t:
+    with torch.no_grad(), sparsity.track_sparsity(model) as t:
         model(input_ids=batches(1)[0])
     assert float(t.summary().linear_rate) == 0.0 and float(t.summary().attn_core_rate) == 0.0
 
@@ -213,7 +215,7 @@ def test_surrogate_gradient_matches_a_finite_difference():
 
 
 def test_learned_thresholds_train_and_seeds_reproduce(tmp_path):
-    from wide.train import TrainArgs, train
+    from wide.training.train import TrainArgs, train
 
     def run(seed, name):
         model = teal_model(allocation="learned", routers="all", target=0.5)
@@ -385,7 +387,7 @@ def test_bad_fine_configs_are_refused():
 
 
 def test_teacher_mode_runs_the_dense_backbone():
-    from wide.train import teacher_mode
+    from wide.training.train import teacher_mode
 
     model = teal_model(target=0.6)
     cal = batches(2)

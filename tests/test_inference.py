@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import wide  # noqa: E402
-from wide import arch  # noqa: E402
-from wide.graphs import warm_up  # noqa: E402
-from wide.inference import AcceleratedModel, accelerate, generate, sample_logits  # noqa: E402
+from wide.base import arch  # noqa: E402
+from wide.engine.graphs import warm_up  # noqa: E402
+from wide.engine.inference import AcceleratedModel, accelerate, generate, sample_logits  # noqa: E402
 
 from conftest import tiny_model  # noqa: E402
 
@@ -186,7 +186,7 @@ def test_clear_errors(monkeypatch):
 
 
 def test_choose_fastest_measures_once_per_key():
-    from wide.ops import choose_fastest
+    from wide.engine.ops import choose_fastest
 
     calls, choices = [], {}
     timer = {"a": 2.0, "b": 1.0}
@@ -206,7 +206,7 @@ def test_choose_fastest_measures_once_per_key():
 def test_offsets_sit_mid_gap():
     # Calibration puts each threshold halfway between neighbouring margins, so a change of
     # summation order cannot flip a calibration token, and the realised rate stays exact.
-    from wide.modeling import _mid_gap
+    from wide.method.offsets import _mid_gap
     v = torch.tensor([0.0, 1.0, 2.0, 3.0])
     assert _mid_gap([v], 2.0) == 1.5 and _mid_gap([v], 1.2) == 1.5
     assert _mid_gap([v], 5.0) == 5.0  # above every margin already
@@ -220,7 +220,8 @@ def test_offsets_sit_mid_gap():
         if r is not None:
             margins.append(r.margin(x).flatten())
 
-    from wide.modeling import get_state, observed_pass
+    from wide.method.offsets import observed_pass
+    from wide.method.state import get_state
     observed_pass(model, [ids], get_state(model).input_observers, grab)
     m = torch.cat(margins)
     assert float(m.abs().min()) > 1e-6
@@ -240,7 +241,7 @@ def _mid_gap_brute(v: torch.Tensor, thr: float) -> float:
 def test_offset_search_on_sorted_margins_matches_brute_force():
     # Offset calibration sorts each module's margins once and binary-searches them, instead of
     # comparing every margin at each bisection step: the same shares, gaps and quantiles.
-    from wide.modeling import _mid_gap, _set_offsets, _skipped_share
+    from wide.method.offsets import _mid_gap, _set_offsets, _skipped_share
     g = torch.Generator().manual_seed(3)
     # rounded so that many margins tie, at the thresholds tried too
     chunks = [torch.round(torch.randn(n, generator=g) * 8) / 8 for n in (1, 7, 500, 2048)]
@@ -326,9 +327,9 @@ def test_cublas_choices_match_masked_path(monkeypatch):
     # and batch-2 decode must still match the masked path (inactive q heads unused, the FFN
     # activation zero in inactive groups); batch 1 keeps the routed q and gate/up (they write
     # the deferred router's masks) with O and down on cuBLAS.
-    import wide.ops
+    import wide.engine.ops
 
-    monkeypatch.setattr(wide.ops, "K_CHOICES", _AlwaysCublas())
+    monkeypatch.setattr(wide.engine.ops, "K_CHOICES", _AlwaysCublas())
     model = routed(seed=4)
     ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -383,7 +384,7 @@ def test_short_prefill_graph_buckets(monkeypatch):
     for t in range(17, 21):
         out = eng.decode(ids[:, t], torch.tensor([t]))
         assert rel(out, ref[:, t]) < 1e-5, t
-    import wide.inference as inf
+    import wide.engine.inference as inf
 
     eng.setup_cache(1, 384)
     assert not eng._graphs  # a new cache drops the graphs (they captured the old one)

@@ -1,4 +1,4 @@
-"""batch_shared_mask (one group set per decode batch) against wide.routers.batch_shared_runs.
+"""batch_shared_mask (one group set per decode batch) against wide.method.routers.batch_shared_runs.
 
 Runs on the CPU through Triton's interpreter; on a CUDA machine run with TRITON_INTERPRET=0."""
 import os

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from wide.kernels import ffn_up, gemm_mn, norm_route, norm_route_reference  # noqa: E402
-from wide.routers import TokenRouter  # noqa: E402
+from wide.method.routers import TokenRouter  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])

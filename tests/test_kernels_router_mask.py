@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from wide.kernels import router_mask, router_mask_reference  # noqa: E402
-from wide.routers import TokenRouter  # noqa: E402
+from wide.method.routers import TokenRouter  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import wide
-from wide.modeling import get_state
+from wide.method.state import get_state
 
 
 def random_masks(model, seed=1, p=0.5):
@@ -202,7 +202,7 @@ def test_padding_is_excluded_from_rates(llama):
     (96, 16),  # tiny: no size gives 64 groups, so the finest
 ])
 def test_auto_ffn_group_size(intermediate, size):
-    from wide.modeling import auto_ffn_group_size
+    from wide.method.geometry import auto_ffn_group_size
 
     assert auto_ffn_group_size(intermediate) == size
 

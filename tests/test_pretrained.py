@@ -1,4 +1,4 @@
-"""Routers shipped inside the package (wide.pretrained): listed, traceable to a results file and a
+"""Routers shipped inside the package (wide.io.pretrained): listed, traceable to a results file and a
 command, loadable by name from Python and the CLI, refused when damaged or made for another shape."""
 import json
 import shutil
@@ -9,9 +9,10 @@ from conftest import tiny_model, write_tiny_run
 from safetensors.torch import load_file
 
 import wide
-from wide import arch, pretrained
+from wide.base import arch
+from wide.io import pretrained
 from wide.cli import main
-from wide.serialization import CheckpointError, read_manifest
+from wide.io.serialization import CheckpointError, read_manifest
 
 NAMES = ("smollm2-135m-25", "smollm2-135m-50")
 
@@ -123,7 +124,7 @@ def test_package_data_declares_the_shipped_files():
 
 
 def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
-    from wide import demo
+    from wide.commands import demo
 
     own = str(tmp_path / "demo" / "routers")
     sets = demo.router_sets(own)
@@ -212,7 +213,7 @@ def test_loading_routers_onto_another_model_of_the_same_shape_warns(tmp_path, ca
 
     from transformers import AutoModelForCausalLM
 
-    from wide.serialization import BaseModelWarning
+    from wide.io.serialization import BaseModelWarning
 
     opts = write_tiny_run(tmp_path)
     shutil.copytree(tmp_path / "model", tmp_path / "other")  # same shape, another model
@@ -258,7 +259,7 @@ def test_shipped_learned_thresholds_trace_to_the_frontier():
 
 
 def test_from_pretrained_restores_shipped_thresholds():
-    from wide import fine
+    from wide.method import fine
 
     model = wide.from_pretrained("smollm2-135m-fine-50", base_model=_smollm2_shape())
     saved = load_file(str(pretrained.path("smollm2-135m-fine-50") / "thresholds.safetensors"))

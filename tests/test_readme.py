@@ -11,7 +11,7 @@ import torch
 
 from wide import data
 from wide.cli import build_parser
-from wide.routers import TokenRouter
+from wide.method.routers import TokenRouter
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

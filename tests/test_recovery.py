@@ -8,9 +8,9 @@ import torch.nn as nn
 from conftest import tiny_model
 
 import wide
-from wide import recovery
-from wide.modeling import get_state
-from wide.train import TrainArgs
+from wide.training import recovery
+from wide.method.state import get_state
+from wide.training.train import TrainArgs
 
 
 def routed(seed=0):
@@ -135,7 +135,7 @@ def test_freeze_routers_trains_adapters_only(tmp_path):
 def _merge_check(tmp_path, model) -> tuple:
     """compare's merge check on MODEL saved as stage 1, then with random adapters as stage 2:
     (the check's result on stage 2, and on stage 1)."""
-    from wide.compare import Comparison
+    from wide.commands.compare import Comparison
 
     recovery.save_recovered(model, tmp_path / "m-50" / "stage1" / "final", extra={"stage": 1})
     recovery.add_lora(model)
@@ -161,7 +161,7 @@ def test_compare_merge_check_sets_merge_error_against_stage2_change(tmp_path):
 def test_merge_check_of_a_thresholded_model_measures_the_merge_with_thresholds_off(tmp_path):
     # Hard per-element thresholds amplify the merge's rounding into flipped inputs: the merge
     # itself is judged with them off (exact up to rounding), the thresholded error beside it.
-    from wide import fine
+    from wide.method import fine
 
     m = wide.wrap(tiny_model("llama"), wide.WideConfig(ffn_group_size=16, sparse_target="none"))
     fine.attach(m, fine.FineConfig(target=0.5))
@@ -177,7 +177,7 @@ def test_stage2_keeps_the_full_target_from_the_first_step_while_stage1_warms_up(
     trained routers, so compare's stage 2 and `wide recover` run the full target from step 1
     (a warm-up there would let the trained routers drift dense first)."""
     from wide.cli import build_parser
-    from wide.compare import Comparison
+    from wide.commands.compare import Comparison
 
     args = build_parser().parse_args(["compare", "--recovery-steps", "3", "--sparsity-warmup", "0.25"])
     c = Comparison.__new__(Comparison)

@@ -21,8 +21,9 @@ import torch
 from conftest import write_tiny_run
 from safetensors.torch import load_file
 
-from wide import data, serialization
-from wide import train as train_module
+from wide import data
+from wide.io import serialization
+from wide.training import train as train_module
 from wide.cli import main
 
 STEPS = 30
@@ -201,7 +202,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_block_the_correct
 
 
 def test_optimiser_step_overflow_is_found_before_the_step():
-    from wide.train import optimiser_step_overflow
+    from wide.training.train import optimiser_step_overflow
 
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([p], lr=1e38, betas=(0.9, 0.999), weight_decay=0.0)

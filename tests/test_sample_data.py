@@ -8,10 +8,12 @@ import pytest
 from conftest import write_tiny_run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from wide import data, fileio, sampling_data
+from wide import data
+from wide.base import fileio
+from wide.commands import sampling_data
 from wide.cli import main
 from wide.data import AssetError, read_token_shards
-from wide.sampling_data import SampleArgs, sample_data
+from wide.commands.sampling_data import SampleArgs, sample_data
 
 SAMPLE = ["--device", "cpu", "--tokens", "300", "--shard-tokens", "128", "--batch-size", "4", "--max-new-tokens", "20"]
 

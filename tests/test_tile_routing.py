@@ -10,9 +10,10 @@ from conftest import tiny_model
 
 import wide
 from wide.cli import main
-from wide.config import WideConfig
-from wide.modeling import batch_shared_decode, get_state, plan_tiles, recording_masks
-from wide.routers import batch_shared_runs, group_runs
+from wide.method.config import WideConfig
+from wide.method.modeling import batch_shared_decode, plan_tiles, recording_masks
+from wide.method.state import get_state
+from wide.method.routers import batch_shared_runs, group_runs
 
 
 def routed(tile: int = 1, seed: int = 0, **kw):
@@ -368,7 +369,7 @@ def test_calibrate_help_names_route_tile(capsys):
 
 
 def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_path):
-    from wide.serialization import config_differences
+    from wide.io.serialization import config_differences
 
     old = WideConfig().to_dict()
     del old["route_tile"], old["router_init"]  # what every checkpoint before these fields holds
@@ -392,8 +393,8 @@ def test_files_from_before_route_tile_and_router_init_still_resume_and_load(tmp_
 def test_fields_a_file_predates_take_what_wide_did_then():
     # Not today's default: defaults change (the dense router start became one), and an older
     # file must still load and resume as it was trained.
-    from wide import config as config_module
-    from wide import train as train_module
+    from wide.method import config as config_module
+    from wide.training import train as train_module
 
     names = {f.name: f for f in dataclasses.fields(WideConfig)}
     for key, then in config_module.PREDATES.items():

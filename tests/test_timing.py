@@ -1,4 +1,4 @@
-"""wide.timing without a GPU: the wall-clock and CPU step timers (on a fake clock), the rotation
+"""wide.base.timing without a GPU: the wall-clock and CPU step timers (on a fake clock), the rotation
 of callables, the graph timer's call count and median, and the argument checks the GPU timers
 make before they touch CUDA."""
 import statistics
@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from wide import timing
+from wide.base import timing
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 

@@ -10,11 +10,13 @@ from conftest import tiny_config, tiny_model
 from safetensors.torch import load_file
 
 import wide
-from wide import serialization
-from wide.config import WideConfig
-from wide.modeling import Geometry, ModelDims, _summarise, get_state, sparsity_penalty
-from wide.serialization import CheckpointError
-from wide.train import TrainArgs, batch_indices, lr_lambda, target_config, train
+from wide.io import serialization
+from wide.method.config import WideConfig
+from wide.method.geometry import Geometry, ModelDims
+from wide.method.sparsity import _summarise, sparsity_penalty
+from wide.method.state import get_state
+from wide.io.serialization import CheckpointError
+from wide.training.train import TrainArgs, batch_indices, lr_lambda, target_config, train
 
 
 def dims(**kw):
@@ -157,7 +159,7 @@ def test_dense_router_start_runs_every_group_and_still_learns(tmp_path):
     wide.wrap(model, WideConfig(target_sparsity=0.5, ffn_group_size=32, router_init="dense"), seed=0)
     x = torch.randn(3, 5, model.config.hidden_size) * 10
     for r in model.wide_routers.modules():
-        if isinstance(r, wide.routers.TokenRouter):
+        if isinstance(r, wide.method.routers.TokenRouter):
             assert torch.equal(r.gap(x), torch.full((3, 5, r.num_groups), 4.0))
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
     with wide.track_sparsity(model) as tracker:

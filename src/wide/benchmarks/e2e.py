@@ -5,7 +5,7 @@
     python -m wide.benchmarks.e2e --tiny --out-dir /tmp/e2e                      # CPU smoke run
     python -m wide.benchmarks.e2e --modes coarse,fine,hybrid --sparsities 0.5 --decode-ctxs 4096,16384
 
-Models: ``--model``, named shapes of ``wide.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
+Models: ``--model``, named shapes of ``wide.base.arch.PRESETS`` (default Llama-3.1-8B: default RoPE,
 no llama3 frequency scaling, which the timing does not depend on), one after the other in one
 run, with random bf16 weights built on the GPU; every record carries its ``"model"``. Routers: wide's
 own random routers (kaiming init) with offsets calibrated per module on a random prompt so
@@ -72,10 +72,10 @@ TINY_HEADS = {"qwen2": (7, 1)}  # model_type -> (query heads, KV heads); others 
 
 
 def build_model(name: str, tiny: bool, device, dtype):
-    """A random-weight causal LM of preset ``name`` (``wide.arch.PRESETS``), shrunk by ``tiny``."""
+    """A random-weight causal LM of preset ``name`` (``wide.base.arch.PRESETS``), shrunk by ``tiny``."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from wide import arch
+    from wide.base import arch
 
     over = {}
     if tiny:
@@ -153,8 +153,8 @@ def fine_bytes_fraction(model, records, B: int, mode: str) -> dict:
     to 4 sequences, above that the GEMMs on thresholded inputs (every weight in fine; the routed
     kernels' reads, from the step's group masks, in hybrid). ``active_frac_per_token``: the
     MAC-weighted share of the layers' weights one token needs."""
-    from wide.fine_engine import MAX_T
-    from wide.modeling import PROJECTIONS
+    from wide.engine.fine_engine import MAX_T
+    from wide.method.geometry import PROJECTIONS
 
     wb = weight_bytes(model)
     L = wb["layers"]
@@ -198,8 +198,8 @@ def fine_thresholds(model, batches, shares) -> dict:
     (TEAL's uniform allocation) on ``batches``, scored on the dense model (routers off). The
     model keeps a ``wide_fine`` with its hooks off (``enabled = False``): the engines read the
     thresholds, and the HF baseline and router offsets stay what they were."""
-    from wide import fine as wf
-    from wide.modeling import get_state
+    from wide.method import fine as wf
+    from wide.method.state import get_state
 
     fine = wf.get_fine(model) or wf.attach(model, wf.FineConfig())
     state = model.wide_state
@@ -223,7 +223,7 @@ def engine_memory(model, mode: str, ids, device, steps: int = 8) -> dict:
     (an engine may point the model's weights at its own copy)."""
     import gc
 
-    from wide.inference import AcceleratedModel
+    from wide.engine.inference import AcceleratedModel
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="wide bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b",
-                    help="comma-separated presets of wide.arch.PRESETS, benchmarked one after the other "
+                    help="comma-separated presets of wide.base.arch.PRESETS, benchmarked one after the other "
                          "(default: %(default)s)")
     ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (smoke test)")
     ap.add_argument("--out-dir", default="bench/results")
@@ -326,16 +326,16 @@ def main(argv=None) -> int:
                     help="start no new measurement after this many seconds")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="prompts up to this many tokens prefill by CUDA-graph replay, both engines "
-                         "(default: wide.inference.PREFILL_GRAPH_MAX_TOKENS)")
+                         "(default: wide.engine.inference.PREFILL_GRAPH_MAX_TOKENS)")
     args = ap.parse_args(argv)
 
-    import wide.inference as inference
-    from wide.arch import PRESETS
+    import wide.engine.inference as inference
+    from wide.base.arch import PRESETS
 
     models = [m.strip().lower() for m in args.model.split(",") if m.strip()]
     unknown = [m for m in models if m not in PRESETS]
     if not models or unknown:
-        ap.error(f"--model takes presets of wide.arch.PRESETS ({', '.join(PRESETS)}), got {args.model!r}")
+        ap.error(f"--model takes presets of wide.base.arch.PRESETS ({', '.join(PRESETS)}), got {args.model!r}")
 
     if args.prefill_graph_max_tokens is not None:
         if args.prefill_graph_max_tokens < 0:
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     meta["wall_s"] = _now() - t_start
-    from wide.ops import K_CHOICES
+    from wide.engine.ops import K_CHOICES
 
     # Which implementation the engine measured fastest per projection, shape and T bucket.
     meta["k_choices"] = [{"op": k[0], "N": k[1][0], "K": k[1][1], "group": k[2], "T_bucket": k[3],
@@ -457,7 +457,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     """Calibration and measurements of one preset, appended to ``meta`` (the ``first`` model's
     profiles and realised rates keep the keys of a single-model run)."""
     import wide
-    from wide.inference import AcceleratedModel, accelerate
+    from wide.engine.inference import AcceleratedModel, accelerate
 
     records = meta["records"]
     model = build_model(model_name, args.tiny, device, dtype)
@@ -536,7 +536,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     print(f"[e2e] backend {routed.backend}, graphs {routed.cuda_graphs}", flush=True)
     from functools import partial
 
-    from wide.timing import step_time_s
+    from wide.base.timing import step_time_s
 
     timer = partial(step_time_s, device=device)
     state = model.wide_state

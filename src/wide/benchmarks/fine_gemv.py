@@ -10,7 +10,7 @@ as ``union``). The output is checked against the fp32 reference (rel err < 1e-2)
 three timings in the same process: cuBLAS (``F.linear`` on the dense ``[N, K]`` weight),
 ``fine_gemv`` (thresholds compared in the kernel), and
 the floor: a plain read (``wide.kernels.plain_read``) of as many bytes as the kept rows
-hold. Timing as in the kernel benchmark (``wide.timing.graph_time_us``): a CUDA graph of
+hold. Timing as in the kernel benchmark (``wide.base.timing.graph_time_us``): a CUDA graph of
 calls rotating over enough input sets that L2 never holds the next call's weights.
 ``--sweep`` times every tile config of a list per case instead (tuning). On the CPU
 (``--device cpu``) the kernels run under the Triton interpreter on one tiny shape, timed
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wide.timing import graph_time_us, wall_time_us
+from wide.base.timing import graph_time_us, wall_time_us
 
 # model: shape -> (K, output widths of the weights fused along N)
 MODELS = {
@@ -143,7 +143,7 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, 
     # engine kept that copy alone
     base["dense_t_us"] = round(timer([lambda s=s: s[0] @ s[2] for s in sets]), 3)
     if teal and T == 1 and cuda:
-        from wide.benchmarks.teal_gemv import teal_gemv
+        from wide.kernels.teal_gemv import teal_gemv
         y_teal = teal_gemv(x0, w_t0, ths[0], 1 - kept)
         base["teal_rel_err"] = ((y_teal.float() - ref).norm() / ref.norm().clamp_min(1e-20)).item()
         outs = [torch.empty(1, N, device=device, dtype=dt) for _ in sets]
@@ -204,7 +204,7 @@ def write_results(records, meta, out):
              "kept: share of each token's inputs over the threshold (i.i.d. random); union: share of the "
              "weight rows read (any token keeps them). floor: a plain read of the union's bytes. fine: the "
              "autotuned kernel (atomic or ordered fp32 split-K sums, whichever is faster); ordered: "
-             "deterministic=True. TEAL: its kernel rebuilt (wide.benchmarks.teal_gemv; fp16/bf16 atomic "
+             "deterministic=True. TEAL: its kernel rebuilt (wide.kernels.teal_gemv; fp16/bf16 atomic "
              "sums), T = 1. dense^T: cuBLAS on the kernels' transposed copy.", "",
              "| shape | dtype | N | K | T | kept | union | dense us | dense^T us | fine us | ordered us | floor us | "
              "speedup | TEAL us | TEAL speedup | fine / floor | GB/s | rel err | TEAL rel err |"

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from wide import arch, distributed, modeling
-from wide.estimate import estimate
-from wide.config import WideConfig
-from wide.train import TrainArgs, train
+from wide.base import arch
+from wide.training import distributed
+from wide.method import modeling
+from wide.commands.estimate import estimate
+from wide.method.config import WideConfig
+from wide.training.train import TrainArgs, train
 
 CONFIGS = [  # (sequence length, global micro-batch, activation checkpointing)
     (4096, 1, False),

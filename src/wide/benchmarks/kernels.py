@@ -6,8 +6,8 @@ Each case: fresh random bf16 inputs and an i.i.d. random mask; check against the
 reference (rel err < 1e-2, NaN fails); then time dense and routed in the same process.
 Routed time includes the reordering (a fresh RouteIndex per call). Default timing replays a
 CUDA graph of many calls that rotate over several input sets (so L2 does not hold the
-weights between calls), median of replays (``wide.timing.graph_time_us``); ``--timing eager``
-uses triton's do_bench (``wide.timing.do_bench_us``).
+weights between calls), median of replays (``wide.base.timing.graph_time_us``); ``--timing eager``
+uses triton's do_bench (``wide.base.timing.do_bench_us``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from wide.timing import do_bench_us, graph_time_us
+from wide.base.timing import do_bench_us, graph_time_us
 
 SHAPES = {  # name: (N, K, G)
     "gate_up": (14336, 4096, 128),

@@ -6,7 +6,7 @@ sizes and warp counts each). A routed GEMV that must read those bytes cannot bea
     python -m wide.benchmarks.read_floors --out bench/results      # read_floors.{json,md}
     python -m wide.benchmarks.read_floors --dry-run --out /tmp/rf    # CPU smoke run
 
-Timing as in the kernel benchmark (``wide.timing.graph_time_us``): one CUDA graph of
+Timing as in the kernel benchmark (``wide.base.timing.graph_time_us``): one CUDA graph of
 back-to-back reads rotating over 8 copies of the buffer, so L2 never holds the next read's
 bytes. Every read is first checked against a float32 sum of the same chunks.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from wide.timing import graph_time_us, wall_time_us
+from wide.base.timing import graph_time_us, wall_time_us
 
 SIZES_MB = (16.8, 33.5, 58.7)
 CHUNKS = (16384, 32768, 65536)

@@ -1,11 +1,11 @@
-"""Stage-1 training throughput: tokens per second of ``wide.train.train`` steps (routers only,
+"""Stage-1 training throughput: tokens per second of ``wide.training.train.train`` steps (routers only,
 frozen backbone, 50% FLOP target) for each loss (ce, kd: one extra teacher forward per
 micro-batch), autocast mode and batch size, with the peak GPU memory.
 
     python -m wide.benchmarks.train_speed --batch-size 16 64 128 --out $OUT/train_speed.json
     (or: wide bench train_speed ...)
 
-``--model`` is ``default`` (SmolLM2-135M, the real weights), a preset of ``wide.arch.PRESETS``
+``--model`` is ``default`` (SmolLM2-135M, the real weights), a preset of ``wide.base.arch.PRESETS``
 (random weights of that shape) or a local HF directory. A step is timed by the wall clock
 between consecutive steps of the real loop (each step ends with one host sync, so a step's time
 covers its GPU work); the number is the median over ``--steps`` steps after ``--warmup``. The
@@ -32,7 +32,7 @@ TINY = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size
 def load_model(name: str, tiny: bool, dtype: torch.dtype, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from wide import arch
+    from wide.base import arch
     from wide.data import fetch_default_model
 
     if tiny:
@@ -51,7 +51,7 @@ def load_model(name: str, tiny: bool, dtype: torch.dtype, device: str):
 def measure(model, *, loss: str, amp: str, batch_size: int, seq_len: int, steps: int, warmup: int,
             seed: int = 0) -> dict:
     """Median tokens/s of ``steps`` training steps after ``warmup`` ones, on random ids."""
-    from wide.train import TrainArgs, train
+    from wide.training.train import TrainArgs, train
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON results file (a .md table is written beside it)")
     a = ap.parse_args(argv)
 
-    from wide import modeling
-    from wide.config import WideConfig
+    from wide.method import modeling
+    from wide.method.config import WideConfig
 
     device = a.device or ("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     amps = a.amp or (["none", "bf16"] if device.startswith("cuda") else ["none"])

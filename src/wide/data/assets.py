@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..fileio import sha256_file
+from ..base.fileio import sha256_file
 
 log = logging.getLogger("wide.data")
 

@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..fileio import atomic_write_text
+from ..base.fileio import atomic_write_text
 from .assets import _cache
 from .packing import _atomic_save_npy, _load_npy
 from .shards import TokenDocuments, is_token_shards, read_token_shards

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..fileio import atomic_output
+from ..base.fileio import atomic_output
 from .assets import _cache
 from .shards import TokenDocuments
 

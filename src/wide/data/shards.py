@@ -1,4 +1,4 @@
-"""Sampled token shards (written by wide.sampling_data, ``wide sample-data``): the manifest
+"""Sampled token shards (written by wide.commands.sampling_data, ``wide sample-data``): the manifest
 format, the tokenizer fingerprint they are tied to, and reading them back with every shard
 checked against its sha256."""
 

@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..fileio import atomic_write_text
+from ..base.fileio import atomic_write_text
 from .assets import AssetError, _cache, fetch_npm_tarball, fetch_wheel_member
 from .shards import is_token_shards, read_token_shards
 

@@ -749,8 +749,8 @@ def _pick_splits(cands, times) -> int:
 
 def _tune_decode_splits(launch, cands) -> int:
     """Time each (splits, chunk) plan on the call's real inputs, as CUDA-graph replays
-    (:func:`wide.timing.time_graph`); returns the fastest count."""
-    from ..timing import time_graph
+    (:func:`wide.base.timing.time_graph`); returns the fastest count."""
+    from ..base.timing import time_graph
 
     times = [time_graph(lambda: launch(splits, chunk)) for splits, chunk in cands]
     return _pick_splits(cands, times)

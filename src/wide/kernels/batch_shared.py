@@ -1,5 +1,5 @@
 """``batch_shared_mask``: one group set for a whole decode batch, from the routers' margins, in
-one launch (``wide.routers.batch_shared_runs`` on the device, for the engine's batch-shared
+one launch (``wide.method.routers.batch_shared_runs`` on the device, for the engine's batch-shared
 decode).
 
 Every row of the output is the same set: the ``ceil(active / B)`` groups with the largest sums
@@ -13,7 +13,7 @@ PyTorch needs ~8 launches per module for this (sum, sort, argsort, compare, coun
 over 32 layers x 2 modules. The kernel's first version cost 15-26 us per launch, the largest
 single cost of a batch-shared step; this one (runtime loops, no sort) 6.6 us at batch 32 on an
 H200 (bench/results/routing/e2e_reuse.md). At batch 1 the engine does not launch it: a batch of
-one's set is its own mask (wide.routing_rules.SharedRule).
+one's set is its own mask (wide.engine.routing_rules.SharedRule).
 """
 from __future__ import annotations
 
@@ -83,6 +83,6 @@ def batch_shared_mask(margin: torch.Tensor) -> torch.Tensor:
 
 
 def batch_shared_mask_reference(margin: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference: ``wide.routers.batch_shared_runs`` over every row, as a [B, groups] mask."""
+    """PyTorch reference: ``wide.method.routers.batch_shared_runs`` over every row, as a [B, groups] mask."""
     valid = torch.ones(margin.shape[0], dtype=torch.bool, device=margin.device)
     return batch_shared_runs(margin, valid).unsqueeze(0).expand(margin.shape[0], -1)

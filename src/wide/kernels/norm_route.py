@@ -123,7 +123,7 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     """``(x + delta, RMSNorm(x + delta) * weight, mask or None, RouterPartials or None)`` for
     rows ``x [B, H]`` (``delta`` None: no residual add, the residual is ``x`` itself).
 
-    ``router`` (a :class:`~wide.routers.TokenRouter`): also its bool mask ``[B, groups]``.
+    ``router`` (a :class:`~wide.method.routers.TokenRouter`): also its bool mask ``[B, groups]``.
     ``chunk`` columns per program; many rows (prefill) take one program per row (``chunk``
     >= H), since every program reads its whole row. ``defer`` (one token): only the router's
     partial sums are computed; the returned mask is an empty buffer for the GEMV given the
@@ -137,7 +137,7 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     ``tile_sums`` ``(acc, done, start)``: fp32 ``[B, H]`` running sums of the router input (the
     residual, or the normed row with ``normed_input``) and a bool ``[B]`` or ``[B, 1]``; in the same
     launch ``done`` gets ``acc`` and ``acc`` becomes the row where ``start``, else ``acc`` + the row
-    (the previous-tile rule's decode, :class:`wide.routing_rules.PreviousTileRule`)."""
+    (the previous-tile rule's decode, :class:`wide.engine.routing_rules.PreviousTileRule`)."""
     B, H = x.shape
     if defer and B != 1:
         raise ValueError(f"a deferred router needs one token, got {B}")

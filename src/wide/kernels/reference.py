@@ -53,7 +53,7 @@ def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     margins are summed exactly (``shared_units``), so the set does not depend on the order of
     the rows; ties go to the lower group index.
     """
-    count = ((margin >= 0) & valid.unsqueeze(-1)).sum()  # wide.routers.group_runs
+    count = ((margin >= 0) & valid.unsqueeze(-1)).sum()  # wide.method.routers.group_runs
     n = valid.sum().clamp_min(1)
     keep = (count + n - 1) // n  # ceil, in integers: stays on the device
     score = torch.where(valid.unsqueeze(-1), shared_units(margin), 0).sum(dim=0)

@@ -1,4 +1,4 @@
-"""The prefill router (``router_mask``): a :class:`~wide.routers.TokenRouter`'s bool mask for
+"""The prefill router (``router_mask``): a :class:`~wide.method.routers.TokenRouter`'s bool mask for
 many rows in one launch, straight from the model-dtype rows.
 
 PyTorch ran this as an fp32 copy of x plus a narrow sgemm: ~10 of 109 ms of a 4k-token prefill

@@ -129,7 +129,7 @@ def check_mask(mask, num_tokens: int, num_groups: int, device=None) -> torch.Ten
 def group_runs(logit_exec, logit_skip, offset):
     # The inference rule of every router, for the kernels that decide (norm_route, router_mask,
     # gemm_mn's batch-1 GEMV): a group runs iff logit_exec - logit_skip + offset >= 0. The same
-    # expression, in the same order, is TokenRouter.margin + wide.routers.group_runs; keep
+    # expression, in the same order, is TokenRouter.margin + wide.method.routers.group_runs; keep
     # the two identical, or kernel and module decisions drift apart at the threshold.
     return (logit_exec - logit_skip + offset) >= 0
 
@@ -322,7 +322,7 @@ def build_route(mask: torch.Tensor) -> RouteIndex:
 class RouterPartials:
     """One token's router, half evaluated, for batch-1 decode: ``partials [n_chunks, R]`` fp32
     sums of the router's first linear over column chunks of its input (the decode norm kernel
-    writes them), and the rest of the :class:`~wide.routers.TokenRouter` (``down_bias [R]``,
+    writes them), and the rest of the :class:`~wide.method.routers.TokenRouter` (``down_bias [R]``,
     ``up_weight [2G, R]``, ``up_bias [2G]``, ``offset []``, all fp32). Given to ``gemm_mn`` /
     ``ffn_up``, the kernel finishes the router itself (the group's decision is needed there
     first) and writes the mask for the operators after it. The engine's ``partials`` is a view

@@ -1,0 +1,371 @@
+"""Per-element sparse decode for the engine: ``wide.accelerate(model, mode="fine" | "hybrid")``.
+
+The thresholds are the checkpoint's (``model.wide_fine``, :mod:`wide.fine`): input element k of
+projection p in layer i counts iff ``|x_k| * scale_p[i, k] >= threshold[i, p]`` in fp32, the
+rule of the HF hooks. Only decode steps apply it; prefill runs dense (``fine``) or routed
+(``hybrid``): the kernels are decode GEMVs, and a prompt's tokens together keep nearly every
+weight row, so a thresholded prefill would read what a dense one reads.
+
+* ``fine``: every projection of a decode step reads only the weight rows its input keeps:
+  q|k|v in one :func:`~wide.kernels.fine_gemv.fine_gemv` with a threshold per segment (TEAL's
+  greedy allocation gives q, k and v different ones), o, gate|up in one (SiLU*mul after it), down.
+  Routers, if the model has any, are not run.
+* ``hybrid``: the routers run as in ``coarse`` and their decode masks bound what the thresholds
+  may keep: o and down read no input column of a skipped head / FFN group (the kernel's
+  ``group_mask`` over input columns), gate|up's products are zeroed in a skipped FFN group (its
+  rows are still read: a fused gate|up kernel that skipped them failed to compile at T = 1 on an
+  H100 and was removed),
+  attention skips the skipped head groups, and inside
+  the kept groups the thresholds drop elements. The result is the masked HF path with both
+  kinds of sparsity on. q computes every head: ``fine_gemv`` has no output-group mask, so the
+  rows of a skipped head group are read whenever the input keeps them (their values are never
+  used: attention writes zeros there).
+
+Where a projection's sharing partner keeps other elements under another scale (WINA's column
+norms, learned per-channel scales), the fused launch is split into one per projection, writing
+into the same output. Batches of more than :data:`~wide.kernels.fine_gemv.MAX_T` (4) tokens a
+step that run the thresholds fall back to GEMMs on the thresholded inputs: cuBLAS in ``fine``,
+the routed kernels (or cuBLAS, as measured) in ``hybrid``; they compute the same values but read
+every weight row that any token needs, which at such batches is about all of them. So a ``fine``
+engine on the kernels decodes such batches with the dense weights instead, and measures the
+batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
+fixes the limit).
+
+The Triton backend reads the weights in the transposed layout of the kernels
+(:func:`~wide.kernels.fine_gemv.fine_layout`), built when the first fine or hybrid engine of a
+model is made and shared by every later one (:func:`layouts`). A ``fine`` engine keeps that
+layout alone: the model's projection weights become views of it (:func:`_single_copy`), and its
+prefill and dense steps run cuBLAS on those views. A ``hybrid`` engine's routed prefill reads
+row-major weights, so it keeps both. The torch backend computes the same values with dense
+matmuls on the thresholded inputs and needs no copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..base import arch
+from ..method.fine import get_fine
+from ..method.geometry import PROJECTIONS
+from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
+
+try:
+    from ..kernels import silu_mul
+    from ..kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
+except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
+    MAX_T = 4
+
+__all__ = ["NO_THRESHOLDS", "FineLayer", "FineThresholds", "layouts", "make_decode_ops", "FineTorchOps",
+           "FineTritonOps", "FineOnlyTorchOps", "FineOnlyTritonOps"]
+
+Q, K, V, O, GATE, UP, DOWN = range(len(PROJECTIONS))
+NO_THRESHOLDS = ("this checkpoint has no per-element thresholds (model.wide_fine) for mode {mode!r}: train "
+                 "with `wide calibrate --hybrid` (or attach and calibrate wide.fine) or use mode coarse")
+
+
+@dataclass
+class FineLayer:
+    """One layer's view of the engine's thresholds and scales, and its weights in the kernels'
+    transposed layout (Triton backend only)."""
+
+    index: int
+    th: torch.Tensor  # [7] fp32, a row of FineThresholds.th: the kernels read it at every launch
+    scale: list  # per projection: [in] fp32 (a row of FineThresholds.scale) or None
+    # Host-side facts of the current thresholds, which pick how many launches a step takes:
+    qkv_one_scale: bool = True  # q, k and v score with one scale: one launch, a threshold per segment
+    gu_one_scale: bool = True
+    kv_same: bool = True  # k and v keep the same elements (torch path: one GEMM for both)
+    gu_same: bool = True  # gate and up keep the same elements (hybrid batches > 4: the routed ffn_up)
+    wqkv_t: Optional[torch.Tensor] = None  # [H, (Hq + 2 Hkv) D]
+    segs: list = field(default_factory=list)
+    wo_t: Optional[torch.Tensor] = None
+    wgu_t: Optional[torch.Tensor] = None  # [H, 2 I], gate then up
+    wd_t: Optional[torch.Tensor] = None
+
+
+# model -> {(layer, name): (source key, transposed weight)}: one copy per model, whichever
+# engines use it; a source weight that changed (other storage, an in-place update) is laid out anew.
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _source_key(ws) -> tuple:
+    return tuple((w.data_ptr(), w._version, tuple(w.shape), w.dtype, str(w.device)) for w in ws)
+
+
+def layouts(model, i: int, weights: dict) -> dict:
+    """name -> ``fine_layout`` of ``weights[name]`` (a tuple of [N, K] weights sharing an input),
+    cached per model and layer."""
+    store = _LAYOUTS.setdefault(model, {})
+    out = {}
+    for name, ws in weights.items():
+        key = _source_key(ws)
+        hit = store.get((i, name))
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, fine_layout(*(w.detach() for w in ws)))
+            store[(i, name)] = hit
+        out[name] = hit[1]
+    return out
+
+
+class FineThresholds:
+    """The engine's fp32 copy of ``model.wide_fine`` on its device: ``th [L, 7]`` (thresholds,
+    not logs) and per projection ``scale [L, in]`` or None. :meth:`refresh` rewrites them in
+    place, so the kernels of captured CUDA graphs read the new values on their next replay."""
+
+    def __init__(self, engine):
+        fine = get_fine(engine.model)
+        if fine is None:
+            raise ValueError(NO_THRESHOLDS.format(mode=engine.mode))
+        self.fine = fine
+        L = len(engine.layers)
+        if tuple(fine.log_threshold.shape) != (L, len(PROJECTIONS)):
+            raise ValueError(f"model.wide_fine holds thresholds of shape {tuple(fine.log_threshold.shape)} for a "
+                             f"model of {L} layers x {len(PROJECTIONS)} projections")
+        dev = engine.device
+        self.th = torch.zeros(L, len(PROJECTIONS), dtype=torch.float32, device=dev)
+        self.scale = [torch.ones(L, fine.log_scale[p].shape[1], dtype=torch.float32, device=dev)
+                      if p in fine.log_scale else None for p in PROJECTIONS]
+        self.layers = [FineLayer(i, self.th[i], [None if s is None else s[i] for s in self.scale])
+                       for i in range(L)]
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Copy the model's current thresholds and scales; True if a layer's launch structure
+        changed (the engine then drops its captured graphs)."""
+        fine = self.fine
+        for i in range(len(self.layers)):
+            # One exp per element and row, as the hooks evaluate them (fine.threshold /
+            # fine.scale): on the CPU a vectorised exp over the whole table may round another way.
+            for j, p in enumerate(PROJECTIONS):
+                self.th[i, j] = fine.threshold(i, p).to(self.th.device)
+                if self.scale[j] is not None:
+                    self.scale[j][i].copy_(fine.scale(i, p))
+        th = self.th.tolist()
+        changed = False
+        for f in self.layers:
+            t = th[f.index]
+
+            def same_scale(a, b):
+                sa, sb = f.scale[a], f.scale[b]
+                return sa is None or torch.equal(sa, sb)
+
+            flags = (same_scale(Q, K) and same_scale(Q, V), same_scale(GATE, UP),
+                     t[K] == t[V] and same_scale(K, V), t[GATE] == t[UP] and same_scale(GATE, UP))
+            changed |= flags != (f.qkv_one_scale, f.gu_one_scale, f.kv_same, f.gu_same)
+            f.qkv_one_scale, f.gu_one_scale, f.kv_same, f.gu_same = flags
+        return changed
+
+
+def _keep(f: FineLayer, j: int, x: torch.Tensor) -> torch.Tensor:
+    """Bool [rows, in]: the elements of ``x`` projection ``j`` reads (the hooks' rule, fp32)."""
+    score = x.float().abs()
+    s = f.scale[j]
+    if s is not None:
+        score = score * s
+    return score >= f.th[j]
+
+
+def _kept(f: FineLayer, j: int, x: torch.Tensor) -> torch.Tensor:
+    return x * _keep(f, j, x).to(x.dtype)
+
+
+class _FineDecode:
+    """What the per-element decode ops of both backends share: the router is never left to the
+    GEMVs (they do not finish it), and eager steps asked to record (``decode(record=...)``) get
+    each projection's read shares."""
+
+    record = None  # set per step by the engine: a list, or None
+
+    def defer_router(self) -> bool:
+        return False
+
+    def _note(self, f: FineLayer, j: int, x, rows=None, cols=None, group: int = 1) -> None:
+        """Append ``(layer, projection, [share of the weight some token reads, mean share one
+        token needs])`` to the step's record. ``rows``: the routed group mask over the input
+        columns (o, down); ``cols``: over the output channels (gate, up)."""
+        if self.record is None:
+            return
+        keep = _keep(f, j, x)
+        if rows is not None:
+            keep = keep & rows.repeat_interleave(group, dim=-1)
+        on = torch.ones(keep.shape[0], 1, device=keep.device) if cols is None else cols.float()
+        union = keep.any(0).float().mean() * on.amax(0).mean()
+        token = (keep.float().mean(1) * on.mean(1)).mean()
+        self.record.append((f.index, PROJECTIONS[j], torch.stack([union, token])))
+
+    # ------------------------------------------------ dense GEMMs on thresholded inputs
+
+    def _masked_q(self, L, h, f: FineLayer, bias: bool):
+        return F.linear(_kept(f, Q, h), L.wq, L.bq if bias else None)
+
+    def _masked_kv(self, L, h, f: FineLayer, bias: bool):
+        """k|v [rows, 2 Hkv D], each on its own thresholded input."""
+        if f.kv_same:
+            return F.linear(_kept(f, K, h), L.wkv, L.bkv if bias else None)
+        n = L.wkv.shape[0] // 2
+        bk, bv = (L.bkv[:n], L.bkv[n:]) if bias and L.bkv is not None else (None, None)
+        return torch.cat([F.linear(_kept(f, K, h), L.wkv[:n], bk), F.linear(_kept(f, V, h), L.wkv[n:], bv)], dim=-1)
+
+
+class FineTorchOps(_FineDecode, TorchOps):
+    """``hybrid`` decode on the torch backend (and the reference of the kernels): the HF path's
+    arithmetic, thresholded inputs into dense matmuls, routed groups zeroed as TorchOps does.
+    With thresholds that keep everything it is TorchOps itself, bit for bit."""
+
+    def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
+        f = L.fine
+        for j in (Q, K, V):
+            self._note(f, j, h)
+        return self._masked_q(L, h, f, self.gemm_bias), self._masked_kv(L, h, f, self.gemm_bias)
+
+    def o_proj(self, L, att, mask, route):
+        f = L.fine
+        rows = None if mask is None else flat_mask(mask)
+        self._note(f, O, att, rows=rows, group=self.e.attn_gs * self.e.head_dim)
+        return F.linear(_kept(f, O, att), L.wo)
+
+    def ffn(self, L, h, mask, router=None):
+        f = L.fine
+        m = None if mask is None else flat_mask(mask)
+        for j in (GATE, UP):
+            self._note(f, j, h, cols=m)
+        u = F.silu(F.linear(_kept(f, GATE, h), L.wg)) * F.linear(_kept(f, UP, h), L.wu)
+        if m is not None:
+            u = u * m.repeat_interleave(self.e.ffn_gs, dim=-1).to(u.dtype)
+        self._note(f, DOWN, u, rows=m, group=self.e.ffn_gs)
+        return F.linear(_kept(f, DOWN, u), L.wd)
+
+
+class FineOnlyTorchOps(UnroutedOps, FineTorchOps):
+    """``fine`` decode on the torch backend: no router runs, every mask is None."""
+
+
+class FineTritonOps(_FineDecode, TritonOps):
+    """``hybrid`` decode on the kernels: the per-element GEMVs with the router's group masks,
+    for batches of up to MAX_T; larger batches run the routed GEMMs on thresholded inputs."""
+
+    def index(self, mask):
+        # The GEMVs take the group masks as they are; only the larger batches' routed GEMMs
+        # need the token lists.
+        return None if mask is None or mask.shape[0] <= MAX_T else super().index(mask)
+
+    def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
+        f = L.fine
+        for j in (Q, K, V):
+            self._note(f, j, h)
+        if h.shape[0] > MAX_T:
+            q = (self._masked_q(L, h, f, False) if mask is None
+                 else self._q_proj(L, _kept(f, Q, h), flat_mask(mask), route))
+            return q, self._masked_kv(L, h, f, False)
+        if f.qkv_one_scale:
+            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q])
+        else:
+            out = torch.empty(h.shape[0], f.segs[-1], dtype=h.dtype, device=h.device)
+            for j, (lo, hi) in zip((Q, K, V), zip(f.segs[:-1], f.segs[1:])):
+                fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi])
+        nq = f.segs[1]
+        return out[:, :nq], out[:, nq:]
+
+    def o_proj(self, L, att, mask, route):
+        f = L.fine
+        gs = self.e.attn_gs * self.e.head_dim
+        m = None if mask is None else flat_mask(mask)
+        self._note(f, O, att, rows=m, group=gs)
+        if att.shape[0] > MAX_T:
+            return super().o_proj(L, _kept(f, O, att), mask, route)
+        return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
+                         group_size=None if m is None else gs)
+
+    def ffn(self, L, h, mask, router=None):
+        f = L.fine
+        gs = self.e.ffn_gs
+        m = None if mask is None else flat_mask(mask)
+        for j in (GATE, UP):
+            self._note(f, j, h, cols=m)
+        large = h.shape[0] > MAX_T
+        route = self.index(m) if large and m is not None else None
+        if large:
+            u = self._ffn_up_large(L, h, f, m, route)
+        else:
+            inter = f.wgu_t.shape[1] // 2
+            if f.gu_one_scale:
+                # gate|up in one fine_gemv (a threshold per segment): the fused alternative with
+                # SiLU*mul inside (removed) failed to compile at T = 1 on an H100 (Triton 3.6) and
+                # ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at T = 1
+                # (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped FFN
+                # groups too; silu_mul zeroes their products.
+                gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                               scale=f.scale[GATE])
+            else:
+                gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
+                fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
+                fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
+            u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
+        self._note(f, DOWN, u, rows=m, group=gs)
+        if large:
+            ud = _kept(f, DOWN, u)
+            return F.linear(ud, L.wd) if m is None else self._reduce_k(ud, L.wd, m, gs, route)
+        return fine_gemv(u, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], group_mask=m,
+                         group_size=None if m is None else gs)
+
+    def _ffn_up_large(self, L, h, f: FineLayer, m, route):
+        """silu(gate) * up of a batch > MAX_T on thresholded inputs, zeros in skipped groups."""
+        gs = self.e.ffn_gs
+        if m is not None and f.gu_same:  # one input for both: the routed kernel (or cuBLAS)
+            return self._ffn_up(L, _kept(f, GATE, h), m, route)
+        g, u = F.linear(_kept(f, GATE, h), L.wg), F.linear(_kept(f, UP, h), L.wu)
+        return silu_mul(g, u, m, gs)
+
+
+class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
+    """``fine`` decode on the kernels: no router runs, every mask is None."""
+
+
+def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:
+    """``fine`` on the kernels keeps the transposed layout alone: the layer's weights in the
+    engine (``L``: the prefill's and large batches' dense GEMMs, which cuBLAS runs on the
+    transposed views as fast, bench/results/h100/fine_gemv.md's dense^T column) and in the HF
+    model become views of it, and the original storage is freed. The layout cache's keys follow
+    the parameters, so a later engine of the model finds the same layout."""
+    nq, nk, inter = w["q"].shape[0], w["k"].shape[0], w["gate"].shape[0]
+    L.wqkv, L.wgu = f.wqkv_t.t(), f.wgu_t.t()
+    L.wq, L.wkv, L.wo, L.wd = L.wqkv[:nq], L.wqkv[nq:], f.wo_t.t(), f.wd_t.t()
+    L.wg, L.wu = L.wgu[:inter], L.wgu[inter:]
+    arch.share_projection_weights(layer, spec, {"q": L.wq, "k": L.wkv[:nk], "v": L.wkv[nk:], "o": L.wo,
+                                                "gate": L.wg, "up": L.wu, "down": L.wd})
+    store = _LAYOUTS[model]
+    for name, roles in (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gu", ("gate", "up")), ("down", ("down",))):
+        key, t = store[(f.index, name)]
+        store[(f.index, name)] = (_source_key([w[r] for r in roles]), t)
+
+
+def make_decode_ops(engine):
+    """The decode ops of a fine or hybrid engine, with each layer's ``FineLayer`` attached to
+    its ``_Layer`` (``L.fine``) and, on the Triton backend, the transposed weights."""
+    th = FineThresholds(engine)
+    triton = engine.backend == "triton"
+    spec = arch.spec_for(engine.model)
+    for L, f, layer in zip(engine.layers, th.layers, arch.decoder_layers(engine.model)):
+        if triton:
+            # The HF modules' own weights (the engine's concatenations are per engine): the
+            # layouts are then shared by every engine of the model.
+            w = {r: arch.projection(layer, spec, r).weight for r in ("q", "k", "v", "o", "gate", "up", "down")}
+            lay = layouts(engine.model, f.index, {"qkv": (w["q"], w["k"], w["v"]), "o": (w["o"],),
+                                                  "gu": (w["gate"], w["up"]), "down": (w["down"],)})
+            f.wqkv_t, f.wo_t, f.wgu_t, f.wd_t = lay["qkv"], lay["o"], lay["gu"], lay["down"]
+            f.segs = fine_segments(w["q"], w["k"], w["v"])
+            if engine.mode == "fine":
+                _single_copy(engine.model, L, f, layer, spec, w)
+        L.fine = f
+    engine.fine = th
+    only = engine.mode == "fine"
+    if triton:
+        return (FineOnlyTritonOps if only else FineTritonOps)(engine)
+    return (FineOnlyTorchOps if only else FineTorchOps)(engine)
