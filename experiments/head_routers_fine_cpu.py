@@ -1,0 +1,198 @@
+"""Attention head-group routers trained beside frozen learned per-element thresholds (issue 48,
+design (a), stage 1; CPU trial).
+
+The shipped ``smollm2-135m-fine-50`` thresholds (50 % linear sparsity, per-channel scales) are
+loaded and frozen; one attention router per layer (the FFN is not routed) chooses, per token,
+which of SmolLM2's three GQA packs (3 query heads sharing one K/V head) run. Layer 0 stays
+dense: its router's output weights are zeroed and its biases set so that every group runs with
+a margin of 1e4, and it is not trained (offset calibration's global shift moves margins by a
+few units, so it cannot flip it). The penalty holds the attention group rate, averaged over
+all 30 layers (layer 0 included, at 0), at ``--target``; 29/30 x 1/3 = 0.3222 is the oracle's
+rate (one group of three skipped for every token in layers 1-29). The task loss is the
+distillation loss (``--loss kd``): the teacher is the dense model (routing_disabled switches
+both the routers and the thresholds off). After training, one global router offset lands the
+deterministic masks on the target on the calibration text (``wide.modeling.calibrate_offsets``,
+not ``wide calibrate``'s path, which for learned thresholds shifts the thresholds instead).
+
+Everything else is ``wide calibrate``'s: the same options (data, decontamination, seq-len,
+router rank and input, dense router start, sparsity warm-up, Gumbel schedule, AdamW), the same
+training loop (``wide.train.train`` with the attention routers of layers 1-29 as the only
+parameters), and the saved directory (routers + the frozen thresholds + run record) is a router
+directory that ``wide eval --routers DIR`` reads as any other.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --out runs/heads --threads 1 \
+        --steps 100 --batch-size 4 --target 0.3222 --loss kd
+    PYTHONPATH=src python -m wide.cli eval --threads 1 --device cpu --dense \
+        --routers smollm2-135m-fine-50 runs/heads/routers --max-eval-sequences 24 --tasks --out ...
+
+``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
+``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
+the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
+norm zeroed after the fact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from wide import modeling, pretrained, runs
+from wide.cli import build_parser, calibrate_config
+from wide.cliargs import from_args
+from wide.serialization import CONFIG_FILE, atomic_write_text, load_thresholds, save_routers
+from wide.train import FINAL_DIR, TrainArgs, train
+
+LAYER0_MARGIN = 1e4
+
+
+def parse(argv):
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--thresholds", default="smollm2-135m-fine-50",
+                     help="shipped name or directory of the learned thresholds to freeze")
+    own.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="layers whose attention stays dense")
+    own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
+    own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
+    mine, rest = own.parse_known_args(argv)
+    # the rest is `wide calibrate`'s command line; routing defaults for this trial
+    base = ["calibrate", "--sparse-target", "attention", "--loss-mode", "groups", "--target", "0.3222",
+            "--loss", "kd", "--offsets", "global"]
+    if mine.oracle and "--out" not in rest:
+        rest = rest + ["--out", "/dev/null"]
+    args = build_parser().parse_args(base + rest)
+    return mine, args
+
+
+def frozen_thresholds(model, name: str) -> None:
+    """Attach ``name``'s per-element thresholds to a wrapped model and freeze them."""
+    path = pretrained.resolve(name)
+    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
+    load_thresholds(model, path, meta["fine"])
+    for p in model.wide_fine.parameters():
+        p.requires_grad_(False)
+
+
+def dense_layers(model, layers) -> None:
+    """Routers of ``layers`` run every attention group, whatever the token, and do not train."""
+    for i in layers:
+        r = model.wide_routers[i].attn
+        with torch.no_grad():
+            r.up.weight.zero_()
+            r.up.bias.view(r.num_groups, 2).copy_(torch.tensor([LAYER0_MARGIN / 2, -LAYER0_MARGIN / 2]))
+        for p in r.parameters():
+            p.requires_grad_(False)
+
+
+def trained_parameters(model) -> list:
+    return [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
+            if p.requires_grad]
+
+
+def main(argv=None) -> dict:
+    mine, args = parse(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if mine.oracle:
+        return oracle(mine, args)
+    t0 = time.perf_counter()
+    tok, model_path = runs.load_tokenizer(args)
+    train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
+    eval_ids, _, _ = runs.packed(args, tok, "heldout")
+    print(f"calibration: {train_ids.shape[0]} sequences x {train_ids.shape[1]} tokens; "
+          f"held-out: {eval_ids.shape[0]} sequences", flush=True)
+    model, tok, _ = runs.load_model(args, tok)
+    cfg = calibrate_config(args)
+    targs = from_args(TrainArgs, args)
+    modeling.wrap(model, cfg, seed=targs.seed)
+    modeling.freeze_backbone(model)
+    frozen_thresholds(model, mine.thresholds)
+    dense_layers(model, mine.dense_layers)
+    params = trained_parameters(model)
+    print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
+          f"dense attention in layers {mine.dense_layers}", flush=True)
+    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
+                   resume=args.resume, stop_at=args.stop_at)
+    if result.get("stopped_at"):
+        return result
+    offsets = None
+    if args.offsets != "none":
+        t1 = time.perf_counter()
+        batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+        offsets = modeling.calibrate_offsets(model, batches, mode=args.offsets)
+        print(f"offsets ({args.offsets}) calibrated in {time.perf_counter() - t1:.1f}s: "
+              f"shift {next(iter(offsets.values())):+.4f}", flush=True)
+    hist = result["history"]
+    run = {
+        "command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "design": "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds,
+        "dense_layers": mine.dense_layers, "model": model_path, "wide_config": cfg.to_dict(),
+        "train_args": vars(targs), "steps": targs.steps,
+        "tokens": targs.steps * targs.sequences_per_step * train_ids.shape[1],
+        "wall_s": result["wall_s"], "total_s": time.perf_counter() - t0,
+        "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
+        "machine": runs.machine(), "offsets": offsets and next(iter(offsets.values())),
+        "date": datetime.date.today().isoformat(), "decontamination": decontamination,
+    }
+    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": "heads+learned"})
+    atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
+    print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
+          f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)
+    return run
+
+
+def oracle(mine, args) -> dict:
+    """The issue's oracle on the held-out windows: thresholds on, and in every layer but the dense
+    ones the GQA pack of smallest contribution norm ||h_g W_o[:, g]^T|| zeroed per token (and, for
+    reference, a random pack instead)."""
+    from wide import arch
+    from wide.evaluate import perplexity
+
+    tok, _ = runs.load_tokenizer(args)
+    args.exact_bpb, args.max_eval_sequences = False, mine.eval_sequences
+    heldout, bpt = runs.heldout(args, tok)
+    model, tok, _ = runs.load_model(args, tok)
+    modeling.wrap(model, modeling.WideConfig(sparse_target="none", ffn_group_size=16))
+    frozen_thresholds(model, mine.thresholds)
+    state = modeling.get_state(model)
+    geo = state.geometry
+    spec = arch.spec_for(model)
+    cols = geo.columns("attn")
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for mode in ("smallest", "random"):
+        handles = []
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            if i in mine.dense_layers:
+                continue
+            o = arch.projection(layer, spec, "o")
+
+            def hook(mod, a, i=i, o=o):
+                x = a[0]  # after the thresholds' own hook: the o input the model reads
+                w = o.weight  # [hidden, heads * head_dim]
+                xs = x.view(*x.shape[:-1], -1, cols)
+                contrib = torch.einsum("btgc,hgc->btgh", xs, w.view(w.shape[0], -1, cols))
+                norms = contrib.norm(dim=-1)
+                pick = norms.argmin(-1) if mode == "smallest" else \
+                    torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
+                keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
+                return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
+
+            handles.append(o.register_forward_pre_hook(hook))
+        try:
+            res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+        finally:
+            for h in handles:
+                h.remove()
+        out[mode] = {"ppl": res["ppl"], "linear_sparsity": res.get("linear_sparsity")}
+        print(f"oracle {mode}: ppl {res['ppl']:.2f} (linear sparsity of the thresholds {res.get('linear_sparsity')})",
+              flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
