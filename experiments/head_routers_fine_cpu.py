@@ -11,12 +11,12 @@ all 30 layers (layer 0 included, at 0), at ``--target``; 29/30 x 1/3 = 0.3222 is
 rate (one group of three skipped for every token in layers 1-29). The task loss is the
 distillation loss (``--loss kd``): the teacher is the dense model (routing_disabled switches
 both the routers and the thresholds off). After training, one global router offset lands the
-deterministic masks on the target on the calibration text (``wide.modeling.calibrate_offsets``,
+deterministic masks on the target on the calibration text (``wide.method.offsets.calibrate_offsets``,
 not ``wide calibrate``'s path, which for learned thresholds shifts the thresholds instead).
 
 Everything else is ``wide calibrate``'s: the same options (data, decontamination, seq-len,
 router rank and input, dense router start, sparsity warm-up, Gumbel schedule, AdamW), the same
-training loop (``wide.train.train`` with the attention routers of layers 1-29 as the only
+training loop (``wide.training.train.train`` with the attention routers of layers 1-29 as the only
 parameters), and the saved directory (routers + the frozen thresholds + run record) is a router
 directory that ``wide eval --routers DIR`` reads as any other.
 
@@ -42,11 +42,14 @@ from pathlib import Path
 
 import torch
 
-from wide import modeling, pretrained, runs
+from wide import pretrained
+from wide.base.cliargs import from_args
 from wide.cli import build_parser, calibrate_config
-from wide.cliargs import from_args
-from wide.serialization import CONFIG_FILE, atomic_write_text, load_thresholds, save_routers
-from wide.train import FINAL_DIR, TrainArgs, train
+from wide.commands import runs
+from wide.io.serialization import CONFIG_FILE, atomic_write_text, load_thresholds, save_routers
+from wide.method import modeling
+from wide.method.offsets import calibrate_offsets
+from wide.training.train import FINAL_DIR, TrainArgs, train
 
 LAYER0_MARGIN = 1e4
 
@@ -123,7 +126,7 @@ def main(argv=None) -> dict:
     if args.offsets != "none":
         t1 = time.perf_counter()
         batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
-        offsets = modeling.calibrate_offsets(model, batches, mode=args.offsets)
+        offsets = calibrate_offsets(model, batches, mode=args.offsets)
         print(f"offsets ({args.offsets}) calibrated in {time.perf_counter() - t1:.1f}s: "
               f"shift {next(iter(offsets.values())):+.4f}", flush=True)
     hist = result["history"]
@@ -149,8 +152,8 @@ def oracle(mine, args) -> dict:
     """The issue's oracle on the held-out windows: thresholds on, and in every layer but the dense
     ones the GQA pack of smallest contribution norm ||h_g W_o[:, g]^T|| zeroed per token (and, for
     reference, a random pack instead)."""
-    from wide import arch
-    from wide.evaluate import perplexity
+    from wide.base import arch
+    from wide.evaluation.evaluate import perplexity
 
     tok, _ = runs.load_tokenizer(args)
     args.exact_bpb, args.max_eval_sequences = False, mine.eval_sequences
