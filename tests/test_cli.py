@@ -295,7 +295,7 @@ def test_a_resumed_run_records_the_time_of_every_invocation_and_its_first_comman
     # recorded the --resume line as the run's command
     import time
 
-    from wide import train as train_module
+    from wide.training import train as train_module
 
     tmp, common = tiny_run
     argv = ["calibrate", *common, *TRAIN, "--steps", "4", "--out", str(tmp / "r")]

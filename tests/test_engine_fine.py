@@ -285,7 +285,9 @@ def test_cli_generate_modes(tmp_path, capsys):
     for argv in (["--routers", str(tmp_path / "coarse"), "--mode", "hybrid"], ["--mode", "fine"]):
         assert main(["generate", *common, "--prompt", "a", *argv]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "no per-element thresholds" in errors[0] and "wide calibrate --hybrid" in errors[0]
+        # refused before the model loads (issue 49, defects 2 and 5): what the mode needs, and where to get it
+        assert len(errors) == 1 and "decodes with per-element thresholds" in errors[0] \
+            and "smollm2-135m-fine-50" in errors[0]
 
 
 def _storage(t):
