@@ -160,20 +160,26 @@ def graph_time_us(fns: Sequence[Callable], calls: int = None, replays: int = 10,
                 f()
     torch.cuda.synchronize()
     try:
-        for _ in range(warmup_replays):
-            g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        times = replay_times_ms(g, replays, warmup_replays)
     finally:
         del g
     return per_call_us(times, calls, stat)
+
+
+def replay_times_ms(graph, replays: int, warmup: int = 2) -> list:
+    """GPU time (ms) of each of ``replays`` replays of a captured CUDA graph, after ``warmup``."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
 
 
 def do_bench_us(fn, warmup: int = 25, rep: int = 100) -> float:

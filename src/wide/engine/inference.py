@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -57,6 +58,7 @@ import torch
 import torch.nn as nn
 
 from ..base import arch
+from ..base.timing import replay_times_ms
 from .fine_engine import MAX_T, NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
 from ..method.geometry import Geometry
@@ -512,17 +514,7 @@ class AcceleratedModel:
         for path in ("fine", "dense"):
             self._paths[B] = path
             graph, _ = self._capture_decode(B, reuse)
-            for _ in range(2):
-                graph.replay()
-            ms = []
-            for _ in range(replays):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                graph.replay()
-                t1.record()
-                t1.synchronize()
-                ms.append(t0.elapsed_time(t1))
-            times[path] = sorted(ms)[len(ms) // 2]
+            times[path] = statistics.median(replay_times_ms(graph, replays))
         self._paths[B] = min(times, key=times.get)
         log.info("fine engine, decode batch %d: fine %.3f ms, dense %.3f ms: runs %s",
                  B, times["fine"], times["dense"], self._paths[B])
