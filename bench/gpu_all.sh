@@ -40,7 +40,7 @@ run e2e_modes "${E2E_MODES_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$O
 # plain-read floor at 25/50/75 % in bf16 and fp16 (T = 1; T = 2, 4 at 50 %), then the engine at
 # 50 %: TTFT 4k/16k, TPOT B = 1/2/4/8/32 at 4k and 16k, peak memory of the dense and fine engines
 run fine_gemv "${FINE_GEMV_S:-200}" bash -c "python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
-    --shapes up down qkv o --tokens 1 --kept 0.25 0.5 0.75 --dtypes bf16 fp16 --teal --out '$OUT/fine_gemv' \
+    --shapes up down qkv o --tokens 1 --kept 0.25 0.5 0.75 --dtypes bf16 fp16 --teal --prefill-tokens 4096 16384 --out '$OUT/fine_gemv' \
     && python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b --shapes up down qkv o --tokens 2 4 \
     --kept 0.5 --out '$OUT/fine_gemv_batches'"
 run e2e_fine "${E2E_FINE_S:-330}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine \

@@ -128,7 +128,7 @@ def cases() -> dict:
     # fine_gemv (no tl.dot): every config of the autotuner's list must compile for sm_90
     # (fine_ffn_up once failed to compile there) and fit
     fg = importlib.import_module("wide.kernels.fine_gemv")
-    ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": _I32,
+    ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": _I32, "idx_ptr": _I32,
             "scale_ptr": "*fp32"}
     for T in (1, 4):
         const = lambda c, T=T: dict(T=T, NSEG=3, HAS_SCALE=True, HAS_GM=T > 1, TH_PTR=True,  # noqa: E731

@@ -50,14 +50,16 @@ def _median_abs(x):
     return float(x.float().abs().median())
 
 
-@pytest.fixture(params=[(1, False), (3, False), (3, True)],
-                ids=lambda p: f"split{p[0]}" + ("-ordered" if p[1] else ""))
+@pytest.fixture(params=[(1, False, 16), (3, False, 16), (3, True, 16), (3, False, 0), (3, True, 0)],
+                ids=lambda p: f"split{p[0]}" + ("-ordered" if p[1] else "") + ("-compact" if p[2] else "-masked"))
 def split(request, monkeypatch):
     # the interpreter's split-K factor: 1 = direct store, 3 = a reduction over an odd number
     # of splits, the last one shorter: atomic fp32 sums (the default) or, deterministic, the
-    # ticketed in-order sum of the partials (the tests without this fixture run 2, atomic)
-    n, ordered = request.param
+    # ticketed in-order sum of the partials (the tests without this fixture run 2, atomic);
+    # the kept rows listed first (16 at a time: ragged K ends mid-chunk) or walked under the mask
+    n, ordered, compact = request.param
     monkeypatch.setattr(fg, "INTERPRET_SPLIT", n)
+    monkeypatch.setattr(fg, "INTERPRET_COMPACT", compact)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(ordered)
     yield n
@@ -211,7 +213,9 @@ def test_segments(T, bounds, dtype, split):
 
 CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
            fg._cfg(128, 8, 2, 4, 4, True), fg._cfg(128, 16, 4, 4, 64, False, atomic=True),
-           fg._cfg(64, 8, 2, 2, 32, True, atomic=True)]
+           fg._cfg(64, 8, 2, 2, 32, True, atomic=True),
+           # compacting: rows across threads too, a chunk longer than K, no prefetch not offered
+           fg._cfg(64, 4, 2, 2, 8, True, atomic=True, compact=32), fg._cfg(32, 2, 4, 1, 8, True, compact=128)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.kwargs.items()))
@@ -336,6 +340,21 @@ def test_benchmark_cpu_records(tmp_path):
         assert (r["union"] == 0.5) if r["T"] == 1 else (0.5 < r["union"] <= 1.0)
     assert "| tiny qkv | fp32 |" in out.with_suffix(".md").read_text()
     assert all(r["dtype"] == "fp32" and r["sparsity"] == 0.5 and r["dense_t_us"] > 0 for r in recs)
+
+
+def test_compact_lists_only_kept_rows(monkeypatch):
+    # The row lists are scratch: stale entries from a launch with other inputs (more rows kept)
+    # must not leak into the next, and a launch keeping nothing must read nothing.
+    from wide.kernels.routing import row_lists
+    monkeypatch.setattr(fg, "INTERPRET_SPLIT", 3)
+    monkeypatch.setattr(fg, "INTERPRET_COMPACT", 16)
+    x, w, _ = _inputs(2, K_RAGGED, N_RAGGED, torch.float32, 43)
+    wt = fine_layout(w)
+    assert rel_err(fine_gemv(x, wt, 0.0), x @ wt) < 1e-5
+    assert torch.any(row_lists(x.device, 1) != 0)
+    for th in (_median_abs(x), 2 * _median_abs(x)):
+        assert rel_err(fine_gemv(x, wt, th), fine_gemv_reference(x, wt, th)) < 1e-5
+    assert torch.all(fine_gemv(x, wt, float("inf")) == 0)
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["atomic", "ordered"])

@@ -76,13 +76,22 @@ def _sweep_configs():
                           (256, 2, 16, 2), (256, 1, 16, 1), (512, 4, 4, 8), (512, 2, 8, 4)):
         for pps, pf in ((64, False), (32, True), (16, True)):
             cfgs.append(_cfg(bn, br, bu, w, pps, pf, atomic=True))
+    # compacting tiles: the kept rows listed CH at a time, then walked BU rows a step
+    for bn, bu, w in ((256, 16, 1), (256, 8, 1), (256, 32, 1), (512, 8, 2), (512, 16, 2), (128, 16, 1),
+                      (1024, 8, 4)):
+        for ch in (64, 128, 256):
+            for pps in (4, 8, 16):
+                cfgs.append(_cfg(bn, 1, bu, w, pps, True, atomic=True, compact=ch))
+    for ch, pps in ((64, 8), (128, 8), (256, 4)):
+        cfgs.append(_cfg(256, 1, 16, 1, pps, True, compact=ch))
     return cfgs
 
 
 def _cfg_name(c):
     k = c.kwargs
     return (f"BN{k['BN']}-BR{k['BR']}-BU{k['BU']}-P{k['PPS']}-{'pf' if k['PF'] else 'nopf'}"
-            f"-w{c.num_warps}-s{c.num_stages}" + ("-atomic" if k.get("ATOMIC") else ""))
+            f"-w{c.num_warps}-s{c.num_stages}" + ("-atomic" if k.get("ATOMIC") else "")
+            + (f"-compact{k['CH']}" if k.get("COMPACT") else ""))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,9 +181,49 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, 
         return out
     rel = check()
     fine_us = timer([lambda s=s: fine(s) for s in sets])
+    chosen = _chosen_config()
     ordered_us = timer([lambda s=s: fine(s, deterministic=True) for s in sets]) if cuda else None
     del sets
-    return [record(fine_us, rel, {} if ordered_us is None else {"ordered_us": round(ordered_us, 3)})]
+    extra = {} if ordered_us is None else {"ordered_us": round(ordered_us, 3)}
+    if chosen:
+        extra["config"] = chosen
+    return [record(fine_us, rel, extra)]
+
+
+def _chosen_config():
+    """The tile the autotuner kept for the last launch, by name (None without autotuning)."""
+    from wide.kernels import fine_gemv as fg
+    best = getattr(fg._tuned_gemv, "best_config", None)
+    return _cfg_name(best) if best is not None and fg.autotune_enabled() else None
+
+
+def prefill_records(models, shapes, tokens, dtype, device, timer):
+    """cuBLAS at prefill sizes on the original ``[N, K]`` weight (``F.linear``) and on the fine
+    layout's transposed copy (``x @ w_t``), which a fine engine keeps alone: what its TTFT pays
+    for the single copy, per projection."""
+    dt = DTYPES[dtype]
+    out = []
+    for model, shp in models.items():
+        for shape, (K, widths) in shp.items():
+            if shapes and shape not in shapes:
+                continue
+            N = sum(widths)
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(device=device, dtype=dt)
+            w_t = w.t().contiguous()
+            for M in tokens:
+                x = torch.randn(M, K, generator=gen).to(device=device, dtype=dt)
+                nt_us = timer([lambda: F.linear(x, w)])
+                nn_us = timer([lambda: x @ w_t])
+                out.append({"op": "prefill_gemm", "model": model, "shape": shape, "N": N, "K": K, "M": M,
+                            "dtype": dtype, "dense_us": round(nt_us, 2), "dense_t_us": round(nn_us, 2),
+                            "t_over_dense": round(nn_us / nt_us, 4),
+                            "tflops": round(2 * M * N * K / nt_us / 1e6, 1)})
+                print(f"prefill {model} {shape} M={M}: F.linear {nt_us:.1f} us, on w_t {nn_us:.1f} us "
+                      f"({nn_us / nt_us:.3f}x)", flush=True)
+                del x
+            del w, w_t
+    return out
 
 
 def _floor_us(kept_elems, n_rot, device, dt, timer, plain_read):
@@ -240,6 +289,9 @@ def add_arguments(p) -> None:
                         "(e.g. BN256-BR1-BU16-P8-pf)")
     p.add_argument("--dtypes", nargs="*", default=["bf16"], choices=list(DTYPES), help="weight/input dtypes (GPU)")
     p.add_argument("--teal", action="store_true", help="time TEAL's kernel beside ours (T = 1)")
+    p.add_argument("--prefill-tokens", type=int, nargs="*", default=[],
+                   help="also time cuBLAS at these prefill sizes on the original weight and on the "
+                        "fine layout's transposed copy (OUT_prefill.json/md; GPU)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -302,8 +354,24 @@ def run(args) -> list:
                           f"[{time.time() - t0:.0f}s]", flush=True)
                 write_results(records, meta, args.out)
     write_results(records, meta, args.out)
+    if args.prefill_tokens and device.type == "cuda":
+        pre = prefill_records(models, args.shapes, args.prefill_tokens, args.dtypes[0], device, timer)
+        write_prefill(pre, meta, Path(str(args.out) + "_prefill"))
     args.failed = bad
     return records
+
+
+def write_prefill(records, meta, out):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    lines = [f"# Prefill GEMMs: cuBLAS on the original weight vs on the fine layout's transposed copy "
+             f"({meta['device']})", "", f"torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`", "",
+             "| shape | N | K | M | dtype | F.linear(x, w) us | x @ w_t us | w_t / w | TFLOP/s (w) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['model']} {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {r['dtype']} | "
+                     f"{r['dense_us']:.1f} | {r['dense_t_us']:.1f} | {r['t_over_dense']:.3f} | {r['tflops']:.0f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .env import autotune_enabled, interpret_mode, num_sms
-from .routing import split_tickets, zeroed_accumulator
+from .routing import row_lists, split_tickets, zeroed_accumulator
 
 __all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_gemv_reference",
            "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
@@ -55,6 +55,9 @@ MAX_SEGMENTS = 4
 INTERPRET_SPLIT = 2
 # More splits than this buy no bandwidth and lengthen the reducer's tail.
 MAX_SPLIT = 64
+# Interpreter default: list the kept rows (CH at a time, small so that ragged K ends mid-chunk)
+# or 0 to walk them under the mask; the tests run both.
+INTERPRET_COMPACT = 16
 
 
 # ---------------------------------------------------------------- kernels
@@ -182,13 +185,38 @@ def _split_rows(K, BK: tl.constexpr):
 
 
 @triton.jit
-def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, acc_ptr, cnt_ptr,
+def _compact_rows(x_ptr, scale_ptr, gm_ptr, slot_ptr, k_lo, k_hi, th, stride_xt, stride_gt, GS,
+                  T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, CH: tl.constexpr):
+    """Writes the rows of [k_lo, k_hi) that any token keeps, in order, to ``slot_ptr`` and
+    returns how many: the weight loop then reads only kept rows, every lane of every load a
+    useful byte, where a masked tile spends half its load slots (and so half the bytes it
+    could have in flight) on rows nobody keeps."""
+    cnt = k_lo * 0
+    for c0 in range(k_lo, k_hi, CH):
+        k = c0 + tl.arange(0, CH)
+        k_ok = k < k_hi
+        s = 1.0
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + k, mask=k_ok, other=0.0)
+        row = k_ok & (k < 0)
+        for t in tl.static_range(T):
+            _, mag, ok = _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+            row = row | ((mag >= th) & ok)
+        ki = row.to(tl.int32)
+        tl.store(slot_ptr + cnt + tl.cumsum(ki, axis=0) - 1, k, mask=row)
+        cnt += tl.sum(ki, axis=0)
+    return cnt
+
+
+@triton.jit
+def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, acc_ptr, cnt_ptr, idx_ptr,
                       K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
                       b1, b2, b3, b4, th0, th1, th2, th3,
                       T: tl.constexpr, NSEG: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
-                      PF: tl.constexpr, ATOMIC: tl.constexpr, RS: tl.constexpr):
+                      PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
+                      RS: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
     c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
@@ -196,13 +224,42 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
     n_ok = cols < hi
     n_ok3 = n_ok[None, None, :]
     w_base = w_ptr + cols[None, None, :]
-    k_lo, k_hi = _split_rows(K, BR * BU)
     kk = tl.arange(0, BU)[:, None] * BR + tl.arange(0, BR)[None, :]
     acc0 = tl.zeros([BR, BN], dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    if PF:
+    if COMPACT:
+        k_lo, k_hi = _split_rows(K, CH)
+        # this program's own list (no other program writes it): [k_lo, k_hi) holds its rows
+        slot = idx_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid) * tl.cdiv(tl.cdiv(K, n_s), CH) * CH
+        cnt = _compact_rows(x_ptr, scale_ptr, gm_ptr, slot, k_lo, k_hi, th, stride_xt, stride_gt, GS,
+                            T, HAS_SCALE, HAS_GM, CH)
+        tl.debug_barrier()  # the list's stores, by every thread, before any thread reads it
+        # Past the count a lane's row is K: out of range, so _block masks it off.
+        k = tl.load(slot + kk, mask=kk < cnt, other=K)
+        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, K, n_ok3, th,
+                                   stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+        for j0 in range(0, cnt, BR * BU):
+            # the next step's rows and weights are requested before this step's products
+            jn = j0 + BR * BU + kk
+            kn = tl.load(slot + jn, mask=jn < cnt, other=K)
+            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, kn, K, n_ok3, th,
+                                           stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+            acc0 = _fma(acc0, w, a0)
+            if T > 1:
+                acc1 = _fma(acc1, w, a1)
+            if T > 2:
+                acc2 = _fma(acc2, w, a2)
+            if T > 3:
+                acc3 = _fma(acc3, w, a3)
+            w = wn
+            a0 = b0
+            a1 = b1_
+            a2 = b2_
+            a3 = b3_
+    elif PF:
+        k_lo, k_hi = _split_rows(K, BR * BU)
         # Register double buffering: the next step's inputs, keep bits and weight loads are
         # issued before this step's products wait on its weights, so a load is always in
         # flight behind the input -> threshold -> weight dependency.
@@ -224,6 +281,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
             a2 = b2_
             a3 = b3_
     else:
+        k_lo, k_hi = _split_rows(K, BR * BU)
         for k0 in range(k_lo, k_hi, BR * BU):
             w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + kk, k_hi, n_ok3, th,
                                        stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
@@ -287,17 +345,26 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
             tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
 
 
-def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False):
-    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf, "ATOMIC": atomic},
+def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False, compact=0):
+    """``compact``: 0 walks the split's rows under the keep mask; CH > 0 first lists the kept
+    rows CH at a time, then walks the list (splits are then whole CH chunks)."""
+    return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf, "ATOMIC": atomic,
+                          "COMPACT": compact > 0, "CH": max(compact, 1)},
                          num_warps=warps, num_stages=stages)
 
 
-def _bk(c: triton.Config) -> int:
-    return c.kwargs["BR"] * c.kwargs["BU"]
+def _bk(c) -> int:
+    """Split granularity of a config (a ``triton.Config`` or its kwargs)."""
+    kw = c.kwargs if isinstance(c, triton.Config) else c
+    return kw["CH"] if kw.get("COMPACT", False) else kw["BR"] * kw["BU"]
 
 
 def _atomic(c: triton.Config) -> bool:
     return bool(c.kwargs.get("ATOMIC", False))
+
+
+def _compact(c: triton.Config) -> bool:
+    return bool(c.kwargs.get("COMPACT", False))
 
 
 # A step is a [BU, BR, BN] tile: BN columns (16-byte vectors along them), BR rows across the
@@ -310,12 +377,12 @@ def _atomic(c: triton.Config) -> bool:
 # floor. This list (present kernel) is a guess from that; `python -m wide.benchmarks.fine_gemv
 # --sweep` times it and more on a GPU.
 _ORDERED = [
-    _cfg(64, 16, 8, 4, 8, True), _cfg(64, 16, 4, 4, 8, True), _cfg(64, 16, 8, 4, 4, True),
-    _cfg(32, 32, 4, 4, 8, True), _cfg(128, 8, 8, 4, 8, True), _cfg(64, 16, 8, 4, 8, False),
-    _cfg(256, 1, 16, 1, 16, True), _cfg(256, 4, 8, 4, 8, True),
+    _cfg(64, 16, 8, 4, 8, True),
     # the fastest tile of the 2026-12-06 H100 sweep on up, down and q|k|v (one warp, 8 programs
-    # per SM): up 28.7 us against 31.5 us at 16 per SM (experiments/results/fine_gemv_compact_h100)
-    _cfg(256, 1, 16, 1, 8, True),
+    # per SM): up 28.7 us against 31.5 us at 16 per SM (experiments/results/fine_gemv_compact_h100);
+    # tiles with rows across threads (BR > 1) ran 2-20x slower in the H200 sweep of 2026-12-07
+    # (bench/results/h200/fine_gemv_sweep.md), so one is kept, as a fallback
+    _cfg(256, 1, 16, 1, 8, True), _cfg(256, 1, 16, 1, 16, True),
 ]
 # Atomic tiles, TEAL's decomposition: about one step per program (a PPS past the row count
 # gives every program one [BK, BN] tile), so the GPU keeps thousands of independent
@@ -324,17 +391,28 @@ _ORDERED = [
 # one warp on a 256-column slice, 16 rows per thread, one step per program was the fastest tile
 # on up (23.9 us) and o (10.8 us), against the best ordered tile's 25.6 / 12.2 and TEAL's kernel's
 # 23.0 / 9.6 (bench/results/h200/fine_gemv.md); every tile that spreads rows across threads
-# (BR > 1) ran 2-20x slower, so none is listed. The 8- and 32-row variants are untimed guesses.
+# (BR > 1) ran 2-20x slower, so none is listed.
 _ATOMIC = [
     _cfg(256, 1, 16, 1, 64, False, atomic=True), _cfg(256, 1, 16, 1, 16, True, atomic=True),
-    _cfg(256, 1, 8, 1, 64, False, atomic=True), _cfg(256, 1, 32, 1, 64, False, atomic=True),
 ]
-_CONFIGS = _ORDERED + _ATOMIC
+# Compacting tiles (one warp on a 256- or 512-column slice, the kept rows listed CH at a time,
+# then walked 8-16 rows a step with the next step's loads in flight): every lane of a weight load
+# is a kept byte, as in a plain read of the kept rows. CH sets the split: 64-row chunks give
+# o_proj (16 slices of 256 columns) 64 splits, 256-row ones give up 16. Untimed guesses on the
+# first GPU run; the autotuner keeps what wins per shape.
+_COMPACT = [
+    _cfg(256, 1, 16, 1, 8, True, atomic=True, compact=256), _cfg(256, 1, 16, 1, 8, True, atomic=True, compact=128),
+    _cfg(256, 1, 16, 1, 16, True, atomic=True, compact=64), _cfg(256, 1, 8, 1, 16, True, atomic=True, compact=64),
+    _cfg(512, 1, 8, 2, 8, True, atomic=True, compact=128), _cfg(256, 1, 32, 1, 8, True, atomic=True, compact=256),
+]
+_COMPACT_ORDERED = [_cfg(256, 1, 16, 1, 8, True, compact=128), _cfg(256, 1, 16, 1, 16, True, compact=64)]
+_ORDERED = _ORDERED + _COMPACT_ORDERED
+_CONFIGS = _ORDERED + _ATOMIC + _COMPACT
 
 
 def _default_config(deterministic: bool = False) -> triton.Config:
     if interpret_mode():  # a few small programs: the interpreter pays per program
-        return _cfg(64, 8, 4, 1, 1, True, atomic=not deterministic)
+        return _cfg(64, 8, 4, 1, 1, True, atomic=not deterministic, compact=INTERPRET_COMPACT)
     # the sweep's fastest of each reduction (see _ATOMIC)
     if deterministic:
         return _cfg(256, 1, 16, 1, 8, True)
@@ -523,18 +601,24 @@ def _check_segments(segments, N) -> List[int]:
 
 def _workspace(x, T, width, K, tiles_of, configs):
     """fp32 partials for the largest split any ordered candidate uses, the zeroed fp32 sums of
-    the atomic ones, and one ticket per column slice of the config with the most slices."""
+    the atomic ones, one ticket per column slice of the config with the most slices, and the
+    kept-row lists of the compacting ones (one per program, as long as its rows)."""
     sms = num_sms(x.device)
-    worst_s, worst_tiles = 1, 1
+    worst_s, worst_tiles, worst_idx = 1, 1, 0
     for c in configs:
         tiles = tiles_of(c.kwargs["BN"])
         worst_tiles = max(worst_tiles, tiles)
+        s = _plan(K, tiles, _bk(c), c.kwargs["PPS"], sms, _atomic(c))
         if not _atomic(c):
-            worst_s = max(worst_s, _plan(K, tiles, _bk(c), c.kwargs["PPS"], sms))
+            worst_s = max(worst_s, s)
+        if _compact(c):
+            kc = triton.cdiv(triton.cdiv(K, s), _bk(c)) * _bk(c)
+            worst_idx = max(worst_idx, tiles * s * kc)
     ws = torch.empty((worst_s, T, width), dtype=torch.float32, device=x.device) if worst_s > 1 else x
     acc = zeroed_accumulator(x.device, T * width) if any(_atomic(c) for c in configs) else x
     tickets = split_tickets(x.device, worst_tiles)
-    return ws, acc, tickets, sms
+    idx = row_lists(x.device, worst_idx) if worst_idx else x
+    return ws, acc, tickets, idx, sms
 
 
 def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Optional[torch.Tensor] = None,
@@ -580,7 +664,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     if config is not None and deterministic and _atomic(config):
         raise ValueError("an ATOMIC config sums its splits in no fixed order: not with deterministic=True")
     configs = [config] if config is not None else _configs_for_launch(deterministic)
-    ws, acc, tickets, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
+    ws, acc, tickets, idx, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
     gm = group_mask.view(torch.uint8) if group_mask is not None else x
     gm_stride = group_mask.stride(0) if group_mask is not None else 0
     if group_mask is not None and group_mask.stride(1) != 1:
@@ -591,9 +675,9 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
 
     def grid(meta):
         tiles = _n_tiles(bounds, meta["BN"])
-        return (tiles, _plan(K, tiles, meta["BR"] * meta["BU"], meta["PPS"], sms, meta["ATOMIC"]))
+        return (tiles, _plan(K, tiles, _bk(meta), meta["PPS"], sms, meta["ATOMIC"]))
 
-    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets,
+    args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets, idx,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
                  TH_PTR=th_t is not None)

@@ -80,13 +80,19 @@ def zeroed_accumulator(device: torch.device, n: int) -> torch.Tensor:
     return _stream_buffer("accumulator", device, n, torch.float32)
 
 
+def row_lists(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 scratch slots where each program of a compacting GEMV lists the rows
+    it reads; written before read within one program, so nothing needs clearing."""
+    return _stream_buffer("rows", device, n, torch.int32)
+
+
 def fresh_split_tickets(device: torch.device, stream) -> None:
     """Let the next split-K launch on ``stream`` allocate its own ticket buffer (and
     accumulator). Call it before the warm-up that precedes a capture: a graph replays on
     whatever stream its caller uses, so two graphs captured on one (pooled) stream must not
     share counters; a ticket left raised by a race would stop that tile from ever being
     reduced again."""
-    for kind in ("tickets", "accumulator"):
+    for kind in ("tickets", "accumulator", "rows"):
         _TICKETS.pop((kind, str(device), stream.cuda_stream), None)
 
 
