@@ -211,6 +211,28 @@ def test_segments(T, bounds, dtype, split):
         assert rel_err(y[:, lo:hi], seg) < tol(dtype) or (th == float("inf") and torch.all(y[:, lo:hi] == 0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 4])
+def test_glu_is_silu_mul_of_gate_and_up(T, dtype, split):
+    # silu(gate) * up from the epilogue: the same bits as the two-launch path (fine_gemv of
+    # gate|up, then silu_mul), with gate and up at different thresholds, ragged widths
+    from wide.kernels.silu_mul import silu_mul
+    x, g, _ = _inputs(T, K_RAGGED, 45, dtype, 53)
+    _, u, _ = _inputs(T, K_RAGGED, 45, dtype, 54)
+    wt, seg = fine_layout(g, u), [0, 45, 90]
+    ths = [_median_abs(x), 0.5 * _median_abs(x)]
+    y = fine_gemv(x, wt, thresholds=ths, segments=seg, glu=True)
+    assert y.shape == (T, 45) and y.dtype == dtype
+    gu = fine_gemv(x, wt, thresholds=ths, segments=seg)
+    assert torch.equal(y, silu_mul(gu[:, :45], gu[:, 45:]))
+    assert rel_err(y, fine_gemv_reference(x, wt, thresholds=ths, segments=seg, glu=True)) < tol(dtype)
+    assert torch.all(fine_gemv(x, wt, thresholds=[float("inf")] * 2, segments=seg, glu=True) == 0)
+    with pytest.raises(ValueError, match="equal width"):
+        fine_gemv(x, wt, thresholds=ths, segments=[0, 40, 90], glu=True)
+    with pytest.raises(ValueError, match="equal width"):
+        fine_gemv(x, wt, ths[0], glu=True)
+
+
 CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
            fg._cfg(128, 8, 2, 4, 4, True), fg._cfg(128, 16, 4, 4, 64, False, atomic=True),
            fg._cfg(64, 8, 2, 2, 32, True, atomic=True),

@@ -295,19 +295,22 @@ class FineTritonOps(_FineDecode, TritonOps):
             u = self._ffn_up_large(L, h, f, m, route)
         else:
             inter = f.wgu_t.shape[1] // 2
-            if f.gu_one_scale:
-                # gate|up in one fine_gemv (a threshold per segment): the fused alternative with
-                # SiLU*mul inside (removed) failed to compile at T = 1 on an H100 (Triton 3.6) and
-                # ran at 0.19x cuBLAS at T = 4, where this GEMV ran at 1.49x at T = 1
-                # (experiments/results/fine_gemv_h100). It reads the gate/up rows of skipped FFN
-                # groups too; silu_mul zeroes their products.
-                gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                               scale=f.scale[GATE])
+            if f.gu_one_scale and m is None:
+                # gate|up in one fine_gemv, silu(gate) * up written by the last program of each
+                # column slice (the same bits as silu_mul after it, one launch fewer per layer)
+                u = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                              scale=f.scale[GATE], glu=True)
             else:
-                gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
-                fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
-                fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
-            u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
+                if f.gu_one_scale:
+                    # gate|up in one fine_gemv (a threshold per segment). It reads the gate/up rows
+                    # of skipped FFN groups too; silu_mul zeroes their products.
+                    gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                                   scale=f.scale[GATE])
+                else:
+                    gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
+                    fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
+                    fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
+                u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         self._note(f, DOWN, u, rows=m, group=gs)
         if large:
             ud = _kept(f, DOWN, u)

@@ -135,6 +135,15 @@ def _partial_sum(ws_ptr, row, cols, n_ok, n_s, T: tl.constexpr, NW, RS: tl.const
 
 
 @triton.jit
+def _glu(g, u, out_ty: tl.constexpr):
+    """silu(g) * u from fp32 sums, rounded where ``silu_mul`` on the stored g and u rounds (the
+    outputs, then the activation, then the product), so fusing changes no bit."""
+    gf = g.to(out_ty).to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(out_ty)
+    return (a.to(tl.float32) * u.to(out_ty).to(tl.float32)).to(out_ty)
+
+
+@triton.jit
 def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
              NSEG: tl.constexpr, TH_PTR: tl.constexpr, BN: tl.constexpr):
     """Program -> (first column, end of its segment, the segment's threshold). Each segment
@@ -216,7 +225,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
                       PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
-                      RS: tl.constexpr):
+                      GLU: tl.constexpr, RS: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
     c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
@@ -297,7 +306,15 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
     y2 = tl.sum(acc2, axis=0)
     y3 = tl.sum(acc3, axis=0)
     out_ty = y_ptr.dtype.element_ty
-    if n_s == 1:
+    # GLU: gate's slice j and up's slice j (programs j and j + tiles of gate) share one ticket,
+    # and the last of their 2 * n_s programs writes silu(gate) * up for those columns.
+    tk = pid
+    arrivals = n_s
+    if GLU:
+        tpg = tl.cdiv(b1, BN)
+        tk = tl.where(pid < tpg, pid, pid - tpg)
+        arrivals = 2 * n_s
+    if n_s == 1 and not GLU:
         tl.store(y_ptr + cols, y0.to(out_ty), mask=n_ok)
         if T > 1:
             tl.store(y_ptr + stride_yt + cols, y1.to(out_ty), mask=n_ok)
@@ -317,13 +334,23 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         if T > 3:
             tl.atomic_add(ap + 3 * N, y3, mask=n_ok, sem="relaxed")
         tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if ticket == n_s - 1:
-            for t in tl.static_range(T):
-                tot = tl.load(ap + t * N, mask=n_ok, other=0.0, volatile=True)
-                tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
-                tl.store(ap + t * N, tl.zeros_like(tot), mask=n_ok)
-            tl.atomic_xchg(cnt_ptr + pid, 0)
+        ticket = tl.atomic_add(cnt_ptr + tk, 1, sem="acq_rel")
+        if ticket == arrivals - 1:
+            if GLU:
+                gc = tk * BN + tl.arange(0, BN)
+                g_ok = gc < b1
+                for t in tl.static_range(T):
+                    g = tl.load(acc_ptr + t * N + gc, mask=g_ok, other=0.0, volatile=True)
+                    u = tl.load(acc_ptr + t * N + b1 + gc, mask=g_ok, other=0.0, volatile=True)
+                    tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
+                    tl.store(acc_ptr + t * N + gc, tl.zeros_like(g), mask=g_ok)
+                    tl.store(acc_ptr + t * N + b1 + gc, tl.zeros_like(u), mask=g_ok)
+            else:
+                for t in tl.static_range(T):
+                    tot = tl.load(ap + t * N, mask=n_ok, other=0.0, volatile=True)
+                    tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+                    tl.store(ap + t * N, tl.zeros_like(tot), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + tk, 0)
     else:
         # fp32 partials ws[split, token, column]; the last program of the slice to draw its
         # ticket (acquire) reads every partial, stored before each program's ticket (release),
@@ -337,12 +364,20 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         if T > 3:
             tl.store(wsp + 3 * N, y3, mask=n_ok)
         tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if ticket == n_s - 1:
-            for t in tl.static_range(T):
-                tot = _partial_sum(ws_ptr, t, cols, n_ok, n_s, T, N, RS)
-                tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
-            tl.atomic_xchg(cnt_ptr + pid, 0)  # re-armed for the next launch on this stream
+        ticket = tl.atomic_add(cnt_ptr + tk, 1, sem="acq_rel")
+        if ticket == arrivals - 1:
+            if GLU:
+                gc = tk * BN + tl.arange(0, BN)
+                g_ok = gc < b1
+                for t in tl.static_range(T):
+                    g = _partial_sum(ws_ptr, t, gc, g_ok, n_s, T, N, RS)
+                    u = _partial_sum(ws_ptr, t, b1 + gc, g_ok, n_s, T, N, RS)
+                    tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
+            else:
+                for t in tl.static_range(T):
+                    tot = _partial_sum(ws_ptr, t, cols, n_ok, n_s, T, N, RS)
+                    tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + tk, 0)  # re-armed for the next launch on this stream
 
 
 def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False, compact=0):
@@ -452,7 +487,7 @@ with warnings.catch_warnings():
     _BENCH = {}
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
-    _KEY = ["K", "N", "b1", "b2", "b3", "T", "NSEG"]
+    _KEY = ["K", "N", "b1", "b2", "b3", "T", "NSEG", "GLU"]
     _tuned_gemv = triton.autotune(configs=_CONFIGS, key=_KEY, **_BENCH)(_plain_gemv)
     # deterministic=True: the ordered reduction only (the same bits on every run)
     _tuned_ordered = triton.autotune(configs=_ORDERED, key=_KEY, **_BENCH)(_plain_gemv)
@@ -599,7 +634,7 @@ def _check_segments(segments, N) -> List[int]:
     return b
 
 
-def _workspace(x, T, width, K, tiles_of, configs):
+def _workspace(x, T, width, K, tiles_of, configs, glu=False):
     """fp32 partials for the largest split any ordered candidate uses, the zeroed fp32 sums of
     the atomic ones, one ticket per column slice of the config with the most slices, and the
     kept-row lists of the compacting ones (one per program, as long as its rows)."""
@@ -614,7 +649,8 @@ def _workspace(x, T, width, K, tiles_of, configs):
         if _compact(c):
             kc = triton.cdiv(triton.cdiv(K, s), _bk(c)) * _bk(c)
             worst_idx = max(worst_idx, tiles * s * kc)
-    ws = torch.empty((worst_s, T, width), dtype=torch.float32, device=x.device) if worst_s > 1 else x
+    # (glu reduces through the partials or sums even unsplit: gate and up meet there)
+    ws = torch.empty((worst_s, T, width), dtype=torch.float32, device=x.device) if worst_s > 1 or glu else x
     acc = zeroed_accumulator(x.device, T * width) if any(_atomic(c) for c in configs) else x
     tickets = split_tickets(x.device, worst_tiles)
     idx = row_lists(x.device, worst_idx) if worst_idx else x
@@ -626,7 +662,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
               segments: Optional[Sequence[int]] = None,
               thresholds: Union[Sequence[float], torch.Tensor, None] = None,
               out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None,
-              deterministic: Optional[bool] = None) -> torch.Tensor:
+              deterministic: Optional[bool] = None, glu: bool = False) -> torch.Tensor:
     """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
 
     Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
@@ -638,6 +674,11 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     (read by the kernel). A NaN input never passes a threshold, so it is dropped.
     Weight rows no token keeps are not read. ``config`` (a ``triton.Config`` of BN, BR, BU,
     PPS, PF, ATOMIC): launch with it instead of the autotuner's choice (tuning sweeps).
+
+    ``glu``: the two segments are a gate and an up projection of equal width I; the result is
+    ``silu(gate) * up`` ``[T, I]``, computed by the last program of each column slice from the
+    fp32 sums and rounded exactly as :func:`wide.kernels.silu_mul.silu_mul` on the rounded
+    gate and up outputs (one launch and one round trip of ``[T, 2I]`` fewer).
 
     Split-K sums are fp32 either way. By default the splits may add into one fp32 sum
     atomically (the order, and so the last bits, can differ between runs); ``deterministic``
@@ -653,10 +694,12 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     th_t, ths = _resolve_thresholds(threshold, thresholds, nseg, x.device)
     _check_scale(scale, K, x.device)
     gs = _check_group_mask(group_mask, group_size, T, K, x.device, "K")
-    y = _check_out(out, T, N, x)
+    if glu and (nseg != 2 or 2 * bounds[1] != N):
+        raise ValueError(f"glu needs two segments of equal width (gate | up), got segments {bounds}")
+    y = _check_out(out, T, N // 2 if glu else N, x)
     if N == 0:
         return y
-    if K == 0:
+    if K == 0:  # silu(0) * 0 = 0 too
         return y.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     if deterministic is None:
@@ -664,7 +707,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     if config is not None and deterministic and _atomic(config):
         raise ValueError("an ATOMIC config sums its splits in no fixed order: not with deterministic=True")
     configs = [config] if config is not None else _configs_for_launch(deterministic)
-    ws, acc, tickets, idx, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs)
+    ws, acc, tickets, idx, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs, glu)
     gm = group_mask.view(torch.uint8) if group_mask is not None else x
     gm_stride = group_mask.stride(0) if group_mask is not None else 0
     if group_mask is not None and group_mask.stride(1) != 1:
@@ -680,7 +723,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets, idx,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
-                 TH_PTR=th_t is not None)
+                 TH_PTR=th_t is not None, GLU=glu)
     if config is None and autotune_enabled():
         (_tuned_ordered if deterministic else _tuned_gemv)[grid](*args, **flags)
     else:
@@ -710,8 +753,14 @@ def keep_mask_reference(x: torch.Tensor, threshold, scale: Optional[torch.Tensor
 
 
 def fine_gemv_reference(x, w_t, threshold=None, *, scale=None, group_mask=None, group_size=None,
-                        segments=None, thresholds=None) -> torch.Tensor:
-    """float32 reference of :func:`fine_gemv`."""
+                        segments=None, thresholds=None, glu: bool = False) -> torch.Tensor:
+    """float32 reference of :func:`fine_gemv` (with ``glu``: HF's ``act(gate) * up`` on the
+    gate and up outputs rounded to x's dtype, in x's dtype, returned as float32)."""
+    if glu:
+        y = fine_gemv_reference(x, w_t, threshold, scale=scale, group_mask=group_mask, group_size=group_size,
+                                segments=segments, thresholds=thresholds).to(x.dtype)
+        i = y.shape[1] // 2
+        return (torch.nn.functional.silu(y[:, :i]) * y[:, i:]).float()
     N = w_t.shape[1]
     bounds = [0, N] if segments is None else [int(v) for v in segments]
     nseg = len(bounds) - 1
