@@ -121,6 +121,18 @@ def _fma(acc, w, a):
 
 
 @triton.jit
+def _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T: tl.constexpr):
+    acc0 = _fma(acc0, w, a0)
+    if T > 1:
+        acc1 = _fma(acc1, w, a1)
+    if T > 2:
+        acc2 = _fma(acc2, w, a2)
+    if T > 3:
+        acc3 = _fma(acc3, w, a3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _partial_sum(ws_ptr, row, cols, n_ok, n_s, T: tl.constexpr, NW, RS: tl.constexpr):
     """Sum over the n_s splits of partial row ``row`` (a token) at ``cols``, in split order,
     RS splits per load so that the reducer has many loads in flight."""
@@ -141,6 +153,35 @@ def _glu(g, u, out_ty: tl.constexpr):
     gf = g.to(out_ty).to(tl.float32)
     a = (gf / (1.0 + tl.exp(-gf))).to(out_ty)
     return (a.to(tl.float32) * u.to(out_ty).to(tl.float32)).to(out_ty)
+
+
+@triton.jit
+def _total(src_ptr, t, cols, ok, n_s, T: tl.constexpr, N, RS: tl.constexpr, ATOMIC: tl.constexpr):
+    """Token t's fp32 sum at ``cols``: read (and cleared for the next launch) from the atomic
+    sums, or the partials summed in split order."""
+    if ATOMIC:
+        tot = tl.load(src_ptr + t * N + cols, mask=ok, other=0.0, volatile=True)
+        tl.store(src_ptr + t * N + cols, tl.zeros_like(tot), mask=ok)
+        return tot
+    return _partial_sum(src_ptr, t, cols, ok, n_s, T, N, RS)
+
+
+@triton.jit
+def _finish(src_ptr, y_ptr, cols, n_ok, tk, b1, N, n_s, stride_yt, T: tl.constexpr, BN: tl.constexpr,
+            RS: tl.constexpr, ATOMIC: tl.constexpr, GLU: tl.constexpr):
+    """The last program of a column slice (of a gate/up pair with GLU) stores y from the sums."""
+    out_ty = y_ptr.dtype.element_ty
+    if GLU:
+        gc = tk * BN + tl.arange(0, BN)
+        g_ok = gc < b1
+        for t in tl.static_range(T):
+            g = _total(src_ptr, t, gc, g_ok, n_s, T, N, RS, ATOMIC)
+            u = _total(src_ptr, t, b1 + gc, g_ok, n_s, T, N, RS, ATOMIC)
+            tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
+    else:
+        for t in tl.static_range(T):
+            tot = _total(src_ptr, t, cols, n_ok, n_s, T, N, RS, ATOMIC)
+            tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
 
 
 @triton.jit
@@ -218,6 +259,15 @@ def _compact_rows(x_ptr, scale_ptr, gm_ptr, slot_ptr, k_lo, k_hi, th, stride_xt,
 
 
 @triton.jit
+def _step_rows(slot, j, n, k_lo, K, COMPACT: tl.constexpr):
+    """Rows of list positions j: the j-th kept row (K, out of range, past the list's end), or
+    row k_lo + j of the split when walking under the mask."""
+    if COMPACT:
+        return tl.load(slot + j, mask=j < n, other=K)
+    return k_lo + j
+
+
+@triton.jit
 def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, acc_ptr, cnt_ptr, idx_ptr,
                       K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
                       b1, b2, b3, b4, th0, th1, th2, th3,
@@ -240,67 +290,38 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
     acc3 = acc0
     if COMPACT:
         k_lo, k_hi = _split_rows(K, CH)
-        # this program's own list (no other program writes it): [k_lo, k_hi) holds its rows
-        slot = idx_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid) * tl.cdiv(tl.cdiv(K, n_s), CH) * CH
-        cnt = _compact_rows(x_ptr, scale_ptr, gm_ptr, slot, k_lo, k_hi, th, stride_xt, stride_gt, GS,
-                            T, HAS_SCALE, HAS_GM, CH)
+        # this program's own list (no other program writes it), as long as its rows
+        slot = idx_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid) * (tl.cdiv(tl.cdiv(K, n_s), CH) * CH)
+        n = _compact_rows(x_ptr, scale_ptr, gm_ptr, slot, k_lo, k_hi, th, stride_xt, stride_gt, GS,
+                          T, HAS_SCALE, HAS_GM, CH)
         tl.debug_barrier()  # the list's stores, by every thread, before any thread reads it
-        # Past the count a lane's row is K: out of range, so _block masks it off.
-        k = tl.load(slot + kk, mask=kk < cnt, other=K)
-        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k, K, n_ok3, th,
-                                   stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-        for j0 in range(0, cnt, BR * BU):
-            # the next step's rows and weights are requested before this step's products
-            jn = j0 + BR * BU + kk
-            kn = tl.load(slot + jn, mask=jn < cnt, other=K)
-            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, kn, K, n_ok3, th,
-                                           stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-            acc0 = _fma(acc0, w, a0)
-            if T > 1:
-                acc1 = _fma(acc1, w, a1)
-            if T > 2:
-                acc2 = _fma(acc2, w, a2)
-            if T > 3:
-                acc3 = _fma(acc3, w, a3)
-            w = wn
-            a0 = b0
-            a1 = b1_
-            a2 = b2_
-            a3 = b3_
-    elif PF:
+        lim = K
+    else:
         k_lo, k_hi = _split_rows(K, BR * BU)
-        # Register double buffering: the next step's inputs, keep bits and weight loads are
-        # issued before this step's products wait on its weights, so a load is always in
-        # flight behind the input -> threshold -> weight dependency.
-        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k_lo + kk, k_hi, n_ok3, th,
-                                   stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-        for k0 in range(k_lo, k_hi, BR * BU):
-            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + BR * BU + kk, k_hi, n_ok3,
-                                           th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-            acc0 = _fma(acc0, w, a0)
-            if T > 1:
-                acc1 = _fma(acc1, w, a1)
-            if T > 2:
-                acc2 = _fma(acc2, w, a2)
-            if T > 3:
-                acc3 = _fma(acc3, w, a3)
+        slot = idx_ptr
+        n = k_hi - k_lo
+        lim = k_hi
+    if PF or COMPACT:
+        # Register double buffering: the next step's rows, inputs, keep bits and weight loads
+        # are issued before this step's products wait on its weights, so a load is always in
+        # flight behind the (list ->) input -> threshold -> weight dependency.
+        w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, _step_rows(slot, kk, n, k_lo, K, COMPACT),
+                                   lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+        for j0 in range(0, n, BR * BU):
+            wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr,
+                                           _step_rows(slot, j0 + BR * BU + kk, n, k_lo, K, COMPACT), lim,
+                                           n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+            acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
             w = wn
             a0 = b0
             a1 = b1_
             a2 = b2_
             a3 = b3_
     else:
-        k_lo, k_hi = _split_rows(K, BR * BU)
-        for k0 in range(k_lo, k_hi, BR * BU):
-            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k0 + kk, k_hi, n_ok3, th,
+        for j0 in range(0, n, BR * BU):
+            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k_lo + j0 + kk, lim, n_ok3, th,
                                        stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
-            acc0 = _fma(acc0, w, a0)
-            if T > 1:
-                acc1 = _fma(acc1, w, a1)
-            if T > 2:
-                acc2 = _fma(acc2, w, a2)
-            if T > 3:
-                acc3 = _fma(acc3, w, a3)
+            acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
     y0 = tl.sum(acc0, axis=0)
     y1 = tl.sum(acc1, axis=0)
     y2 = tl.sum(acc2, axis=0)
@@ -336,20 +357,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + tk, 1, sem="acq_rel")
         if ticket == arrivals - 1:
-            if GLU:
-                gc = tk * BN + tl.arange(0, BN)
-                g_ok = gc < b1
-                for t in tl.static_range(T):
-                    g = tl.load(acc_ptr + t * N + gc, mask=g_ok, other=0.0, volatile=True)
-                    u = tl.load(acc_ptr + t * N + b1 + gc, mask=g_ok, other=0.0, volatile=True)
-                    tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
-                    tl.store(acc_ptr + t * N + gc, tl.zeros_like(g), mask=g_ok)
-                    tl.store(acc_ptr + t * N + b1 + gc, tl.zeros_like(u), mask=g_ok)
-            else:
-                for t in tl.static_range(T):
-                    tot = tl.load(ap + t * N, mask=n_ok, other=0.0, volatile=True)
-                    tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
-                    tl.store(ap + t * N, tl.zeros_like(tot), mask=n_ok)
+            _finish(acc_ptr, y_ptr, cols, n_ok, tk, b1, N, n_s, stride_yt, T, BN, RS, True, GLU)
             tl.atomic_xchg(cnt_ptr + tk, 0)
     else:
         # fp32 partials ws[split, token, column]; the last program of the slice to draw its
@@ -366,17 +374,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + tk, 1, sem="acq_rel")
         if ticket == arrivals - 1:
-            if GLU:
-                gc = tk * BN + tl.arange(0, BN)
-                g_ok = gc < b1
-                for t in tl.static_range(T):
-                    g = _partial_sum(ws_ptr, t, gc, g_ok, n_s, T, N, RS)
-                    u = _partial_sum(ws_ptr, t, b1 + gc, g_ok, n_s, T, N, RS)
-                    tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
-            else:
-                for t in tl.static_range(T):
-                    tot = _partial_sum(ws_ptr, t, cols, n_ok, n_s, T, N, RS)
-                    tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+            _finish(ws_ptr, y_ptr, cols, n_ok, tk, b1, N, n_s, stride_yt, T, BN, RS, False, GLU)
             tl.atomic_xchg(cnt_ptr + tk, 0)  # re-armed for the next launch on this stream
 
 
