@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import demo
 
     d = sub.add_parser("demo", help="the recommended path on the CPU: learned thresholds calibrated briefly beside "
-                                    "TEAL, the shipped sets and dense", description=demo.DESCRIPTION)
+                                    "TEAL, the shipped sets and dense", description=demo.DESCRIPTION,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(func=cmd_demo, check=check_demo)
 
