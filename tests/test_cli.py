@@ -15,22 +15,13 @@ from conftest import write_tiny_run
 from wide.base import cliargs
 from wide import data
 from wide.commands import runs
-from wide.cli import build_parser, demo_args, main
+from wide.cli import build_parser, main
 from wide.commands.compare import CompareArgs
 from wide.method.config import WideConfig
 from wide.commands.estimate import DryRunArgs
 from wide.training.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from wide.commands.sampling_data import SampleArgs
 from wide.training.train import TrainArgs
-
-
-def test_demo_has_every_option_calibrate_and_eval_read():
-    parser = build_parser()
-    args = demo_args(parser.parse_args(["demo", "--steps", "6", "--out", "runs/x"]))
-    needed = set(vars(parser.parse_args(["calibrate", "--out", "x"]))) | set(vars(parser.parse_args(["eval"])))
-    assert needed <= set(vars(args))
-    assert args.steps == 6 and args.limit == 20 and args.batch_size == 4  # the demo's own values win
-    assert args.resume and args.dense and args.eval_every == 3 and args.target == 0.5
 
 
 # ------------------------------------------------------------------ options from dataclasses
@@ -46,12 +37,11 @@ FULL = {
 PARTIAL = {
     "compare": (runs.ModelArgs, runs.DataArgs, runs.EvalArgs, CompareArgs, TrainArgs, runs.RunArgs, WideConfig,
                 LoraArgs),
-    "demo": (TrainArgs, runs.DataArgs, runs.EvalArgs, runs.ModelArgs, WideConfig),
     "sample-data": (runs.ModelArgs, SampleArgs, runs.DataArgs),
 }
 # Where a command's default differs from its dataclass's: the values users see, pinned here.
 OVERRIDES = {("recover", "lr"): RECOVERY_LR, ("recover", "sparsity_warmup"): 0.0, ("compare", "steps"): 240,
-             ("compare", "save_every"): 20, ("demo", "steps"): 30, ("demo", "limit"): 20, ("demo", "tasks"): []}
+             ("compare", "save_every"): 20}
 
 
 def _subparsers() -> dict:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import wide
 from wide import data
 from wide.commands import runs
-from wide.cli import CALIBRATE_SETTINGS, build_parser, demo_args, main
+from wide.cli import build_parser, main
 
 TRAIN = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "1", "--ffn-group-size", "32"]
 
@@ -30,11 +30,6 @@ def w(tmp_path_factory):
         (root / "afile").write_text("not a directory\n")
         (root / "empty_dir").mkdir()
         (root / "other.jsonl").write_text(json.dumps({"body": "the cat sat"}) + "\n")
-        # What `wide demo` (30 steps) leaves, without running it on the default model: settings
-        # and a checkpoint (settings alone are no run: nothing was trained yet).
-        demo = demo_args(build_parser().parse_args(["demo", "--out", str(root / "demo")]))
-        shutil.copytree(root / "done" / "checkpoint", root / "demo" / "checkpoint")
-        (root / "demo" / runs.SETTINGS_FILE).write_text(json.dumps(runs.run_settings(demo, CALIBRATE_SETTINGS)))
         (root / "latin1.txt").write_bytes("the cat sat on the café mat".encode("latin-1"))
         (root / "latin1.jsonl").write_bytes(b'{"text": "the cat"}\n\n{"text": "a mat"}\n' +
                                             '{"text": "the café"}\n'.encode("latin-1"))
@@ -125,8 +120,7 @@ CASES = [
                                        "--out", f"{w.root}/done", "--resume"], "--data was"),
     ("resume-without-checkpoint", lambda w: [*w.calibrate, "--out", f"{w.root}/no_checkpoint", "--resume"],
      "no checkpoint to resume from: start over with --overwrite"),
-    ("demo-other-steps", lambda w: ["demo", "--out", f"{w.root}/demo", "--steps", "5"],
-     "--steps was 30, now 5. Resume with the saved values, or start over with --overwrite"),
+    ("demo-out-is-a-file", lambda w: ["demo", "--out", f"{w.root}/afile"], "--out"),
     ("model-is-a-file", lambda w: ["eval", "--model", f"{w.root}/afile"], "is a file, not a model directory"),
     ("model-missing", lambda w: ["eval", "--model", f"{w.root}/nowhere"], "--model"),
     ("model-without-config", lambda w: ["eval", "--model", f"{w.root}/empty_dir"], "has no config.json"),

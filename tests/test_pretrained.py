@@ -123,32 +123,6 @@ def test_package_data_declares_the_shipped_files():
         assert files == {"routers.safetensors", "wide_config.json", "wide_manifest.json", "provenance.json"}
 
 
-def test_demo_sets_and_explanation_name_the_shipped_routers(tmp_path):
-    from wide.commands import demo
-
-    own = str(tmp_path / "demo" / "routers")
-    sets = demo.router_sets(own)
-    assert sets[-1] == own and [pretrained.name_of(s) for s in sets[:-1]] == list(demo.SHIPPED)
-    assert demo.router_sets(own, default_model=False) == [own]  # shipped routers fit the default model only
-    records = [{"method": "dense", "ppl": 27.5},
-               {"method": "wide", "routers": "smollm2-135m-50", "ppl": 70.5, "sparsity": 0.502},
-               {"method": "learned", "routers": "smollm2-135m-fine-50", "ppl": 30.0, "sparsity": 0.0,
-                "linear_sparsity": 0.501},
-               {"method": "wide", "routers": own, "ppl": 262.0, "sparsity": 0.505}]
-    text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0})
-    assert "shipped `smollm2-135m-fine-50`: perplexity 30.0 here (1.09x dense) with 50% of the linear-layer MACs" in text
-    assert "on NVIDIA H100 80GB HBM3; no routers)" in text
-    assert "(800 steps, --loss ce) on NVIDIA H200; on 500 documents" in text  # calibrate's machine record
-    prov = pretrained.provenance("smollm2-135m-50")
-    assert "shipped `smollm2-135m-50`: perplexity 70.5 here (2.6x dense)" in text
-    assert f"seven-task average was {prov['evaluation']['routers']['avg']:.3f}" in text
-    assert "this demo's routers: perplexity 262.0 (10x dense) after 30 steps (31k tokens, 3.6 min" in text
-    assert demo.explanation(records[:3], {}) == ""  # no routers of its own: nothing to explain
-    # a demo run again after it finished trains nothing: its time is the one recorded then (issue 41, defect 9)
-    text = demo.explanation(records, {"steps": 30, "tokens": 30720, "wall_s": 216.0, "recorded_earlier": True})
-    assert "after 30 steps (31k tokens, 3.6 min, recorded when this run finished earlier)." in text
-
-
 def _routers_for(model_dir, out, **config):
     """Routers of a model loaded from ``model_dir`` (so they record it as their base), saved to ``out``."""
     from transformers import AutoModelForCausalLM

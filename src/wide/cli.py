@@ -191,21 +191,6 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     add_fields(g, DryRunArgs)
 
 
-def demo_args(args) -> argparse.Namespace:
-    """Complete the demo's few options with the defaults of `calibrate` and `eval`, taken from
-    their own parsers so that every option those commands read is present. Rerunning the
-    demo resumes its run unless --overwrite."""
-    parser = build_parser()
-    base = {**vars(parser.parse_args(["eval"])), **vars(parser.parse_args(["calibrate", "--out", args.out]))}
-    base.update(dense=True, eval_batches=4)
-    for k, v in base.items():
-        if not hasattr(args, k):
-            setattr(args, k, v)
-    args.resume = not args.overwrite
-    args.eval_every = args.save_every = max(1, args.steps // 2)
-    return args
-
-
 # ------------------------------------------------------------------ checks (before anything loads)
 
 
@@ -226,7 +211,8 @@ def check_calibrate(args) -> None:
 
 
 def check_demo(args) -> None:
-    check_calibrate(demo_args(args))
+    # its options are range-checked by the parser; the calibration it starts checks its own
+    runs.check_out("--out", args.out)
 
 
 def check_recover(args) -> None:
@@ -313,30 +299,11 @@ def cmd_sample_data(args) -> dict:
     return run(args)
 
 
-def cmd_demo(args):
-    """The README's main command: fetch, calibrate briefly at 50%, then compare dense, the
-    shipped routers and the demo's own on quality and on a few greedy continuations."""
-    import torch
-
+def cmd_demo(args) -> int:
+    """The recommended path on the CPU (wide.commands.demo, also `bash scripts/demo.sh`)."""
     from .commands import demo
-    from .io.serialization import atomic_write_text
 
-    args = demo_args(args)
-    run = cmd_calibrate(args)
-    out = Path(args.out)
-    args.routers = demo.router_sets(str(out / "routers"), default_model=args.model == runs.DEFAULT)
-    args.max_eval_sequences = args.eval_sequences
-    args.out = str(out / "comparison")
-    records = cmd_eval(args)
-    tok, model_path = runs.load_tokenizer(args)
-    labels = [r.get("label") or r["method"] for r in records if r.get("routers")]
-    text = demo.samples(model_path, tok, args.routers, labels, args.device or runs.default_device(),
-                        getattr(torch, args.dtype), max_new_tokens=args.sample_tokens)
-    text += "\n" + demo.explanation(records, run)
-    atomic_write_text(out / "demo.md", text + "\n")
-    print("\n" + text)
-    print(f"\nresults in {args.out}.md and {out / 'demo.md'}")
-    return records
+    return demo.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,29 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out sequences the analysis reads (default: %(default)s)")
     e.set_defaults(func=cmd_eval, check=check_eval)
 
-    d = sub.add_parser("demo", help="fetch the default model, calibrate 50%% routers briefly, compare with dense "
-                                    "and the shipped routers",
-                       description="The quick start: fetches SmolLM2-135M-Instruct and the data, calibrates routers "
-                                   "at 50%% FLOP-weighted sparsity for a short budget, evaluates dense, the routers "
-                                   "shipped with wide (smollm2-135m-50, -25) and the demo's own on a quick subset, "
-                                   "prints the table, a few greedy continuations from each and what a short "
-                                   "calibration can reach.")
-    d.add_argument("--out", default="runs/demo", help="run directory, resumed when run again (default: %(default)s)")
-    d.add_argument("--overwrite", action="store_true", help="delete the run already in OUT and start over")
-    # A budget that finishes in minutes on a laptop CPU. The start is wide's default (dense, the
-    # target rising over the first half): in 30 CPU steps, held-out perplexity 261 against 4745
-    # from random decisions (docs/method.md, "Router start").
-    add_fields(d, TrainArgs, only=("steps", "batch_size", "sparsity_warmup"), defaults={"steps": 30})
-    add_fields(d, WideConfig, only=("router_init",))
-    add_fields(d, runs.DataArgs, only=("seq_len",))
-    d.add_argument("--eval-sequences", type=bounded(int, min=1), default=32,
-                   help="held-out sequences for perplexity (default: %(default)s)")
-    # Perplexity only by default: 20 documents per task are too few to rank models (the shipped
-    # routers' task scores on 500 documents come from their provenance), and they take minutes.
-    add_fields(d, runs.EvalArgs, only=("tasks", "limit"), defaults={"limit": 20, "tasks": []})
-    d.add_argument("--sample-tokens", type=bounded(int, min=1), default=20,
-                   help="new tokens of each greedy continuation shown (default: %(default)s)")
-    add_fields(d, runs.ModelArgs, only=("threads",))
+    from .commands import demo
+
+    d = sub.add_parser("demo", help="the recommended path on the CPU: learned thresholds calibrated briefly beside "
+                                    "TEAL, the shipped sets and dense", description=demo.DESCRIPTION,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_arguments(d)
     d.set_defaults(func=cmd_demo, check=check_demo)
 
     b = sub.add_parser("bench", help="benchmarks of the routed kernels and the engine (GPU; bounds reads results)",
