@@ -103,6 +103,56 @@ def _skip_dead_interpreter_work():
 _skip_dead_interpreter_work()
 
 
+def _share_tensor_shape_constants():
+    """``triton.language.tensor.__init__`` wraps its block shape's numbers and element count in
+    new ``constexpr`` objects, and the shape in a new ``tl.tuple`` with its type, for every
+    tensor an interpreted kernel makes: 15 of 145 s of test_thresholds_that_keep_everything_
+    reproduce_coarse_and_dense[triton] (cProfile). Here tensors of one shape share them. Nothing
+    changes them after they are made (a constexpr's ``value`` is set in its ``__init__`` only;
+    ``tl.tuple._setitem`` serves the compiler's tuple assignment, which the interpreter never
+    runs), so sharing is the same as copying. A Triton whose tensor.__init__ differs from the
+    one this replaces (checked by its source) runs as it is."""
+    import builtins
+    import hashlib
+    import inspect
+    import math
+
+    try:
+        from triton.language import core
+    except ImportError:
+        return
+    init = core.tensor.__init__
+    if getattr(init, "_wide_shared", False):
+        return
+    try:
+        src = inspect.getsource(init)
+    except (OSError, TypeError):
+        return
+    if hashlib.sha256(src.encode()).hexdigest()[:16] != _TENSOR_INIT_SHA:
+        return
+    shapes = {}
+
+    def __init__(self, handle, type):
+        shape = type.shape if type.is_block() else ()
+        # keyed by the plain numbers: a block type's shape is a tl.tuple, whose hash and == build objects
+        key = builtins.tuple(shape.values) if isinstance(shape, core.tuple) else shape
+        got = shapes.get(key)
+        if got is None:
+            got = shapes[key] = (core.constexpr(math.prod(key)), core.tuple([core.constexpr(s) for s in key]))
+        self.handle = handle
+        self.numel, self.shape = got
+        self.type = type
+        self.dtype = type.scalar
+
+    __init__._wide_shared = True
+    core.tensor.__init__ = __init__
+
+
+# sha256 (first 16 hex digits) of Triton 3.9's tensor.__init__ source, which the function above restates
+_TENSOR_INIT_SHA = "d9b043b5c9897657"
+_share_tensor_shape_constants()
+
+
 # Run first. tests/test_kernels_smem_sm90.py's module fixture compiles for sm_90 in a child
 # process for about 3 CPU minutes, the longest single piece of the suite: at the front, its
 # pytest-xdist worker starts it at once and the other worker's queue (and work stealing, which
