@@ -388,9 +388,12 @@ def test_short_prefill_graph_buckets(monkeypatch):
 
     eng.setup_cache(1, 384)
     assert not eng._graphs  # a new cache drops the graphs (they captured the old one)
-    monkeypatch.setattr(inf, "PREFILL_GRAPH_MAX_TOKENS", 128)
+    # A limit under one 128-token bucket: a 6-token prompt's bucket is over it, so it must stay
+    # eager (a limit read against the unrounded length would capture it; a 130-token prompt under
+    # a 128 limit, as before, could not tell the two apart, and cost an interpreted long prefill).
+    monkeypatch.setattr(inf, "PREFILL_GRAPH_MAX_TOKENS", 127)
     eng.prefill(ids[:, :5], all_logits=True)
-    eng.prefill(torch.randint(0, 96, (1, 130), generator=gen))
+    eng.prefill(torch.randint(0, 96, (1, 6), generator=gen))
     model.wide_state.mask_fn = lambda *a: None  # a Python mask_fn may do anything: eager
     try:
         eng.prefill(ids[:, :5])
