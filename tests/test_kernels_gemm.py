@@ -29,6 +29,16 @@ TOKENS = [1, 3, 17, 70]
 MASK_KINDS = ["random", "all", "none", "one_token"]
 
 
+def kinds_by_dtype(kinds, dtypes=DTYPES, half_kinds=("random", "none")):
+    """(kind, dtype) pairs: every mask kind in float32, the 16-bit types under the interpreter
+    with ``half_kinds`` only. The interpreter runs the same kernel code for every dtype (the
+    dtype changes the element type of loads and stores, not which groups, programs or branches
+    run, which the kind decides): a random mask checks the 16-bit values, "none" the exact
+    zeros they store. Compiled (CUDA), where each dtype is its own binary, every pair runs."""
+    return [pytest.param(k, d, id=f"{k}-{d}") for d in dtypes for k in kinds
+            if d == torch.float32 or DEVICE == "cuda" or k in half_kinds]
+
+
 @pytest.fixture(autouse=True)
 def _split_gemv(monkeypatch):
     # run the batch-1 GEMV kernels split in two along K (partials + last-program reduction)
@@ -123,8 +133,7 @@ def triton_cdiv(a, b):
 
 
 # ---------------------------------------------------------------- gemm_mn / ffn_up
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("kind,dtype", kinds_by_dtype(MASK_KINDS))
 @pytest.mark.parametrize("T", TOKENS)
 def test_gemm_mn(T, kind, dtype):
     gen = torch.Generator().manual_seed(1000 + T)
@@ -162,8 +171,7 @@ def test_gemm_mn_dense_tail(T, kind):
         gemm_mn(x, w, mask, G, dense_tail=G)  # mask then needs 4 columns
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("kind,dtype", kinds_by_dtype(MASK_KINDS))
 @pytest.mark.parametrize("T", TOKENS)
 def test_ffn_up(T, kind, dtype):
     gen = torch.Generator().manual_seed(2000 + T)
@@ -179,8 +187,7 @@ def test_ffn_up(T, kind, dtype):
 
 
 # ---------------------------------------------------------------- gemm_k
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("kind,dtype", kinds_by_dtype(MASK_KINDS))
 @pytest.mark.parametrize("T", TOKENS)
 def test_gemm_k(T, kind, dtype):
     gen = torch.Generator().manual_seed(3000 + T)
@@ -211,8 +218,7 @@ def make_decode_mask(T, ng, kind, gen):
     return make_mask(T, ng, kind, gen)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("kind", DECODE_KINDS)
+@pytest.mark.parametrize("kind,dtype", kinds_by_dtype(DECODE_KINDS, [torch.float16, torch.float32]))
 @pytest.mark.parametrize("G,ng", [(16, 6), (32, 2), (64, 3), (256, 3), (384, 2)])
 @pytest.mark.parametrize("T", [1, 3, 16])
 def test_gemm_k_decode_used_groups(T, G, ng, kind, dtype):
@@ -262,8 +268,8 @@ def test_gemm_k_many_groups_unsorted():
     assert rel_err(gemm_k(x, w, mask, G), gemm_k_reference(x, w, mask, G)) < (1e-3 if INTERPRET else 5e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("kind", ["runs", "random", "all", "none", "one_token"])
+@pytest.mark.parametrize("kind,dtype", kinds_by_dtype(["runs", "random", "all", "none", "one_token"],
+                                                     [torch.float16, torch.float32], ("runs", "random", "none")))
 @pytest.mark.parametrize("T,runs", [(17, 16), (40, 16), (70, 32), (24, 24), (33, 64)])
 def test_gemm_k_row_runs(T, runs, kind, dtype):
     # row_runs (tile-coherent routing, batch-shared decode): rows in aligned runs of `runs` share

@@ -76,9 +76,8 @@ def test_readme_block_is_found_and_names_the_calls_it_shows():
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(tmp_path, capsys):
-    if not data._model_ok(data.CACHE_DIR / "models" / data.MODEL_NAME):
-        pytest.skip("the default model is not cached (run wide.data.fetch_default_model())")
+def test_readme_python_example_runs(tmp_path, capsys, default_model_dir):
+    # (default_model_dir fetches the model the example loads by name, if it is missing)
     code = python_api_block()
     # sequences of 64 tokens, not 256: a quarter of the training, calibration and TEAL
     # passes on the real model, which is what this test spends its time on; the thresholds'
