@@ -25,6 +25,22 @@ directory that ``wide eval --routers DIR`` reads as any other.
     PYTHONPATH=src python -m wide.cli eval --threads 1 --device cpu --dense \
         --routers smollm2-135m-fine-50 runs/heads/routers --max-eval-sequences 24 --tasks --out ...
 
+``--skip-one`` (second trial) swaps the routers' independent per-group rule for the oracle's
+structure: per token and routed layer, at most one group is skipped, the one with the smallest
+margin (logit_exec - logit_skip). Training samples one of G + 1 outcomes (skip group g, score
+-margin_g; skip nothing, score 0) with hard Gumbel-softmax straight-through, so the dense start
+(margins 4: nothing skipped with probability 0.95) and the target's warm-up work as for the
+independent rule, and ``--budget layer`` pulls each layer's rate to 1/G. Inference skips exactly
+one group (the smallest margin) per token in every routed layer: the rate is 1/G there by
+construction, so no offsets (``--offsets none``). The rule is a ``WideState.mask_fn`` that the
+library does not save: evaluate such a directory with ``--eval`` (the rest of the command line is
+``wide eval``'s), which installs the rule on every router set it loads.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --out runs/one --threads 1 \
+        --steps 40 --batch-size 4 --budget layer --target 0.3333 --offsets none
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --eval --threads 1 --device cpu \
+        --routers runs/one/routers --max-eval-sequences 24 --tasks --out ...
+
 ``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
@@ -61,7 +77,13 @@ def parse(argv):
     own.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="layers whose attention stays dense")
     own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
+    own.add_argument("--skip-one", action="store_true",
+                     help="at most one attention group skipped per token and layer (exactly one at inference)")
+    own.add_argument("--eval", action="store_true",
+                     help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
     mine, rest = own.parse_known_args(argv)
+    if mine.eval:
+        return mine, rest
     # the rest is `wide calibrate`'s command line; routing defaults for this trial
     base = ["calibrate", "--sparse-target", "attention", "--loss-mode", "groups", "--target", "0.3222",
             "--loss", "kd", "--offsets", "global"]
@@ -91,6 +113,68 @@ def dense_layers(model, layers) -> None:
             p.requires_grad_(False)
 
 
+class SkipOne:
+    """``WideState.mask_fn``: in the attention of every layer but ``dense``, at most one group per
+    token is skipped. Training (router in training mode, ``state.tau`` set): one hard Gumbel-softmax
+    sample over G + 1 outcomes, scores [-margin_0 .. -margin_{G-1}, 0] (skip group g, or skip
+    nothing), straight-through; the mask is 1 minus the sample's first G entries, so the soft
+    sample's gradient reaches every group's margin and the sparsity penalty moves the chance of
+    skipping nothing. Inference: exactly one group skipped, the smallest margin's (the oracle's
+    structure; the offset, one scalar per router, does not change the choice)."""
+
+    def __init__(self, model, dense=(0,)):
+        self.model = model
+        self.dense = set(dense)
+
+    def __call__(self, layer: int, kind: str, x: torch.Tensor):
+        router = self.model.wide_routers[layer].router(kind)
+        if router is None:
+            return None
+        tau = self.model.wide_state.tau
+        if kind != "attn":
+            return router.decide(x, tau if router.training else None)
+        G = router.num_groups
+        if layer in self.dense:
+            return torch.ones(*x.shape[:-1], G, device=x.device)
+        margin = router.margin(x)
+        if tau is None or not router.training:
+            return 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
+        scores = torch.cat([-margin, torch.zeros_like(margin[..., :1])], -1)
+        sample = torch.nn.functional.gumbel_softmax(scores, tau=tau, hard=True, dim=-1)
+        return 1.0 - sample[..., :G]
+
+
+def install_skip_one(model, dense) -> SkipOne:
+    rule = SkipOne(model, dense)
+    modeling.get_state(model).mask_fn = rule
+    return rule
+
+
+def run_eval(mine, rest) -> int:
+    """``wide eval`` with ``rest``; with ``--skip-one`` every router set it loads routes by
+    :class:`SkipOne` (installed right after ``load_recovered``, which ``cmd_eval`` looks up at
+    each call)."""
+    import wide.training.recovery as recovery
+    from wide import cli
+
+    if mine.skip_one:
+        original = recovery.load_recovered
+
+        def load(model, rdir, *a, **kw):
+            model = original(model, rdir, *a, **kw)
+            install_skip_one(model, mine.dense_layers)
+            print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
+                  f"dense layers {mine.dense_layers}", flush=True)
+            return model
+
+        recovery.load_recovered = load
+    try:
+        return cli.main(["eval"] + rest)
+    finally:
+        if mine.skip_one:
+            recovery.load_recovered = original
+
+
 def trained_parameters(model) -> list:
     return [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
             if p.requires_grad]
@@ -98,6 +182,8 @@ def trained_parameters(model) -> list:
 
 def main(argv=None) -> dict:
     mine, args = parse(sys.argv[1:] if argv is None else argv)
+    if mine.eval:
+        return run_eval(mine, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if mine.oracle:
@@ -115,6 +201,10 @@ def main(argv=None) -> dict:
     modeling.freeze_backbone(model)
     frozen_thresholds(model, mine.thresholds)
     dense_layers(model, mine.dense_layers)
+    if mine.skip_one:
+        if args.offsets != "none":
+            raise SystemExit("--skip-one skips exactly one group per token at inference: use --offsets none")
+        install_skip_one(model, mine.dense_layers)
     params = trained_parameters(model)
     print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
           f"dense attention in layers {mine.dense_layers}", flush=True)
@@ -127,21 +217,30 @@ def main(argv=None) -> dict:
         t1 = time.perf_counter()
         batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
         offsets = calibrate_offsets(model, batches, mode=args.offsets)
+        # per_module leaves the dense layers at offset 0: their margins are all exactly
+        # LAYER0_MARGIN, which no quantile splits (offsets._mid_gap keeps every group running)
+        for i in mine.dense_layers:
+            if abs(offsets[f"{i}.attn"]) >= LAYER0_MARGIN / 2:
+                raise RuntimeError(f"offset calibration made dense layer {i} skip: {offsets[f'{i}.attn']}")
         print(f"offsets ({args.offsets}) calibrated in {time.perf_counter() - t1:.1f}s: "
-              f"shift {next(iter(offsets.values())):+.4f}", flush=True)
+              + " ".join(f"{k} {v:+.3f}" for k, v in offsets.items()), flush=True)
     hist = result["history"]
     run = {
         "command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "design": "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds,
+        "rule": "skip-one (at most one group per token in training, exactly one at inference; evaluate with "
+                "--skip-one --eval)" if mine.skip_one else "independent groups (the library's)",
         "dense_layers": mine.dense_layers, "model": model_path, "wide_config": cfg.to_dict(),
         "train_args": vars(targs), "steps": targs.steps,
         "tokens": targs.steps * targs.sequences_per_step * train_ids.shape[1],
         "wall_s": result["wall_s"], "total_s": time.perf_counter() - t0,
         "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
-        "machine": runs.machine(), "offsets": offsets and next(iter(offsets.values())),
+        "machine": runs.machine(),
+        "offsets": offsets and (next(iter(offsets.values())) if args.offsets == "global" else offsets),
         "date": datetime.date.today().isoformat(), "decontamination": decontamination,
     }
-    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": "heads+learned"})
+    method = "heads1of3+learned" if mine.skip_one else "heads+learned"
+    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": method})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
           f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)

@@ -599,3 +599,56 @@ def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
     torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=0, atol=0)
     model(input_ids=ids).logits.square().mean().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in comp)
+
+
+def test_head_routers_skip_one_rule():
+    """The head-router trial's ``--skip-one`` rule: at inference exactly one attention group per
+    token (the smallest margin's) in every routed layer and none in the dense ones; in training
+    at most one, a hard 0/1 mask whose straight-through gradient reaches the routers, and from
+    the dense start nearly nothing skipped."""
+    from conftest import tiny_model
+
+    import wide
+    from wide.method.modeling import router_parameters
+    from wide.method.sparsity import forward_sparsity
+    from wide.method.state import get_state
+
+    trial = _script("head_routers_fine_cpu")
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    trial.dense_layers(model, [0])
+    trial.install_skip_one(model, [0])
+    state = get_state(model)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for layer in range(3):
+        mask = state.masks[(layer, "attn")]
+        assert mask.shape == (2, 11, 3)
+        if layer == 0:
+            assert bool((mask == 1).all())
+            continue
+        assert bool(((1 - mask).sum(-1) == 1).all())  # exactly one skipped per token
+        want = model.wide_routers[layer].attn.margin(seen[(layer, "attn")]).argmin(-1)
+        assert torch.equal((1 - mask).argmax(-1), want)
+    sp = forward_sparsity(model)
+    assert float(sp.per_layer["attn"][1]) == pytest.approx(1 / 3) and float(sp.per_layer["attn"][0]) == 0
+
+    model.train()
+    state.tau = 1.0
+    torch.manual_seed(0)
+    model(input_ids=ids)
+    masks = [state.masks[(layer, "attn")] for layer in (1, 2)]
+    assert all(bool(((m == 0) | (m == 1)).all()) and bool(((1 - m).sum(-1) <= 1).all()) for m in masks)
+    forward_sparsity(model).attn_rate.backward()
+    grads = [p.grad for p in router_parameters(model) if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    assert model.wide_routers[0].attn.up.weight.grad is None  # layer 0 is frozen dense
+
+    for layer in (1, 2):  # dense start: margins 4, so skip-nothing has probability 1 / (1 + 3 e^-4)
+        model.wide_routers[layer].attn.start_dense()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(6)))
+    assert float(forward_sparsity(model).attn_rate) < 0.05
