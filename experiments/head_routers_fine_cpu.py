@@ -79,6 +79,9 @@ def parse(argv):
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
     own.add_argument("--skip-one", action="store_true",
                      help="at most one attention group skipped per token and layer (exactly one at inference)")
+    own.add_argument("--mask-stats", metavar="DIR", default=None,
+                     help="per layer, the share of held-out tokens that skip 0, 1, 2, ... attention groups under "
+                          "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
     own.add_argument("--eval", action="store_true",
                      help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
     mine, rest = own.parse_known_args(argv)
@@ -87,7 +90,7 @@ def parse(argv):
     # the rest is `wide calibrate`'s command line; routing defaults for this trial
     base = ["calibrate", "--sparse-target", "attention", "--loss-mode", "groups", "--target", "0.3222",
             "--loss", "kd", "--offsets", "global"]
-    if mine.oracle and "--out" not in rest:
+    if (mine.oracle or mine.mask_stats) and "--out" not in rest:
         rest = rest + ["--out", "/dev/null"]
     args = build_parser().parse_args(base + rest)
     return mine, args
@@ -188,6 +191,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     if mine.oracle:
         return oracle(mine, args)
+    if mine.mask_stats:
+        return mask_stats(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -245,6 +250,36 @@ def main(argv=None) -> dict:
     print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
           f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)
     return run
+
+
+@torch.no_grad()
+def mask_stats(mine, args) -> dict:
+    """How a router set spends its attention budget on held-out text: per layer, the share of
+    tokens that skip k groups, k = 0 .. G (the oracle skips exactly one everywhere but layer 0)."""
+    from wide.evaluation.evaluate import perplexity
+    from wide.training.recovery import load_recovered
+
+    tok, _ = runs.load_tokenizer(args)
+    args.exact_bpb, args.max_eval_sequences = False, mine.eval_sequences
+    heldout, bpt = runs.heldout(args, tok)
+    model, tok, _ = runs.load_model(args, tok)
+    model = load_recovered(model, mine.mask_stats)
+    if mine.skip_one:
+        install_skip_one(model, mine.dense_layers)
+    with modeling.recording_masks(model) as seen:
+        res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+    table = {}
+    for (layer, kind), masks in sorted(seen.items()):
+        skipped = torch.cat([(~m).sum(-1).flatten() for m in masks])
+        G = masks[0].shape[-1]
+        table.setdefault(kind, []).append([float((skipped == k).float().mean()) for k in range(G + 1)])
+    for kind, rows in table.items():
+        print(f"{kind}: share of tokens skipping 0..G groups, per layer (ppl {res['ppl']:.2f})")
+        for i, row in enumerate(rows):
+            print(f"  {i:2d} " + " ".join(f"{v:.3f}" for v in row))
+        mean = [sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1) for k in range(len(rows[0]))]
+        print("  mean over layers 1.. " + " ".join(f"{v:.3f}" for v in mean))
+    return {"ppl": res["ppl"], "tokens_skipping_k": table}
 
 
 def oracle(mine, args) -> dict:
