@@ -77,6 +77,12 @@ def parse(argv):
     own.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="layers whose attention stays dense")
     own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
+    own.add_argument("--oracle-modes", nargs="+", default=["smallest", "random"],
+                     choices=["smallest", "random", "static"],
+                     help="--oracle's choices: per token the smallest-norm group, a random one, or per layer one "
+                          "fixed group (static: the group most often of smallest norm on --static-sequences "
+                          "calibration sequences)")
+    own.add_argument("--static-sequences", type=int, default=8, help="calibration sequences of --oracle-modes static")
     own.add_argument("--skip-one", action="store_true",
                      help="at most one attention group skipped per token and layer (exactly one at inference)")
     own.add_argument("--mask-stats", metavar="DIR", default=None,
@@ -266,8 +272,45 @@ def mask_stats(mine, args) -> dict:
     model = load_recovered(model, mine.mask_stats)
     if mine.skip_one:
         install_skip_one(model, mine.dense_layers)
-    with modeling.recording_masks(model) as seen:
-        res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+    picks, handles = {}, []
+    if mine.skip_one:  # which group the oracle would skip at each routed layer, on the model's own states
+        from wide.base import arch
+
+        spec, cols = arch.spec_for(model), modeling.get_state(model).geometry.columns("attn")
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            o = arch.projection(layer, spec, "o")
+
+            def hook(mod, a, i=i):
+                # prepended: o's input before the routing mask and the thresholds (the oracle of
+                # --oracle reads it after the thresholds; the skipped group's is not kept there)
+                xs = a[0].view(*a[0].shape[:-1], -1, cols)
+                w = mod.weight.view(mod.weight.shape[0], -1, cols)
+                picks.setdefault(i, []).append(torch.einsum("btgc,hgc->btgh", xs, w).norm(dim=-1).argmin(-1))
+
+            handles.append(o.register_forward_pre_hook(hook, prepend=True))
+    try:
+        with modeling.recording_masks(model) as seen:
+            res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+    finally:
+        for h in handles:
+            h.remove()
+    if picks:
+        agree, spread = [], []
+        for (layer, kind), masks in sorted(seen.items()):
+            if kind == "attn" and layer not in mine.dense_layers:
+                mine_ = torch.cat([(~m).int().argmax(-1).flatten() for m in masks])
+                theirs = torch.cat([p.flatten() for p in picks[layer]])
+                agree.append(float((mine_ == theirs).float().mean()))
+                G = masks[0].shape[-1]
+                spread.append((torch.bincount(mine_, minlength=G) / mine_.numel(),
+                               torch.bincount(theirs, minlength=G) / theirs.numel()))
+        print("per layer, the share of tokens skipping group 0, 1, ...: routers | smallest norm")
+        for layer, (a, b) in zip([k for k in range(len(spread) + len(mine.dense_layers))
+                                  if k not in mine.dense_layers], spread):
+            print(f"  {layer:2d} " + " ".join(f"{v:.2f}" for v in a) + " | " + " ".join(f"{v:.2f}" for v in b))
+        print("share of tokens whose skipped group is the one of smallest contribution norm (o's input before "
+              f"the thresholds; chance {1 / masks[0].shape[-1]:.3f}), layers 1..: "
+              + " ".join(f"{a:.2f}" for a in agree) + f"; mean {sum(agree) / len(agree):.3f}", flush=True)
     table = {}
     for (layer, kind), masks in sorted(seen.items()):
         skipped = torch.cat([(~m).sum(-1).flatten() for m in masks])
@@ -279,7 +322,7 @@ def mask_stats(mine, args) -> dict:
             print(f"  {i:2d} " + " ".join(f"{v:.3f}" for v in row))
         mean = [sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1) for k in range(len(rows[0]))]
         print("  mean over layers 1.. " + " ".join(f"{v:.3f}" for v in mean))
-    return {"ppl": res["ppl"], "tokens_skipping_k": table}
+    return {"ppl": res["ppl"], "tokens_skipping_k": table, "oracle_agreement": picks and agree}
 
 
 def oracle(mine, args) -> dict:
@@ -301,7 +344,29 @@ def oracle(mine, args) -> dict:
     cols = geo.columns("attn")
     out = {}
     gen = torch.Generator().manual_seed(0)
-    for mode in ("smallest", "random"):
+    static = None
+    if "static" in mine.oracle_modes:  # per layer, the group most often of smallest norm on calibration text
+        train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
+        counts, handles = {}, []
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            def count(mod, a, i=i):
+                xs = a[0].view(*a[0].shape[:-1], -1, cols)
+                w = mod.weight.view(mod.weight.shape[0], -1, cols)
+                pick = torch.einsum("btgc,hgc->btgh", xs, w).norm(dim=-1).argmin(-1)
+                counts[i] = counts.get(i, 0) + torch.bincount(pick.flatten(), minlength=xs.shape[-2])
+
+            handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(count))
+        try:
+            with torch.no_grad():
+                for ids in train_ids[:mine.static_sequences].split(args.batch_size):
+                    model(input_ids=ids)
+        finally:
+            for h in handles:
+                h.remove()
+        static = {i: int(c.argmax()) for i, c in counts.items()}
+        print("static oracle's group per layer: " + " ".join(str(static[i]) for i in sorted(static)), flush=True)
+        out["static_groups"] = [static[i] for i in sorted(static)]
+    for mode in mine.oracle_modes:
         handles = []
         for i, layer in enumerate(arch.decoder_layers(model)):
             if i in mine.dense_layers:
@@ -314,8 +379,12 @@ def oracle(mine, args) -> dict:
                 xs = x.view(*x.shape[:-1], -1, cols)
                 contrib = torch.einsum("btgc,hgc->btgh", xs, w.view(w.shape[0], -1, cols))
                 norms = contrib.norm(dim=-1)
-                pick = norms.argmin(-1) if mode == "smallest" else \
-                    torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
+                if mode == "smallest":
+                    pick = norms.argmin(-1)
+                elif mode == "static":
+                    pick = torch.full(norms.shape[:-1], static[i], dtype=torch.long, device=x.device)
+                else:
+                    pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
                 keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
                 return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
 
