@@ -41,6 +41,19 @@ library does not save: evaluate such a directory with ``--eval`` (the rest of th
     PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --eval --threads 1 --device cpu \
         --routers runs/one/routers --max-eval-sequences 24 --tasks --out ...
 
+``--oracle-ce W`` (third trial, with ``--skip-one``) teaches the choice the oracle's: the
+training forward computes every group (the mask zeroes o_proj's input after attention ran), so
+a pre-hook on o_proj reads, per token and routed layer, the group of smallest contribution norm
+||h_g W_o[:, g]^T|| after the thresholds, and W x the cross-entropy of the G skip scores
+(-margins) toward it joins the kd loss. ``--input-choice`` makes the choice a function of the
+token's input only: the per-group part of the margins' bias is projected out (only the shared
+level, which sets how often nothing is skipped in training, trains) and the routers' down bias
+stays at zero, so a per-group bias cannot settle into a static prune. ``--mask-stats`` reports
+the match with the oracle's group before and after the thresholds.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --oracle-ce 1.0 --input-choice \
+        --out runs/one_ce --threads 1 --steps 40 --batch-size 4 --budget layer --target 0.3333 --offsets none
+
 ``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
@@ -85,6 +98,16 @@ def parse(argv):
     own.add_argument("--static-sequences", type=int, default=8, help="calibration sequences of --oracle-modes static")
     own.add_argument("--skip-one", action="store_true",
                      help="at most one attention group skipped per token and layer (exactly one at inference)")
+    own.add_argument("--oracle-ce", type=float, default=0.0, metavar="W",
+                     help="with --skip-one: add W x the cross-entropy of the routers' G skip scores (-margins) "
+                          "toward the oracle's group (per token and routed layer, the smallest contribution norm "
+                          "||h_g W_o[:, g]^T|| after the thresholds, read from the training forward, which computes "
+                          "every group) to the task loss")
+    own.add_argument("--input-choice", action="store_true",
+                     help="with --skip-one: the choice of group depends on the token's input only: the per-group "
+                          "part of the skip margins' bias is taken out (margins minus the bias differences' "
+                          "deviation from their mean, so only a shared level trains) and the routers' down-"
+                          "projection bias stays at zero")
     own.add_argument("--mask-stats", metavar="DIR", default=None,
                      help="per layer, the share of held-out tokens that skip 0, 1, 2, ... attention groups under "
                           "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
@@ -122,6 +145,28 @@ def dense_layers(model, layers) -> None:
             p.requires_grad_(False)
 
 
+def oracle_pick(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """Per token, the index of the input group of ``cols`` columns of ``x`` [..., G * cols] whose
+    contribution to ``x @ weight.T`` (weight [out, G * cols]) has the smallest L2 norm
+    ||x_g W[:, g]^T||: the oracle's choice."""
+    xs = x.reshape(*x.shape[:-1], -1, cols).float()
+    w = weight.float().view(weight.shape[0], -1, cols)
+    return torch.einsum("...gc,hgc->...gh", xs, w).norm(dim=-1).argmin(-1)
+
+
+def choice_margin(router, x: torch.Tensor, input_only: bool = False) -> torch.Tensor:
+    """The router's margins [..., G]; with ``input_only`` less the deviation of each group's bias
+    difference (b_exec - b_skip) from the groups' mean, so that which group is smallest depends on
+    the input alone (the shared level, which sets how likely skipping nothing is in training, stays;
+    the gradient reaches the biases only through it, equally for every group)."""
+    margin = router.margin(x)
+    if input_only:
+        b = router.up.bias.view(router.num_groups, 2)
+        d = b[:, 0] - b[:, 1]
+        margin = margin - (d - d.mean())
+    return margin
+
+
 class SkipOne:
     """``WideState.mask_fn``: in the attention of every layer but ``dense``, at most one group per
     token is skipped. Training (router in training mode, ``state.tau`` set): one hard Gumbel-softmax
@@ -129,11 +174,19 @@ class SkipOne:
     nothing), straight-through; the mask is 1 minus the sample's first G entries, so the soft
     sample's gradient reaches every group's margin and the sparsity penalty moves the chance of
     skipping nothing. Inference: exactly one group skipped, the smallest margin's (the oracle's
-    structure; the offset, one scalar per router, does not change the choice)."""
+    structure; the offset, one scalar per router, does not change the choice).
 
-    def __init__(self, model, dense=(0,)):
+    ``input_only``: margins through :func:`choice_margin` (no per-group bias in the choice).
+    ``collect``: in training forwards, keep each routed layer's skip scores (-margins, with their
+    graph) in ``scores`` and, from a pre-hook on o_proj (:meth:`hook_labels`), the oracle's group
+    in ``labels``; :meth:`oracle_loss` is their cross-entropy."""
+
+    def __init__(self, model, dense=(0,), input_only: bool = False, collect: bool = False):
         self.model = model
         self.dense = set(dense)
+        self.input_only = input_only
+        self.collect = collect
+        self.scores, self.labels = {}, {}
 
     def __call__(self, layer: int, kind: str, x: torch.Tensor):
         router = self.model.wide_routers[layer].router(kind)
@@ -145,16 +198,63 @@ class SkipOne:
         G = router.num_groups
         if layer in self.dense:
             return torch.ones(*x.shape[:-1], G, device=x.device)
-        margin = router.margin(x)
+        margin = choice_margin(router, x, self.input_only)
         if tau is None or not router.training:
             return 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
+        if self.collect and torch.is_grad_enabled():
+            self.scores[layer] = -margin
         scores = torch.cat([-margin, torch.zeros_like(margin[..., :1])], -1)
         sample = torch.nn.functional.gumbel_softmax(scores, tau=tau, hard=True, dim=-1)
         return 1.0 - sample[..., :G]
 
+    def hook_labels(self) -> list:
+        """Pre-hooks (prepended: before the routing mask and the thresholds) on every routed
+        layer's o_proj that store, in a routed training forward with gradients, the oracle's
+        group per token: the smallest contribution norm of o's input after the thresholds (the
+        thresholds' keep rule applied here; the routing mask would zero the skipped group)."""
+        from wide.base import arch
+        from wide.method.fine import get_fine
 
-def install_skip_one(model, dense) -> SkipOne:
-    rule = SkipOne(model, dense)
+        model, state = self.model, modeling.get_state(self.model)
+        spec, cols = arch.spec_for(model), state.geometry.columns("attn")
+        fine = get_fine(model)
+        handles = []
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            if i in self.dense:
+                continue
+
+            def hook(mod, a, i=i):
+                if not (self.collect and state.routing and torch.is_grad_enabled()):
+                    return None
+                with torch.no_grad():
+                    x = a[0]
+                    if fine is not None and fine.enabled:
+                        x = x * fine.keep(i, "o", x).to(x.dtype)
+                    self.labels[i] = oracle_pick(x, mod.weight, cols)
+                return None
+
+            handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(hook, prepend=True))
+        return handles
+
+    def oracle_loss(self) -> tuple:
+        """(mean over routed layers of the cross-entropy of the skip scores toward the oracle's
+        group, share of tokens whose smallest margin is the oracle's group) of the last training
+        forward; clears what it read."""
+        layers = sorted(set(self.scores) & set(self.labels))
+        if not layers:
+            raise RuntimeError("no routed training forward since the last oracle_loss")
+        ce, hit = [], []
+        for i in layers:
+            s, y = self.scores[i], self.labels[i]
+            ce.append(torch.nn.functional.cross_entropy(s.reshape(-1, s.shape[-1]).float(), y.reshape(-1)))
+            hit.append((s.detach().argmax(-1) == y).float().mean())
+        self.scores.clear()
+        self.labels.clear()
+        return torch.stack(ce).mean(), float(torch.stack(hit).mean())
+
+
+def install_skip_one(model, dense, input_only: bool = False, collect: bool = False) -> SkipOne:
+    rule = SkipOne(model, dense, input_only, collect)
     modeling.get_state(model).mask_fn = rule
     return rule
 
@@ -171,9 +271,10 @@ def run_eval(mine, rest) -> int:
 
         def load(model, rdir, *a, **kw):
             model = original(model, rdir, *a, **kw)
-            install_skip_one(model, mine.dense_layers)
+            install_skip_one(model, mine.dense_layers, mine.input_choice)
             print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
-                  f"dense layers {mine.dense_layers}", flush=True)
+                  f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else ""),
+                  flush=True)
             return model
 
         recovery.load_recovered = load
@@ -187,6 +288,33 @@ def run_eval(mine, rest) -> int:
 def trained_parameters(model) -> list:
     return [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
             if p.requires_grad]
+
+
+def input_only_routers(model) -> None:
+    """--input-choice: the attention routers' down-projection bias stays at zero (through it,
+    up's weight would make a per-group constant in the margins)."""
+    for lr in model.wide_routers:
+        if lr.attn is not None:
+            with torch.no_grad():
+                lr.attn.down.bias.zero_()
+            lr.attn.down.bias.requires_grad_(False)
+
+
+def with_oracle_ce(rule: SkipOne, weight: float, log: list):
+    """A stand-in for ``wide.training.train.micro_batch_loss`` that adds ``weight`` x the rule's
+    oracle cross-entropy of the student forward to the task loss and appends (ce, match share)
+    to ``log`` per micro-batch (the kd and ce the loop records stay the plain ones)."""
+    original = sys.modules["wide.training.train"].micro_batch_loss
+
+    def micro_batch_loss(model, x, args):
+        rule.scores.clear()
+        rule.labels.clear()
+        out = original(model, x, args)
+        ce, hit = rule.oracle_loss()
+        log.append({"oracle_ce": float(ce.detach()), "oracle_match": hit})
+        return dict(out, task=out["task"] + weight * ce)
+
+    return original, micro_batch_loss
 
 
 def main(argv=None) -> dict:
@@ -212,15 +340,41 @@ def main(argv=None) -> dict:
     modeling.freeze_backbone(model)
     frozen_thresholds(model, mine.thresholds)
     dense_layers(model, mine.dense_layers)
+    rule = None
     if mine.skip_one:
         if args.offsets != "none":
             raise SystemExit("--skip-one skips exactly one group per token at inference: use --offsets none")
-        install_skip_one(model, mine.dense_layers)
+        if mine.input_choice:
+            input_only_routers(model)
+        rule = install_skip_one(model, mine.dense_layers, mine.input_choice, collect=mine.oracle_ce > 0)
+    elif mine.oracle_ce or mine.input_choice:
+        raise SystemExit("--oracle-ce and --input-choice are options of --skip-one")
     params = trained_parameters(model)
     print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
           f"dense attention in layers {mine.dense_layers}", flush=True)
-    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
-                   resume=args.resume, stop_at=args.stop_at)
+    oracle_log, handles, patched = [], [], None
+    if mine.skip_one and mine.oracle_ce > 0:
+        handles = rule.hook_labels()
+        trainmod = sys.modules["wide.training.train"]
+        patched, trainmod.micro_batch_loss = with_oracle_ce(rule, mine.oracle_ce, oracle_log)
+        print(f"oracle cross-entropy x {mine.oracle_ce} beside {args.loss}", flush=True)
+    try:
+        result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
+                       resume=args.resume, stop_at=args.stop_at)
+    finally:
+        if patched is not None:
+            sys.modules["wide.training.train"].micro_batch_loss = patched
+        for h in handles:
+            h.remove()
+        if rule is not None:
+            rule.collect = False
+    if oracle_log:
+        per = max(1, len(oracle_log) // max(1, targs.steps))
+        steps = [oracle_log[k:k + per] for k in range(0, len(oracle_log), per)]
+        oracle_log = [{"step": n + 1, **{k: sum(r[k] for r in rs) / len(rs) for k in rs[0]}}
+                      for n, rs in enumerate(steps)]
+        print("oracle ce / match per step: " + " ".join(f"{r['oracle_ce']:.3f}/{r['oracle_match']:.2f}"
+                                                         for r in oracle_log), flush=True)
     if result.get("stopped_at"):
         return result
     offsets = None
@@ -241,6 +395,7 @@ def main(argv=None) -> dict:
         "design": "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds,
         "rule": "skip-one (at most one group per token in training, exactly one at inference; evaluate with "
                 "--skip-one --eval)" if mine.skip_one else "independent groups (the library's)",
+        "oracle_ce": mine.oracle_ce, "input_choice": mine.input_choice, "oracle_log": oracle_log or None,
         "dense_layers": mine.dense_layers, "model": model_path, "wide_config": cfg.to_dict(),
         "train_args": vars(targs), "steps": targs.steps,
         "tokens": targs.steps * targs.sequences_per_step * train_ids.shape[1],
@@ -271,21 +426,26 @@ def mask_stats(mine, args) -> dict:
     model, tok, _ = runs.load_model(args, tok)
     model = load_recovered(model, mine.mask_stats)
     if mine.skip_one:
-        install_skip_one(model, mine.dense_layers)
-    picks, handles = {}, []
+        install_skip_one(model, mine.dense_layers, mine.input_choice)
+    picks, picks_after, handles = {}, {}, []
     if mine.skip_one:  # which group the oracle would skip at each routed layer, on the model's own states
         from wide.base import arch
+        from wide.method.fine import get_fine
 
         spec, cols = arch.spec_for(model), modeling.get_state(model).geometry.columns("attn")
+        fine = get_fine(model)
         for i, layer in enumerate(arch.decoder_layers(model)):
             o = arch.projection(layer, spec, "o")
 
             def hook(mod, a, i=i):
-                # prepended: o's input before the routing mask and the thresholds (the oracle of
-                # --oracle reads it after the thresholds; the skipped group's is not kept there)
-                xs = a[0].view(*a[0].shape[:-1], -1, cols)
-                w = mod.weight.view(mod.weight.shape[0], -1, cols)
-                picks.setdefault(i, []).append(torch.einsum("btgc,hgc->btgh", xs, w).norm(dim=-1).argmin(-1))
+                # prepended: o's input before the routing mask and the thresholds; the training
+                # label (--oracle-ce) and --oracle read it after the thresholds (their keep rule
+                # applied here, since the routing mask zeroes the skipped group before them)
+                x = a[0]
+                picks.setdefault(i, []).append(oracle_pick(x, mod.weight, cols))
+                if fine is not None:
+                    x = x * fine.keep(i, "o", x).to(x.dtype)
+                picks_after.setdefault(i, []).append(oracle_pick(x, mod.weight, cols))
 
             handles.append(o.register_forward_pre_hook(hook, prepend=True))
     try:
@@ -294,23 +454,26 @@ def mask_stats(mine, args) -> dict:
     finally:
         for h in handles:
             h.remove()
+    agreement = {}
     if picks:
-        agree, spread = [], []
-        for (layer, kind), masks in sorted(seen.items()):
-            if kind == "attn" and layer not in mine.dense_layers:
-                mine_ = torch.cat([(~m).int().argmax(-1).flatten() for m in masks])
-                theirs = torch.cat([p.flatten() for p in picks[layer]])
-                agree.append(float((mine_ == theirs).float().mean()))
-                G = masks[0].shape[-1]
-                spread.append((torch.bincount(mine_, minlength=G) / mine_.numel(),
-                               torch.bincount(theirs, minlength=G) / theirs.numel()))
-        print("per layer, the share of tokens skipping group 0, 1, ...: routers | smallest norm")
-        for layer, (a, b) in zip([k for k in range(len(spread) + len(mine.dense_layers))
-                                  if k not in mine.dense_layers], spread):
-            print(f"  {layer:2d} " + " ".join(f"{v:.2f}" for v in a) + " | " + " ".join(f"{v:.2f}" for v in b))
-        print("share of tokens whose skipped group is the one of smallest contribution norm (o's input before "
-              f"the thresholds; chance {1 / masks[0].shape[-1]:.3f}), layers 1..: "
-              + " ".join(f"{a:.2f}" for a in agree) + f"; mean {sum(agree) / len(agree):.3f}", flush=True)
+        for name, source in [("before the thresholds", picks), ("after the thresholds", picks_after)]:
+            agree, spread = [], []
+            for (layer, kind), masks in sorted(seen.items()):
+                if kind == "attn" and layer not in mine.dense_layers:
+                    mine_ = torch.cat([(~m).int().argmax(-1).flatten() for m in masks])
+                    theirs = torch.cat([p.flatten() for p in source[layer]])
+                    agree.append(float((mine_ == theirs).float().mean()))
+                    G = masks[0].shape[-1]
+                    spread.append((torch.bincount(mine_, minlength=G) / mine_.numel(),
+                                   torch.bincount(theirs, minlength=G) / theirs.numel()))
+            print(f"per layer, the share of tokens skipping group 0, 1, ...: routers | smallest norm ({name})")
+            for layer, (a, b) in zip([k for k in range(len(spread) + len(mine.dense_layers))
+                                      if k not in mine.dense_layers], spread):
+                print(f"  {layer:2d} " + " ".join(f"{v:.2f}" for v in a) + " | " + " ".join(f"{v:.2f}" for v in b))
+            print(f"share of tokens whose skipped group is the one of smallest contribution norm (o's input {name}; "
+                  f"chance {1 / masks[0].shape[-1]:.3f}), layers 1..: "
+                  + " ".join(f"{a:.2f}" for a in agree) + f"; mean {sum(agree) / len(agree):.3f}", flush=True)
+            agreement[name] = agree
     table = {}
     for (layer, kind), masks in sorted(seen.items()):
         skipped = torch.cat([(~m).sum(-1).flatten() for m in masks])
@@ -322,7 +485,7 @@ def mask_stats(mine, args) -> dict:
             print(f"  {i:2d} " + " ".join(f"{v:.3f}" for v in row))
         mean = [sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1) for k in range(len(rows[0]))]
         print("  mean over layers 1.. " + " ".join(f"{v:.3f}" for v in mean))
-    return {"ppl": res["ppl"], "tokens_skipping_k": table, "oracle_agreement": picks and agree}
+    return {"ppl": res["ppl"], "tokens_skipping_k": table, "oracle_agreement": agreement or None}
 
 
 def oracle(mine, args) -> dict:

@@ -652,3 +652,103 @@ def test_head_routers_skip_one_rule():
     with torch.no_grad():
         model(input_ids=torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(6)))
     assert float(forward_sparsity(model).attn_rate) < 0.05
+
+
+def test_head_routers_oracle_ce_and_input_choice():
+    """The head-router trial's third rule (``--skip-one --oracle-ce W --input-choice``): in a routed
+    training forward the label of every routed layer is the group of smallest contribution norm
+    ||h_g W_o[:, g]^T|| of o's input after the thresholds (before the routing mask zeroes the
+    skipped one), the loss is the cross-entropy of the skip scores (-margins) toward it, which
+    reaches the routers; the teacher's forward records nothing; the wrapped micro-batch loss adds
+    exactly W x that cross-entropy; and with the input-only choice a per-group bias does not change
+    which group is skipped, and its gradient is the same for every group."""
+    import math
+
+    from conftest import tiny_model
+
+    import wide
+    from wide.base import arch
+    from wide.method import fine as wf
+    from wide.method.modeling import routing_disabled
+    from wide.method.state import get_state
+    from wide.training.train import TrainArgs, micro_batch_loss
+
+    trial = _script("head_routers_fine_cpu")
+    gen = torch.Generator().manual_seed(3)
+    # oracle_pick is the brute-force argmin of the per-group contribution norms
+    x, w = torch.randn(2, 5, 12, generator=gen), torch.randn(7, 12, generator=gen)
+    want = torch.stack([torch.stack([(x[..., 4 * g:4 * g + 4] @ w[:, 4 * g:4 * g + 4].T).norm(dim=-1)
+                                     for g in range(3)], -1)]).squeeze(0).argmin(-1)
+    assert torch.equal(trial.oracle_pick(x, w, 4), want)
+
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    wf.attach(model, wf.FineConfig(target=0.5))
+    with torch.no_grad():
+        model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
+    trial.dense_layers(model, [0])
+    trial.input_only_routers(model)
+    rule = trial.install_skip_one(model, [0], input_only=True, collect=True)
+    handles = rule.hook_labels()
+    state = get_state(model)
+    spec, cols = arch.spec_for(model), state.geometry.columns("attn")
+    raw = {}
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        o = arch.projection(layer, spec, "o")
+        o.register_forward_pre_hook(lambda mod, a, i=i: raw.__setitem__(i, a[0].detach().clone()), prepend=True)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+
+    model.train()
+    state.tau = 1.0
+    with torch.no_grad(), routing_disabled(model):  # the teacher's forward: no label, no score
+        model(input_ids=ids)
+    assert rule.labels == {} and rule.scores == {}
+    torch.manual_seed(0)
+    model(input_ids=ids)
+    assert sorted(rule.labels) == sorted(rule.scores) == [1, 2]
+    dropped = 0
+    for i in (1, 2):
+        keep = model.wide_fine.keep(i, "o", raw[i])
+        dropped += int((~keep).sum())
+        o = arch.projection(arch.decoder_layers(model)[i], spec, "o")
+        assert torch.equal(rule.labels[i], trial.oracle_pick(raw[i] * keep, o.weight, cols))
+    assert dropped > 0
+    labels = dict(rule.labels)
+    scores = {i: s.detach() for i, s in rule.scores.items()}
+    ce, hit = rule.oracle_loss()
+    ref = sum(torch.nn.functional.cross_entropy(scores[i].reshape(-1, 3), labels[i].reshape(-1)) for i in (1, 2)) / 2
+    assert float(ce.detach()) == pytest.approx(float(ref), rel=1e-6)
+    assert hit == pytest.approx(float(sum((scores[i].argmax(-1) == labels[i]).float().mean() for i in (1, 2)) / 2))
+    assert rule.labels == {} and rule.scores == {}
+    ce.backward()
+    r = model.wide_routers[1].attn
+    assert r.up.weight.grad is not None and float(r.up.weight.grad.abs().sum()) > 0
+    assert r.down.bias.grad is None  # held at zero: no per-group constant through up's weight
+    gb = r.up.bias.grad.view(3, 2)
+    # the bias gets the same gradient in every group (the shared level's: here through the next
+    # layer's input, since the cross-entropy's own sums to zero over the groups)
+    assert torch.allclose(gb, gb[:1].expand(3, 2), rtol=1e-3, atol=1e-9)
+
+    with torch.no_grad():  # a per-group bias does not move the input-only choice
+        x4 = torch.randn(4, 48, generator=gen)
+        before = trial.choice_margin(r, x4, True)
+        r.up.bias.view(3, 2)[:, 0] += torch.tensor([3.0, -2.0, 0.5])
+        after = trial.choice_margin(r, x4, True)
+        assert torch.allclose(after - after.mean(-1, keepdim=True), before - before.mean(-1, keepdim=True), atol=1e-5)
+        assert not torch.allclose(trial.choice_margin(r, x4, False) - r.offset, before - r.offset)
+        r.up.bias.view(3, 2)[:, 0] -= torch.tensor([3.0, -2.0, 0.5])
+
+    log = []
+    args = TrainArgs(loss="kd")
+    original, wrapped = trial.with_oracle_ce(rule, 2.0, log)
+    assert original is micro_batch_loss
+    torch.manual_seed(1)
+    plain = micro_batch_loss(model, ids, args)
+    rule.scores.clear()
+    rule.labels.clear()
+    torch.manual_seed(1)
+    out = wrapped(model, ids, args)
+    assert len(log) == 1 and out["kd"] is not None
+    assert float(out["task"].detach()) == pytest.approx(float(plain["task"].detach()) + 2.0 * log[0]["oracle_ce"], rel=1e-5)
+    for h in handles:
+        h.remove()
