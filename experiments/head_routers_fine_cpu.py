@@ -25,6 +25,35 @@ directory that ``wide eval --routers DIR`` reads as any other.
     PYTHONPATH=src python -m wide.cli eval --threads 1 --device cpu --dense \
         --routers smollm2-135m-fine-50 runs/heads/routers --max-eval-sequences 24 --tasks --out ...
 
+``--skip-one`` (second trial) swaps the routers' independent per-group rule for the oracle's
+structure: per token and routed layer, at most one group is skipped, the one with the smallest
+margin (logit_exec - logit_skip). Training samples one of G + 1 outcomes (skip group g, score
+-margin_g; skip nothing, score 0) with hard Gumbel-softmax straight-through, so the dense start
+(margins 4: nothing skipped with probability 0.95) and the target's warm-up work as for the
+independent rule, and ``--budget layer`` pulls each layer's rate to 1/G. Inference skips exactly
+one group (the smallest margin) per token in every routed layer: the rate is 1/G there by
+construction, so no offsets (``--offsets none``). The rule is a ``WideState.mask_fn`` that the
+library does not save: evaluate such a directory with ``--eval`` (the rest of the command line is
+``wide eval``'s), which installs the rule on every router set it loads.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --out runs/one --threads 1 \
+        --steps 40 --batch-size 4 --budget layer --target 0.3333 --offsets none
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --eval --threads 1 --device cpu \
+        --routers runs/one/routers --max-eval-sequences 24 --tasks --out ...
+
+``--oracle-ce W`` (third trial, with ``--skip-one``) teaches the choice the oracle's: the
+training forward computes every group (the mask zeroes o_proj's input after attention ran), so
+a pre-hook on o_proj reads, per token and routed layer, the group of smallest contribution norm
+||h_g W_o[:, g]^T|| after the thresholds, and W x the cross-entropy of the G skip scores
+(-margins) toward it joins the kd loss. ``--input-choice`` makes the choice a function of the
+token's input only: the per-group part of the margins' bias is projected out (only the shared
+level, which sets how often nothing is skipped in training, trains) and the routers' down bias
+stays at zero, so a per-group bias cannot settle into a static prune. ``--mask-stats`` reports
+the match with the oracle's group before and after the thresholds.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --oracle-ce 1.0 --input-choice \
+        --out runs/one_ce --threads 1 --steps 40 --batch-size 4 --budget layer --target 0.3333 --offsets none
+
 ``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
@@ -61,11 +90,36 @@ def parse(argv):
     own.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="layers whose attention stays dense")
     own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
+    own.add_argument("--oracle-modes", nargs="+", default=["smallest", "random"],
+                     choices=["smallest", "random", "static"],
+                     help="--oracle's choices: per token the smallest-norm group, a random one, or per layer one "
+                          "fixed group (static: the group most often of smallest norm on --static-sequences "
+                          "calibration sequences)")
+    own.add_argument("--static-sequences", type=int, default=8, help="calibration sequences of --oracle-modes static")
+    own.add_argument("--skip-one", action="store_true",
+                     help="at most one attention group skipped per token and layer (exactly one at inference)")
+    own.add_argument("--oracle-ce", type=float, default=0.0, metavar="W",
+                     help="with --skip-one: add W x the cross-entropy of the routers' G skip scores (-margins) "
+                          "toward the oracle's group (per token and routed layer, the smallest contribution norm "
+                          "||h_g W_o[:, g]^T|| after the thresholds, read from the training forward, which computes "
+                          "every group) to the task loss")
+    own.add_argument("--input-choice", action="store_true",
+                     help="with --skip-one: the choice of group depends on the token's input only: the per-group "
+                          "part of the skip margins' bias is taken out (margins minus the bias differences' "
+                          "deviation from their mean, so only a shared level trains) and the routers' down-"
+                          "projection bias stays at zero")
+    own.add_argument("--mask-stats", metavar="DIR", default=None,
+                     help="per layer, the share of held-out tokens that skip 0, 1, 2, ... attention groups under "
+                          "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
+    own.add_argument("--eval", action="store_true",
+                     help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
     mine, rest = own.parse_known_args(argv)
+    if mine.eval:
+        return mine, rest
     # the rest is `wide calibrate`'s command line; routing defaults for this trial
     base = ["calibrate", "--sparse-target", "attention", "--loss-mode", "groups", "--target", "0.3222",
             "--loss", "kd", "--offsets", "global"]
-    if mine.oracle and "--out" not in rest:
+    if (mine.oracle or mine.mask_stats) and "--out" not in rest:
         rest = rest + ["--out", "/dev/null"]
     args = build_parser().parse_args(base + rest)
     return mine, args
@@ -91,17 +145,188 @@ def dense_layers(model, layers) -> None:
             p.requires_grad_(False)
 
 
+def oracle_pick(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """Per token, the index of the input group of ``cols`` columns of ``x`` [..., G * cols] whose
+    contribution to ``x @ weight.T`` (weight [out, G * cols]) has the smallest L2 norm
+    ||x_g W[:, g]^T||: the oracle's choice."""
+    xs = x.reshape(*x.shape[:-1], -1, cols).float()
+    w = weight.float().view(weight.shape[0], -1, cols)
+    return torch.einsum("...gc,hgc->...gh", xs, w).norm(dim=-1).argmin(-1)
+
+
+def choice_margin(router, x: torch.Tensor, input_only: bool = False) -> torch.Tensor:
+    """The router's margins [..., G]; with ``input_only`` less the deviation of each group's bias
+    difference (b_exec - b_skip) from the groups' mean, so that which group is smallest depends on
+    the input alone (the shared level, which sets how likely skipping nothing is in training, stays;
+    the gradient reaches the biases only through it, equally for every group)."""
+    margin = router.margin(x)
+    if input_only:
+        b = router.up.bias.view(router.num_groups, 2)
+        d = b[:, 0] - b[:, 1]
+        margin = margin - (d - d.mean())
+    return margin
+
+
+class SkipOne:
+    """``WideState.mask_fn``: in the attention of every layer but ``dense``, at most one group per
+    token is skipped. Training (router in training mode, ``state.tau`` set): one hard Gumbel-softmax
+    sample over G + 1 outcomes, scores [-margin_0 .. -margin_{G-1}, 0] (skip group g, or skip
+    nothing), straight-through; the mask is 1 minus the sample's first G entries, so the soft
+    sample's gradient reaches every group's margin and the sparsity penalty moves the chance of
+    skipping nothing. Inference: exactly one group skipped, the smallest margin's (the oracle's
+    structure; the offset, one scalar per router, does not change the choice).
+
+    ``input_only``: margins through :func:`choice_margin` (no per-group bias in the choice).
+    ``collect``: in training forwards, keep each routed layer's skip scores (-margins, with their
+    graph) in ``scores`` and, from a pre-hook on o_proj (:meth:`hook_labels`), the oracle's group
+    in ``labels``; :meth:`oracle_loss` is their cross-entropy."""
+
+    def __init__(self, model, dense=(0,), input_only: bool = False, collect: bool = False):
+        self.model = model
+        self.dense = set(dense)
+        self.input_only = input_only
+        self.collect = collect
+        self.scores, self.labels = {}, {}
+
+    def __call__(self, layer: int, kind: str, x: torch.Tensor):
+        router = self.model.wide_routers[layer].router(kind)
+        if router is None:
+            return None
+        tau = self.model.wide_state.tau
+        if kind != "attn":
+            return router.decide(x, tau if router.training else None)
+        G = router.num_groups
+        if layer in self.dense:
+            return torch.ones(*x.shape[:-1], G, device=x.device)
+        margin = choice_margin(router, x, self.input_only)
+        if tau is None or not router.training:
+            return 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
+        if self.collect and torch.is_grad_enabled():
+            self.scores[layer] = -margin
+        scores = torch.cat([-margin, torch.zeros_like(margin[..., :1])], -1)
+        sample = torch.nn.functional.gumbel_softmax(scores, tau=tau, hard=True, dim=-1)
+        return 1.0 - sample[..., :G]
+
+    def hook_labels(self) -> list:
+        """Pre-hooks (prepended: before the routing mask and the thresholds) on every routed
+        layer's o_proj that store, in a routed training forward with gradients, the oracle's
+        group per token: the smallest contribution norm of o's input after the thresholds (the
+        thresholds' keep rule applied here; the routing mask would zero the skipped group)."""
+        from wide.base import arch
+        from wide.method.fine import get_fine
+
+        model, state = self.model, modeling.get_state(self.model)
+        spec, cols = arch.spec_for(model), state.geometry.columns("attn")
+        fine = get_fine(model)
+        handles = []
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            if i in self.dense:
+                continue
+
+            def hook(mod, a, i=i):
+                if not (self.collect and state.routing and torch.is_grad_enabled()):
+                    return None
+                with torch.no_grad():
+                    x = a[0]
+                    if fine is not None and fine.enabled:
+                        x = x * fine.keep(i, "o", x).to(x.dtype)
+                    self.labels[i] = oracle_pick(x, mod.weight, cols)
+                return None
+
+            handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(hook, prepend=True))
+        return handles
+
+    def oracle_loss(self) -> tuple:
+        """(mean over routed layers of the cross-entropy of the skip scores toward the oracle's
+        group, share of tokens whose smallest margin is the oracle's group) of the last training
+        forward; clears what it read."""
+        layers = sorted(set(self.scores) & set(self.labels))
+        if not layers:
+            raise RuntimeError("no routed training forward since the last oracle_loss")
+        ce, hit = [], []
+        for i in layers:
+            s, y = self.scores[i], self.labels[i]
+            ce.append(torch.nn.functional.cross_entropy(s.reshape(-1, s.shape[-1]).float(), y.reshape(-1)))
+            hit.append((s.detach().argmax(-1) == y).float().mean())
+        self.scores.clear()
+        self.labels.clear()
+        return torch.stack(ce).mean(), float(torch.stack(hit).mean())
+
+
+def install_skip_one(model, dense, input_only: bool = False, collect: bool = False) -> SkipOne:
+    rule = SkipOne(model, dense, input_only, collect)
+    modeling.get_state(model).mask_fn = rule
+    return rule
+
+
+def run_eval(mine, rest) -> int:
+    """``wide eval`` with ``rest``; with ``--skip-one`` every router set it loads routes by
+    :class:`SkipOne` (installed right after ``load_recovered``, which ``cmd_eval`` looks up at
+    each call)."""
+    import wide.training.recovery as recovery
+    from wide import cli
+
+    if mine.skip_one:
+        original = recovery.load_recovered
+
+        def load(model, rdir, *a, **kw):
+            model = original(model, rdir, *a, **kw)
+            install_skip_one(model, mine.dense_layers, mine.input_choice)
+            print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
+                  f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else ""),
+                  flush=True)
+            return model
+
+        recovery.load_recovered = load
+    try:
+        return cli.main(["eval"] + rest)
+    finally:
+        if mine.skip_one:
+            recovery.load_recovered = original
+
+
 def trained_parameters(model) -> list:
     return [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
             if p.requires_grad]
 
 
+def input_only_routers(model) -> None:
+    """--input-choice: the attention routers' down-projection bias stays at zero (through it,
+    up's weight would make a per-group constant in the margins)."""
+    for lr in model.wide_routers:
+        if lr.attn is not None:
+            with torch.no_grad():
+                lr.attn.down.bias.zero_()
+            lr.attn.down.bias.requires_grad_(False)
+
+
+def with_oracle_ce(rule: SkipOne, weight: float, log: list):
+    """A stand-in for ``wide.training.train.micro_batch_loss`` that adds ``weight`` x the rule's
+    oracle cross-entropy of the student forward to the task loss and appends (ce, match share)
+    to ``log`` per micro-batch (the kd and ce the loop records stay the plain ones)."""
+    original = sys.modules["wide.training.train"].micro_batch_loss
+
+    def micro_batch_loss(model, x, args):
+        rule.scores.clear()
+        rule.labels.clear()
+        out = original(model, x, args)
+        ce, hit = rule.oracle_loss()
+        log.append({"oracle_ce": float(ce.detach()), "oracle_match": hit})
+        return dict(out, task=out["task"] + weight * ce)
+
+    return original, micro_batch_loss
+
+
 def main(argv=None) -> dict:
     mine, args = parse(sys.argv[1:] if argv is None else argv)
+    if mine.eval:
+        return run_eval(mine, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if mine.oracle:
         return oracle(mine, args)
+    if mine.mask_stats:
+        return mask_stats(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -115,11 +340,41 @@ def main(argv=None) -> dict:
     modeling.freeze_backbone(model)
     frozen_thresholds(model, mine.thresholds)
     dense_layers(model, mine.dense_layers)
+    rule = None
+    if mine.skip_one:
+        if args.offsets != "none":
+            raise SystemExit("--skip-one skips exactly one group per token at inference: use --offsets none")
+        if mine.input_choice:
+            input_only_routers(model)
+        rule = install_skip_one(model, mine.dense_layers, mine.input_choice, collect=mine.oracle_ce > 0)
+    elif mine.oracle_ce or mine.input_choice:
+        raise SystemExit("--oracle-ce and --input-choice are options of --skip-one")
     params = trained_parameters(model)
     print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
           f"dense attention in layers {mine.dense_layers}", flush=True)
-    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
-                   resume=args.resume, stop_at=args.stop_at)
+    oracle_log, handles, patched = [], [], None
+    if mine.skip_one and mine.oracle_ce > 0:
+        handles = rule.hook_labels()
+        trainmod = sys.modules["wide.training.train"]
+        patched, trainmod.micro_batch_loss = with_oracle_ce(rule, mine.oracle_ce, oracle_log)
+        print(f"oracle cross-entropy x {mine.oracle_ce} beside {args.loss}", flush=True)
+    try:
+        result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
+                       resume=args.resume, stop_at=args.stop_at)
+    finally:
+        if patched is not None:
+            sys.modules["wide.training.train"].micro_batch_loss = patched
+        for h in handles:
+            h.remove()
+        if rule is not None:
+            rule.collect = False
+    if oracle_log:
+        per = max(1, len(oracle_log) // max(1, targs.steps))
+        steps = [oracle_log[k:k + per] for k in range(0, len(oracle_log), per)]
+        oracle_log = [{"step": n + 1, **{k: sum(r[k] for r in rs) / len(rs) for k in rs[0]}}
+                      for n, rs in enumerate(steps)]
+        print("oracle ce / match per step: " + " ".join(f"{r['oracle_ce']:.3f}/{r['oracle_match']:.2f}"
+                                                         for r in oracle_log), flush=True)
     if result.get("stopped_at"):
         return result
     offsets = None
@@ -127,25 +382,110 @@ def main(argv=None) -> dict:
         t1 = time.perf_counter()
         batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
         offsets = calibrate_offsets(model, batches, mode=args.offsets)
+        # per_module leaves the dense layers at offset 0: their margins are all exactly
+        # LAYER0_MARGIN, which no quantile splits (offsets._mid_gap keeps every group running)
+        for i in mine.dense_layers:
+            if abs(offsets[f"{i}.attn"]) >= LAYER0_MARGIN / 2:
+                raise RuntimeError(f"offset calibration made dense layer {i} skip: {offsets[f'{i}.attn']}")
         print(f"offsets ({args.offsets}) calibrated in {time.perf_counter() - t1:.1f}s: "
-              f"shift {next(iter(offsets.values())):+.4f}", flush=True)
+              + " ".join(f"{k} {v:+.3f}" for k, v in offsets.items()), flush=True)
     hist = result["history"]
     run = {
         "command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "design": "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds,
+        "rule": "skip-one (at most one group per token in training, exactly one at inference; evaluate with "
+                "--skip-one --eval)" if mine.skip_one else "independent groups (the library's)",
+        "oracle_ce": mine.oracle_ce, "input_choice": mine.input_choice, "oracle_log": oracle_log or None,
         "dense_layers": mine.dense_layers, "model": model_path, "wide_config": cfg.to_dict(),
         "train_args": vars(targs), "steps": targs.steps,
         "tokens": targs.steps * targs.sequences_per_step * train_ids.shape[1],
         "wall_s": result["wall_s"], "total_s": time.perf_counter() - t0,
         "tokens_per_s": float(sum(h["tokens_per_s"] for h in hist) / len(hist)),
-        "machine": runs.machine(), "offsets": offsets and next(iter(offsets.values())),
+        "machine": runs.machine(),
+        "offsets": offsets and (next(iter(offsets.values())) if args.offsets == "global" else offsets),
         "date": datetime.date.today().isoformat(), "decontamination": decontamination,
     }
-    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": "heads+learned"})
+    method = "heads1of3+learned" if mine.skip_one else "heads+learned"
+    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": method})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
           f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)
     return run
+
+
+@torch.no_grad()
+def mask_stats(mine, args) -> dict:
+    """How a router set spends its attention budget on held-out text: per layer, the share of
+    tokens that skip k groups, k = 0 .. G (the oracle skips exactly one everywhere but layer 0)."""
+    from wide.evaluation.evaluate import perplexity
+    from wide.training.recovery import load_recovered
+
+    tok, _ = runs.load_tokenizer(args)
+    args.exact_bpb, args.max_eval_sequences = False, mine.eval_sequences
+    heldout, bpt = runs.heldout(args, tok)
+    model, tok, _ = runs.load_model(args, tok)
+    model = load_recovered(model, mine.mask_stats)
+    if mine.skip_one:
+        install_skip_one(model, mine.dense_layers, mine.input_choice)
+    picks, picks_after, handles = {}, {}, []
+    if mine.skip_one:  # which group the oracle would skip at each routed layer, on the model's own states
+        from wide.base import arch
+        from wide.method.fine import get_fine
+
+        spec, cols = arch.spec_for(model), modeling.get_state(model).geometry.columns("attn")
+        fine = get_fine(model)
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            o = arch.projection(layer, spec, "o")
+
+            def hook(mod, a, i=i):
+                # prepended: o's input before the routing mask and the thresholds; the training
+                # label (--oracle-ce) and --oracle read it after the thresholds (their keep rule
+                # applied here, since the routing mask zeroes the skipped group before them)
+                x = a[0]
+                picks.setdefault(i, []).append(oracle_pick(x, mod.weight, cols))
+                if fine is not None:
+                    x = x * fine.keep(i, "o", x).to(x.dtype)
+                picks_after.setdefault(i, []).append(oracle_pick(x, mod.weight, cols))
+
+            handles.append(o.register_forward_pre_hook(hook, prepend=True))
+    try:
+        with modeling.recording_masks(model) as seen:
+            res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+    finally:
+        for h in handles:
+            h.remove()
+    agreement = {}
+    if picks:
+        for name, source in [("before the thresholds", picks), ("after the thresholds", picks_after)]:
+            agree, spread = [], []
+            for (layer, kind), masks in sorted(seen.items()):
+                if kind == "attn" and layer not in mine.dense_layers:
+                    mine_ = torch.cat([(~m).int().argmax(-1).flatten() for m in masks])
+                    theirs = torch.cat([p.flatten() for p in source[layer]])
+                    agree.append(float((mine_ == theirs).float().mean()))
+                    G = masks[0].shape[-1]
+                    spread.append((torch.bincount(mine_, minlength=G) / mine_.numel(),
+                                   torch.bincount(theirs, minlength=G) / theirs.numel()))
+            print(f"per layer, the share of tokens skipping group 0, 1, ...: routers | smallest norm ({name})")
+            for layer, (a, b) in zip([k for k in range(len(spread) + len(mine.dense_layers))
+                                      if k not in mine.dense_layers], spread):
+                print(f"  {layer:2d} " + " ".join(f"{v:.2f}" for v in a) + " | " + " ".join(f"{v:.2f}" for v in b))
+            print(f"share of tokens whose skipped group is the one of smallest contribution norm (o's input {name}; "
+                  f"chance {1 / masks[0].shape[-1]:.3f}), layers 1..: "
+                  + " ".join(f"{a:.2f}" for a in agree) + f"; mean {sum(agree) / len(agree):.3f}", flush=True)
+            agreement[name] = agree
+    table = {}
+    for (layer, kind), masks in sorted(seen.items()):
+        skipped = torch.cat([(~m).sum(-1).flatten() for m in masks])
+        G = masks[0].shape[-1]
+        table.setdefault(kind, []).append([float((skipped == k).float().mean()) for k in range(G + 1)])
+    for kind, rows in table.items():
+        print(f"{kind}: share of tokens skipping 0..G groups, per layer (ppl {res['ppl']:.2f})")
+        for i, row in enumerate(rows):
+            print(f"  {i:2d} " + " ".join(f"{v:.3f}" for v in row))
+        mean = [sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1) for k in range(len(rows[0]))]
+        print("  mean over layers 1.. " + " ".join(f"{v:.3f}" for v in mean))
+    return {"ppl": res["ppl"], "tokens_skipping_k": table, "oracle_agreement": agreement or None}
 
 
 def oracle(mine, args) -> dict:
@@ -167,7 +507,29 @@ def oracle(mine, args) -> dict:
     cols = geo.columns("attn")
     out = {}
     gen = torch.Generator().manual_seed(0)
-    for mode in ("smallest", "random"):
+    static = None
+    if "static" in mine.oracle_modes:  # per layer, the group most often of smallest norm on calibration text
+        train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
+        counts, handles = {}, []
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            def count(mod, a, i=i):
+                xs = a[0].view(*a[0].shape[:-1], -1, cols)
+                w = mod.weight.view(mod.weight.shape[0], -1, cols)
+                pick = torch.einsum("btgc,hgc->btgh", xs, w).norm(dim=-1).argmin(-1)
+                counts[i] = counts.get(i, 0) + torch.bincount(pick.flatten(), minlength=xs.shape[-2])
+
+            handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(count))
+        try:
+            with torch.no_grad():
+                for ids in train_ids[:mine.static_sequences].split(args.batch_size):
+                    model(input_ids=ids)
+        finally:
+            for h in handles:
+                h.remove()
+        static = {i: int(c.argmax()) for i, c in counts.items()}
+        print("static oracle's group per layer: " + " ".join(str(static[i]) for i in sorted(static)), flush=True)
+        out["static_groups"] = [static[i] for i in sorted(static)]
+    for mode in mine.oracle_modes:
         handles = []
         for i, layer in enumerate(arch.decoder_layers(model)):
             if i in mine.dense_layers:
@@ -180,8 +542,12 @@ def oracle(mine, args) -> dict:
                 xs = x.view(*x.shape[:-1], -1, cols)
                 contrib = torch.einsum("btgc,hgc->btgh", xs, w.view(w.shape[0], -1, cols))
                 norms = contrib.norm(dim=-1)
-                pick = norms.argmin(-1) if mode == "smallest" else \
-                    torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
+                if mode == "smallest":
+                    pick = norms.argmin(-1)
+                elif mode == "static":
+                    pick = torch.full(norms.shape[:-1], static[i], dtype=torch.long, device=x.device)
+                else:
+                    pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
                 keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
                 return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
 

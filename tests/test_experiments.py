@@ -3,7 +3,7 @@ kernels: checked here against the fp32 references on tiny shapes under the inter
 comparisons recorded in experiments/results stay reproducible from the scripts."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the scripts import triton (the library: see needs_interpreted_library)
 
 import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
@@ -19,6 +19,27 @@ from wide.kernels.routing import split_tickets  # noqa: E402
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the scripts' CPU mode; on a GPU run the scripts themselves")
+
+
+def _library_kernels_interpreted() -> bool:
+    """The setdefault above comes too late for the library: tests/conftest.py imports wide (and
+    with it wide.kernels, whose @triton.jit functions read TRITON_INTERPRET when they are
+    decorated) before this module. Run without TRITON_INTERPRET=1 in the environment, the
+    library's jit helpers are then compiled-mode functions while the scripts' kernels, decorated
+    later, are interpreted, and an interpreted kernel calling a library helper fails with
+    "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from wide.kernels.gemm_mn import _router_decision
+
+    return isinstance(_router_decision, InterpretedFunction)
+
+
+# the trials' kernels that call the library's jit helpers (the router decision, ffn_up, gemm_k)
+needs_interpreted_library = pytest.mark.skipif(
+    not _library_kernels_interpreted(),
+    reason="wide.kernels was imported before TRITON_INTERPRET=1 was set (tests/conftest.py imports wide): "
+           "set TRITON_INTERPRET=1 in the environment, as scripts/test.sh does")
 
 
 def _script(name):
@@ -42,6 +63,7 @@ def test_prefill_sweep_variants_match_reference():
     assert _script("prefill_gemm_sweep").main(["--check-only"]) == 0
 
 
+@needs_interpreted_library
 @pytest.mark.parametrize("masks", ["random", "all", "none", "router"])
 def test_ffn_decode_trial_matches_reference(masks):
     # the one-kernel batch-1 FFN, with a given mask and with the router writing it
@@ -70,6 +92,7 @@ def test_ffn_decode_trial_matches_reference(masks):
         assert 0 < int(mask.sum()) < ng  # both branches ran
 
 
+@needs_interpreted_library
 @pytest.mark.parametrize("flat,bk,split", [(0, 32, 1), (1, 32, 2), (2, 128, 1), (2, 64, 2), (2, 256, 1)])
 def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
     # the CUDA-core GEMVs, incl. the --wide steps that span several groups (per-column
@@ -599,3 +622,156 @@ def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
     torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=0, atol=0)
     model(input_ids=ids).logits.square().mean().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in comp)
+
+
+def test_head_routers_skip_one_rule():
+    """The head-router trial's ``--skip-one`` rule: at inference exactly one attention group per
+    token (the smallest margin's) in every routed layer and none in the dense ones; in training
+    at most one, a hard 0/1 mask whose straight-through gradient reaches the routers, and from
+    the dense start nearly nothing skipped."""
+    from conftest import tiny_model
+
+    import wide
+    from wide.method.modeling import router_parameters
+    from wide.method.sparsity import forward_sparsity
+    from wide.method.state import get_state
+
+    trial = _script("head_routers_fine_cpu")
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    trial.dense_layers(model, [0])
+    trial.install_skip_one(model, [0])
+    state = get_state(model)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for layer in range(3):
+        mask = state.masks[(layer, "attn")]
+        assert mask.shape == (2, 11, 3)
+        if layer == 0:
+            assert bool((mask == 1).all())
+            continue
+        assert bool(((1 - mask).sum(-1) == 1).all())  # exactly one skipped per token
+        want = model.wide_routers[layer].attn.margin(seen[(layer, "attn")]).argmin(-1)
+        assert torch.equal((1 - mask).argmax(-1), want)
+    sp = forward_sparsity(model)
+    assert float(sp.per_layer["attn"][1]) == pytest.approx(1 / 3) and float(sp.per_layer["attn"][0]) == 0
+
+    model.train()
+    state.tau = 1.0
+    torch.manual_seed(0)
+    model(input_ids=ids)
+    masks = [state.masks[(layer, "attn")] for layer in (1, 2)]
+    assert all(bool(((m == 0) | (m == 1)).all()) and bool(((1 - m).sum(-1) <= 1).all()) for m in masks)
+    forward_sparsity(model).attn_rate.backward()
+    grads = [p.grad for p in router_parameters(model) if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    assert model.wide_routers[0].attn.up.weight.grad is None  # layer 0 is frozen dense
+
+    for layer in (1, 2):  # dense start: margins 4, so skip-nothing has probability 1 / (1 + 3 e^-4)
+        model.wide_routers[layer].attn.start_dense()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(6)))
+    assert float(forward_sparsity(model).attn_rate) < 0.05
+
+
+def test_head_routers_oracle_ce_and_input_choice():
+    """The head-router trial's third rule (``--skip-one --oracle-ce W --input-choice``): in a routed
+    training forward the label of every routed layer is the group of smallest contribution norm
+    ||h_g W_o[:, g]^T|| of o's input after the thresholds (before the routing mask zeroes the
+    skipped one), the loss is the cross-entropy of the skip scores (-margins) toward it, which
+    reaches the routers; the teacher's forward records nothing; the wrapped micro-batch loss adds
+    exactly W x that cross-entropy; and with the input-only choice a per-group bias does not change
+    which group is skipped, and its gradient is the same for every group."""
+    import math
+
+    from conftest import tiny_model
+
+    import wide
+    from wide.base import arch
+    from wide.method import fine as wf
+    from wide.method.modeling import routing_disabled
+    from wide.method.state import get_state
+    from wide.training.train import TrainArgs, micro_batch_loss
+
+    trial = _script("head_routers_fine_cpu")
+    gen = torch.Generator().manual_seed(3)
+    # oracle_pick is the brute-force argmin of the per-group contribution norms
+    x, w = torch.randn(2, 5, 12, generator=gen), torch.randn(7, 12, generator=gen)
+    want = torch.stack([torch.stack([(x[..., 4 * g:4 * g + 4] @ w[:, 4 * g:4 * g + 4].T).norm(dim=-1)
+                                     for g in range(3)], -1)]).squeeze(0).argmin(-1)
+    assert torch.equal(trial.oracle_pick(x, w, 4), want)
+
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    wf.attach(model, wf.FineConfig(target=0.5))
+    with torch.no_grad():
+        model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
+    trial.dense_layers(model, [0])
+    trial.input_only_routers(model)
+    rule = trial.install_skip_one(model, [0], input_only=True, collect=True)
+    handles = rule.hook_labels()
+    state = get_state(model)
+    spec, cols = arch.spec_for(model), state.geometry.columns("attn")
+    raw = {}
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        o = arch.projection(layer, spec, "o")
+        o.register_forward_pre_hook(lambda mod, a, i=i: raw.__setitem__(i, a[0].detach().clone()), prepend=True)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+
+    model.train()
+    state.tau = 1.0
+    with torch.no_grad(), routing_disabled(model):  # the teacher's forward: no label, no score
+        model(input_ids=ids)
+    assert rule.labels == {} and rule.scores == {}
+    torch.manual_seed(0)
+    model(input_ids=ids)
+    assert sorted(rule.labels) == sorted(rule.scores) == [1, 2]
+    dropped = 0
+    for i in (1, 2):
+        keep = model.wide_fine.keep(i, "o", raw[i])
+        dropped += int((~keep).sum())
+        o = arch.projection(arch.decoder_layers(model)[i], spec, "o")
+        assert torch.equal(rule.labels[i], trial.oracle_pick(raw[i] * keep, o.weight, cols))
+    assert dropped > 0
+    labels = dict(rule.labels)
+    scores = {i: s.detach() for i, s in rule.scores.items()}
+    ce, hit = rule.oracle_loss()
+    ref = sum(torch.nn.functional.cross_entropy(scores[i].reshape(-1, 3), labels[i].reshape(-1)) for i in (1, 2)) / 2
+    assert float(ce.detach()) == pytest.approx(float(ref), rel=1e-6)
+    assert hit == pytest.approx(float(sum((scores[i].argmax(-1) == labels[i]).float().mean() for i in (1, 2)) / 2))
+    assert rule.labels == {} and rule.scores == {}
+    ce.backward()
+    r = model.wide_routers[1].attn
+    assert r.up.weight.grad is not None and float(r.up.weight.grad.abs().sum()) > 0
+    assert r.down.bias.grad is None  # held at zero: no per-group constant through up's weight
+    gb = r.up.bias.grad.view(3, 2)
+    # the bias gets the same gradient in every group (the shared level's: here through the next
+    # layer's input, since the cross-entropy's own sums to zero over the groups)
+    assert torch.allclose(gb, gb[:1].expand(3, 2), rtol=1e-3, atol=1e-9)
+
+    with torch.no_grad():  # a per-group bias does not move the input-only choice
+        x4 = torch.randn(4, 48, generator=gen)
+        before = trial.choice_margin(r, x4, True)
+        r.up.bias.view(3, 2)[:, 0] += torch.tensor([3.0, -2.0, 0.5])
+        after = trial.choice_margin(r, x4, True)
+        assert torch.allclose(after - after.mean(-1, keepdim=True), before - before.mean(-1, keepdim=True), atol=1e-5)
+        assert not torch.allclose(trial.choice_margin(r, x4, False) - r.offset, before - r.offset)
+        r.up.bias.view(3, 2)[:, 0] -= torch.tensor([3.0, -2.0, 0.5])
+
+    log = []
+    args = TrainArgs(loss="kd")
+    original, wrapped = trial.with_oracle_ce(rule, 2.0, log)
+    assert original is micro_batch_loss
+    torch.manual_seed(1)
+    plain = micro_batch_loss(model, ids, args)
+    rule.scores.clear()
+    rule.labels.clear()
+    torch.manual_seed(1)
+    out = wrapped(model, ids, args)
+    assert len(log) == 1 and out["kd"] is not None
+    assert float(out["task"].detach()) == pytest.approx(float(plain["task"].detach()) + 2.0 * log[0]["oracle_ce"], rel=1e-5)
+    for h in handles:
+        h.remove()
