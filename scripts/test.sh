@@ -3,7 +3,7 @@
 # under the interpreter (TRITON_INTERPRET=1) against float32 PyTorch references.
 # WIDE_TEST_WORKERS (default 2; 0 = one process): pytest-xdist workers. The interpreted
 # kernels run in one Python thread, so 2 workers on CI's 2 cores about halve the wall time
-# (6:12 to 3:12 measured); work stealing keeps the few 10-25 s end-to-end tests from
+# (docs/testing.md has the suite's measured times); work stealing keeps the few 10-25 s end-to-end tests from
 # finishing last on one worker. One BLAS thread per worker: with two each, the torch-bound
 # README example took 50 s instead of 21 and the suite 20 s longer.
 set -euo pipefail
