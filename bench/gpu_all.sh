@@ -5,7 +5,8 @@
 # GPU-only kernel tests), then routed GEMMs and routed attention (each kernel checked against its
 # fp32 reference before it is timed), the end-to-end engine, and the engine's modes (coarse, fine,
 # hybrid against dense at 50 %, B = 1/8/32, prompts and decode contexts of 4k and 16k; B = 32 x 16k
-# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes}.{json,md,png,log},
+# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine}.{json,md,png,log},
+# OUT/fine_gemv{,_prefill,_batches,_sweep}.{json,md},
 # OUT/read_floors.{json,md} and OUT/bounds.{json,md}. ~20 min on one H100: more than one device
 # call allows (10 min), so run it in parts, e.g. ONLY=smoke, then ONLY=e2e_modes, then the rest.
 #   OUT=bench/results bash bench/gpu_all.sh
@@ -17,7 +18,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine bounds}
+ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine fine_sweep bounds}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -46,6 +47,10 @@ run fine_gemv "${FINE_GEMV_S:-200}" bash -c "python3 -m wide.benchmarks.fine_gem
 run e2e_fine "${E2E_FINE_S:-330}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine \
     --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 --batches 1,2,4,8,32 --reps 3 \
     --decode-steps 16 --no-hf --memory --budget-s 300
+# The GEMV tiles one by one (T = 1, 50 %, bf16): the compacting ones (kept rows listed first) beside
+# the best masked tile of the 2026-12-07 H200 sweep, on the narrowest and the widest shape
+run fine_sweep "${FINE_SWEEP_S:-150}" python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b --shapes o up \
+    --tokens 1 --kept 0.5 --sweep --sweep-match compact BN256-BR1-BU16-P64-nopf-w1-s1-atomic --out "$OUT/fine_gemv_sweep"
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
     && python3 -m wide.benchmarks.bounds --results '$OUT'"
