@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .env import autotune_enabled, interpret_mode, num_sms
 from .routing import row_lists, split_tickets, zeroed_accumulator
+from .silu_mul import silu_mul_reference, silu_mul_rounded
 
 __all__ = ["fine_layout", "fine_segments", "fine_gemv", "fine_gemv_reference",
            "keep_mask_reference", "MAX_T", "MAX_SEGMENTS"]
@@ -147,15 +148,6 @@ def _partial_sum(ws_ptr, row, cols, n_ok, n_s, T: tl.constexpr, NW, RS: tl.const
 
 
 @triton.jit
-def _glu(g, u, out_ty: tl.constexpr):
-    """silu(g) * u from fp32 sums, rounded where ``silu_mul`` on the stored g and u rounds (the
-    outputs, then the activation, then the product), so fusing changes no bit."""
-    gf = g.to(out_ty).to(tl.float32)
-    a = (gf / (1.0 + tl.exp(-gf))).to(out_ty)
-    return (a.to(tl.float32) * u.to(out_ty).to(tl.float32)).to(out_ty)
-
-
-@triton.jit
 def _total(src_ptr, t, cols, ok, n_s, T: tl.constexpr, N, RS: tl.constexpr, ATOMIC: tl.constexpr):
     """Token t's fp32 sum at ``cols``: read (and cleared for the next launch) from the atomic
     sums, or the partials summed in split order."""
@@ -177,7 +169,7 @@ def _finish(src_ptr, y_ptr, cols, n_ok, tk, b1, N, n_s, stride_yt, T: tl.constex
         for t in tl.static_range(T):
             g = _total(src_ptr, t, gc, g_ok, n_s, T, N, RS, ATOMIC)
             u = _total(src_ptr, t, b1 + gc, g_ok, n_s, T, N, RS, ATOMIC)
-            tl.store(y_ptr + t * stride_yt + gc, _glu(g, u, out_ty), mask=g_ok)
+            tl.store(y_ptr + t * stride_yt + gc, silu_mul_rounded(g, u, out_ty), mask=g_ok)
     else:
         for t in tl.static_range(T):
             tot = _total(src_ptr, t, cols, n_ok, n_s, T, N, RS, ATOMIC)
@@ -758,7 +750,7 @@ def fine_gemv_reference(x, w_t, threshold=None, *, scale=None, group_mask=None, 
         y = fine_gemv_reference(x, w_t, threshold, scale=scale, group_mask=group_mask, group_size=group_size,
                                 segments=segments, thresholds=thresholds).to(x.dtype)
         i = y.shape[1] // 2
-        return (torch.nn.functional.silu(y[:, :i]) * y[:, i:]).float()
+        return silu_mul_reference(y[:, :i], y[:, i:]).float()
     N = w_t.shape[1]
     bounds = [0, N] if segments is None else [int(v) for v in segments]
     nseg = len(bounds) - 1

@@ -16,6 +16,16 @@ __all__ = ["silu_mul", "silu_mul_reference"]
 
 
 @triton.jit
+def silu_mul_rounded(g, u, out_ty: tl.constexpr):
+    """silu(g) * u in ``out_ty``, rounded where ``F.silu(g) * u`` on ``out_ty`` tensors rounds:
+    g and u (if given wider), the activation, then the product. The fine GEMV's gate|up epilogue
+    calls it on its fp32 sums, so fusing the activation there changes no bit."""
+    gf = g.to(out_ty).to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(out_ty)
+    return (a.to(tl.float32) * u.to(out_ty).to(tl.float32)).to(out_ty)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, m_ptr, I, GS, stride_g, stride_u, stride_y, stride_m,
                      BLOCK: tl.constexpr, MASKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -25,10 +35,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, m_ptr, I, GS, stride_g, stride_u, stri
         ok = ok & (tl.load(m_ptr + row * stride_m + c // GS, mask=ok, other=0) != 0)
     g = tl.load(g_ptr + row * stride_g + c, mask=ok, other=0.0)
     u = tl.load(u_ptr + row * stride_u + c, mask=ok, other=0.0)
-    gf = g.to(tl.float32)
-    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(y_ptr + row * stride_y + c, (a.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
-             mask=c < I)
+    tl.store(y_ptr + row * stride_y + c, silu_mul_rounded(g, u, g.dtype), mask=c < I)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, mask: Optional[torch.Tensor] = None,
