@@ -775,3 +775,15 @@ def test_head_routers_oracle_ce_and_input_choice():
     assert float(out["task"].detach()) == pytest.approx(float(plain["task"].detach()) + 2.0 * log[0]["oracle_ce"], rel=1e-5)
     for h in handles:
         h.remove()
+
+
+@needs_interpreted_library
+def test_fine_gemv_race_check_runs_and_counts(tmp_path):
+    # the GPU race check's own CPU mode: every case of one tile, right, and written down
+    out = tmp_path / "race.json"
+    assert _script("fine_gemv_race_gpu").main(["--cpu", "--out", str(out), "--launches", "2", "--repeats", "2",
+                                               "--match", "BN512-BR1-BU8-P8-pf-w1-s1-atomic-compact128"]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 9 and all(r["bad"] == r["repeat_bad"] == 0 and r["launches"] == 2 for r in rows)
