@@ -176,7 +176,7 @@ def test_e2e_modes_carry_mode_and_split(tmp_path, once):
         assert r["routing"] == ("token" if r["mode"] in ("coarse", "hybrid") else None)
         if r["mode"] != "dense":
             assert r["speedup"] > 0 and r["dense_ms"] > 0
-        if r["op"] == "e2e_ttft" and r["mode"] != "dense":  # timed in turns with the dense engine
+        if r["mode"] != "dense":  # timed in turns with the dense engine (CPU: both caches fit)
             assert r["dense_ms"] == r["paired_dense_ms"] and r["speedup"] == r["dense_ms"] / r["ms"]
         if r["mode"] in ("fine", "hybrid"):  # the linear MACs kept: 1 - target
             assert abs((1 - r["router_sparsity"]) * (1 - r["fine_sparsity"]) - 0.5) < 1e-9
