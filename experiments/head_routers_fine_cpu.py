@@ -58,6 +58,31 @@ the match with the oracle's group before and after the thresholds.
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
 norm zeroed after the fact.
+
+``--per-sequence P`` (fourth trial, issue 48 design (c); with ``--skip-one --eval``, or with
+``--oracle --oracle-modes sequence``) evaluates a per-sequence choice of the skipped group: per
+sequence and routed layer, tokens t < P (the prompt) skip their own smallest-margin group (the
+per-token rule above), and tokens t >= P (the decode part) skip one group per sequence, the one of
+smallest mean margin over tokens s < P, re-chosen every ``--refresh N`` tokens (at t = P + kN,
+from the mean margin over all tokens s < P + kN; N = 0, the default, never re-chosen). Strictly
+causal from P on: a decode token's group depends only on the margins of tokens before it
+(:func:`sequence_choice`, cumulative sums over T). ``--sequence-score vote`` takes instead the
+group that was the per-token choice most often among those tokens. The oracle's counterpart
+(mode ``sequence``) does the same with the groups' contribution norms in place of the margins.
+The rule reads the position of a token from its index in the forward, so it holds for
+full-sequence forwards from position 0 (the held-out perplexity), not for decode steps on a KV
+cache (it raises there). ``--score-from S [S ...]`` (``--eval`` and ``--oracle``; default: P)
+also reports the perplexity over the predictions made at positions t >= S only (the decode part),
+in the records as ``ppl_from`` (with S = 0, all predictions, from the same float64 per-position
+sums; ``wide eval``'s ``--dense`` gets it too: the dense reference of that part).
+``--choice-stats DIR`` (with ``--skip-one --per-sequence P``) reports, per layer over the tokens
+t >= P, how often the per-sequence group is the token's own and the oracle's (:func:`choice_stats`).
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --input-choice --eval \
+        --per-sequence 64 --refresh 32 --threads 1 --device cpu --routers runs/one_ce/routers \
+        --max-eval-sequences 24 --tasks --out ...
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --oracle --oracle-modes smallest sequence \
+        --per-sequence 64 --refresh 0 --threads 1 --device cpu --eval-sequences 24
 """
 
 from __future__ import annotations
@@ -84,17 +109,19 @@ LAYER0_MARGIN = 1e4
 
 
 def parse(argv):
-    own = argparse.ArgumentParser(add_help=False)
+    # no abbreviations: `wide eval`'s --dense (left in the rest) must not read as --dense-layers
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     own.add_argument("--thresholds", default="smollm2-135m-fine-50",
                      help="shipped name or directory of the learned thresholds to freeze")
     own.add_argument("--dense-layers", type=int, nargs="*", default=[0], help="layers whose attention stays dense")
     own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
     own.add_argument("--oracle-modes", nargs="+", default=["smallest", "random"],
-                     choices=["smallest", "random", "static"],
+                     choices=["smallest", "random", "static", "sequence"],
                      help="--oracle's choices: per token the smallest-norm group, a random one, or per layer one "
                           "fixed group (static: the group most often of smallest norm on --static-sequences "
-                          "calibration sequences)")
+                          "calibration sequences), or per sequence (sequence: --per-sequence's rule on the "
+                          "groups' contribution norms)")
     own.add_argument("--static-sequences", type=int, default=8, help="calibration sequences of --oracle-modes static")
     own.add_argument("--skip-one", action="store_true",
                      help="at most one attention group skipped per token and layer (exactly one at inference)")
@@ -113,13 +140,41 @@ def parse(argv):
                           "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
     own.add_argument("--eval", action="store_true",
                      help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
+    own.add_argument("--per-sequence", type=int, default=None, metavar="P",
+                     help="with --skip-one --eval (or --oracle-modes sequence): tokens t >= P skip one group per "
+                          "sequence and layer, the one of smallest mean margin (oracle: contribution norm) over the "
+                          "tokens before P; tokens t < P keep the per-token choice")
+    own.add_argument("--refresh", type=int, default=0, metavar="N",
+                     help="with --per-sequence: re-choose the sequence's group every N tokens from the mean over all "
+                          "tokens so far (0: never)")
+    own.add_argument("--sequence-score", choices=["mean", "vote"], default="mean",
+                     help="with --per-sequence: the sequence's group is the smallest mean margin (oracle: norm) over "
+                          "the tokens so far (mean), or the group most often the per-token choice among them (vote)")
+    own.add_argument("--choice-stats", metavar="DIR", default=None,
+                     help="with --skip-one --per-sequence P: on the first --eval-sequences held-out windows under "
+                          "DIR's per-token rule, how the per-sequence choice relates to the per-token one and to the "
+                          "oracle's over the tokens t >= P (see choice_stats)")
+    own.add_argument("--score-from", type=int, nargs="+", default=None, metavar="S",
+                     help="with --eval or --oracle: also the perplexity over the predictions at positions t >= S "
+                          "(default: --per-sequence's P)")
     mine, rest = own.parse_known_args(argv)
+    if mine.per_sequence is not None:
+        if mine.per_sequence < 1 or mine.refresh < 0:
+            raise SystemExit("--per-sequence needs P >= 1 and --refresh N >= 0")
+        if not ((mine.eval and mine.skip_one) or (mine.oracle and "sequence" in mine.oracle_modes)
+                or (mine.choice_stats and mine.skip_one)):
+            raise SystemExit("--per-sequence is a rule of --skip-one --eval (or --choice-stats) or of --oracle "
+                             "--oracle-modes sequence")
+    elif (mine.oracle and "sequence" in mine.oracle_modes) or mine.choice_stats:
+        raise SystemExit("--oracle-modes sequence and --choice-stats need --per-sequence P")
+    if mine.score_from is None and mine.per_sequence is not None:
+        mine.score_from = [mine.per_sequence]
     if mine.eval:
         return mine, rest
     # the rest is `wide calibrate`'s command line; routing defaults for this trial
     base = ["calibrate", "--sparse-target", "attention", "--loss-mode", "groups", "--target", "0.3222",
             "--loss", "kd", "--offsets", "global"]
-    if (mine.oracle or mine.mask_stats) and "--out" not in rest:
+    if (mine.oracle or mine.mask_stats or mine.choice_stats) and "--out" not in rest:
         rest = rest + ["--out", "/dev/null"]
     args = build_parser().parse_args(base + rest)
     return mine, args
@@ -253,10 +308,141 @@ class SkipOne:
         return torch.stack(ce).mean(), float(torch.stack(hit).mean())
 
 
-def install_skip_one(model, dense, input_only: bool = False, collect: bool = False) -> SkipOne:
-    rule = SkipOne(model, dense, input_only, collect)
+def sequence_choice(scores: torch.Tensor, prompt: int, refresh: int = 0, vote: bool = False) -> torch.Tensor:
+    """The group each token skips [B, T] from per-token scores [B, T, G] (the smallest is skipped)
+    under the per-sequence rule: tokens t < ``prompt`` take their own argmin; tokens t >= ``prompt``
+    the argmin of the mean score over tokens s < r(t), with r(t) = prompt + floor((t - prompt) /
+    refresh) x refresh (``refresh`` 0: r(t) = prompt, the prompt's choice kept to the end). Token
+    t's group depends only on the scores of tokens before it (t >= prompt) or its own (t < prompt).
+    ``vote``: the group that was the per-token argmin most often over those tokens instead (the
+    mean of minus the one-hot argmins; ties to the lowest index)."""
+    B, T, G = scores.shape
+    if prompt < 1 or refresh < 0:
+        raise ValueError(f"prompt must be >= 1 and refresh >= 0, got {prompt}, {refresh}")
+    pick = scores.argmin(-1)
+    if prompt >= T:
+        return pick
+    t = torch.arange(prompt, T, device=scores.device)
+    r = prompt + (t - prompt) // refresh * refresh if refresh else torch.full_like(t, prompt)
+    if vote:
+        scores = -torch.nn.functional.one_hot(pick, G)
+    sums = scores.double().cumsum(1)  # sums[:, s] = sum over tokens 0..s
+    mean = sums[:, r - 1] / r.view(1, -1, 1).double()
+    return torch.cat([pick[:, :prompt], mean.argmin(-1)], 1)
+
+
+class PerSequence(SkipOne):
+    """``WideState.mask_fn``: :class:`SkipOne` at inference with the group of every routed layer
+    chosen by :func:`sequence_choice` from the margins (per token in the prompt, per sequence from
+    ``prompt`` on, re-chosen every ``refresh`` tokens). Inference only (a training forward, router
+    in training mode with ``state.tau`` set, routes as SkipOne) and full-sequence forwards only: the
+    position of a token is its index in the forward (a forward given a non-empty KV cache raises)."""
+
+    def __init__(self, model, dense=(0,), input_only: bool = False, prompt: int = 64, refresh: int = 0,
+                 vote: bool = False):
+        super().__init__(model, dense, input_only)
+        self.prompt, self.refresh, self.vote = prompt, refresh, vote
+        self.past = 0  # tokens in the KV cache the current forward was given (read by a pre-hook)
+        self.handle = model.register_forward_pre_hook(self._watch, with_kwargs=True)
+
+    def _watch(self, mod, args, kwargs):
+        cache = kwargs.get("cache")  # transformers 5 calls it cache, 4 past_key_values
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        self.past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+    def __call__(self, layer: int, kind: str, x: torch.Tensor):
+        router = self.model.wide_routers[layer].router(kind)
+        state = modeling.get_state(self.model)
+        if router is None or kind != "attn" or layer in self.dense or (router.training and state.tau is not None):
+            return super().__call__(layer, kind, x)
+        if self.past:
+            raise NotImplementedError("the per-sequence rule reads positions from full forwards, not from decode "
+                                      "steps on a KV cache")
+        margin = choice_margin(router, x, self.input_only)
+        if margin.dim() != 3:
+            raise ValueError(f"the per-sequence rule needs margins [B, T, G], got {list(margin.shape)}")
+        pick = sequence_choice(margin, self.prompt, self.refresh, self.vote)
+        return 1.0 - torch.nn.functional.one_hot(pick, router.num_groups).float()
+
+
+def install_skip_one(model, dense, input_only: bool = False, collect: bool = False,
+                     prompt=None, refresh: int = 0, vote: bool = False) -> SkipOne:
+    """Install :class:`SkipOne`, or with ``prompt`` :class:`PerSequence`, as the model's mask_fn."""
+    rule = (SkipOne(model, dense, input_only, collect) if prompt is None
+            else PerSequence(model, dense, input_only, prompt, refresh, vote))
     modeling.get_state(model).mask_fn = rule
     return rule
+
+
+class PositionNLL:
+    """While installed (a forward hook on the model), the next-token NLL of every forward with
+    ``input_ids`` [B, T], summed over the windows per position [T - 1] (position t predicts token
+    t + 1): the perplexity over the predictions at t >= S (:meth:`ppl_from`) beside the whole."""
+
+    def __init__(self, model):
+        self.sum, self.windows = None, 0
+        self.handle = model.register_forward_hook(self.hook, with_kwargs=True)
+
+    def hook(self, mod, args, kwargs, out):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        nll = nll.sum(0).double()
+        if self.sum is not None and self.sum.shape != nll.shape:
+            raise ValueError("PositionNLL: forwards of different lengths")
+        self.sum = nll if self.sum is None else self.sum + nll
+        self.windows += ids.shape[0]
+
+    def nll_from(self, start: int) -> float:
+        return float(self.sum[start:].sum()) / (self.windows * (self.sum.shape[0] - start))
+
+    def ppl_from(self, starts) -> dict:
+        import math
+        return {str(s): math.exp(self.nll_from(s)) for s in starts}
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def scoring_from(starts, extra=None):
+    """(original, stand-in) for ``wide.commands.runs.evaluate_one``: the same record plus
+    ``ppl_from`` (perplexity over the predictions at positions >= 0 and >= each of ``starts``, from
+    the held-out perplexity's own forwards) and ``extra``."""
+    original = runs.evaluate_one
+
+    def evaluate_one(model, tok, args, heldout_ids, *a, **kw):
+        import wide.evaluation.evaluate as ev
+
+        plain, counted = ev.perplexity, {}
+
+        def perplexity(model, ids, **pkw):
+            nll = PositionNLL(model)
+            try:
+                res = plain(model, ids, **pkw)
+            finally:
+                nll.remove()
+            whole = nll.nll_from(0)
+            # perplexity() sums each batch's NLL in float32 (relative error ~1e-5..1e-4 at 2,040
+            # tokens); the per-position sums are float64 over windows and positions
+            if abs(whole - res["nll"]) > 1e-3 * max(1.0, abs(res["nll"])):
+                raise RuntimeError(f"per-position NLL {whole} does not add up to perplexity's {res['nll']}")
+            counted.update(nll.ppl_from([0, *starts]))
+            return res
+
+        ev.perplexity = perplexity
+        try:
+            rec = original(model, tok, args, heldout_ids, *a, **kw)
+        finally:
+            ev.perplexity = plain
+        rec["ppl_from"] = counted
+        if extra and rec.get("method") != "dense":
+            rec.update(extra)
+        print(f"{rec.get('method')}: ppl {rec['ppl']:.3f}; over predictions at t >= S: "
+              + " ".join(f"S={k} {v:.3f}" for k, v in counted.items()), flush=True)
+        return rec
+
+    return original, evaluate_one
 
 
 def run_eval(mine, rest) -> int:
@@ -271,18 +457,30 @@ def run_eval(mine, rest) -> int:
 
         def load(model, rdir, *a, **kw):
             model = original(model, rdir, *a, **kw)
-            install_skip_one(model, mine.dense_layers, mine.input_choice)
+            install_skip_one(model, mine.dense_layers, mine.input_choice, prompt=mine.per_sequence,
+                             refresh=mine.refresh, vote=mine.sequence_score == "vote")
             print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
-                  f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else ""),
+                  f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else "")
+                  + ("" if mine.per_sequence is None else
+                     f"; per sequence from token {mine.per_sequence} on (chosen by {mine.sequence_score} over the "
+                     f"tokens before it, " + (f"re-chosen every {mine.refresh} tokens)" if mine.refresh else
+                                             "never re-chosen)")),
                   flush=True)
             return model
 
         recovery.load_recovered = load
+    scoring = None
+    if mine.score_from:
+        extra = None if mine.per_sequence is None else {
+            "per_sequence": {"prompt": mine.per_sequence, "refresh": mine.refresh, "score": mine.sequence_score}}
+        scoring, runs.evaluate_one = scoring_from(mine.score_from, extra)
     try:
         return cli.main(["eval"] + rest)
     finally:
         if mine.skip_one:
             recovery.load_recovered = original
+        if scoring is not None:
+            runs.evaluate_one = scoring
 
 
 def trained_parameters(model) -> list:
@@ -327,6 +525,8 @@ def main(argv=None) -> dict:
         return oracle(mine, args)
     if mine.mask_stats:
         return mask_stats(mine, args)
+    if mine.choice_stats:
+        return choice_stats(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -488,10 +688,94 @@ def mask_stats(mine, args) -> dict:
     return {"ppl": res["ppl"], "tokens_skipping_k": table, "oracle_agreement": agreement or None}
 
 
+@torch.no_grad()
+def choice_stats(mine, args) -> dict:
+    """Why a per-sequence choice costs what it costs: the held-out windows run once under DIR's
+    per-token rule (the states are the per-token rule's), and per routed layer, over the tokens
+    t >= P (the decode part), the shares of (sequence, token) pairs where
+
+    * ``seq=tok``: the per-sequence group (:func:`sequence_choice` of the margins, P and N) is the
+      token's own per-token group (the share of decode tokens the per-sequence rule leaves as is);
+    * ``tok=oracle``, ``seq=oracle``: the per-token / per-sequence router group is the oracle's
+      (smallest contribution norm after the thresholds, per token);
+    * ``oseq=oracle``: the per-sequence oracle's group (:func:`sequence_choice` of the norms) is;
+    * ``best seq``: the best one fixed group per sequence and layer chosen in hindsight (the most
+      frequent oracle group over the sequence's tokens t >= P) is: the ceiling of any per-sequence
+      choice's match; ``best static``: one group per layer for all sequences (the same, over all);
+
+    and ``1 group``: the share of sequences whose per-sequence router group at t = P is the layer's
+    most common one (1.0: in effect a static prune of that layer)."""
+    from wide.base import arch
+    from wide.evaluation.evaluate import perplexity
+    from wide.method.fine import get_fine
+    from wide.training.recovery import load_recovered
+
+    P, N, vote = mine.per_sequence, mine.refresh, mine.sequence_score == "vote"
+    tok, _ = runs.load_tokenizer(args)
+    args.exact_bpb, args.max_eval_sequences = False, mine.eval_sequences
+    heldout, bpt = runs.heldout(args, tok)
+    model, tok, _ = runs.load_model(args, tok)
+    model = load_recovered(model, mine.choice_stats)
+    install_skip_one(model, mine.dense_layers, mine.input_choice)
+    state = modeling.get_state(model)
+    spec, cols = arch.spec_for(model), state.geometry.columns("attn")
+    fine = get_fine(model)
+    margins, norms, handles = {}, {}, []
+
+    def observe(layer, kind, x):
+        if kind == "attn" and layer not in mine.dense_layers:
+            margins.setdefault(layer, []).append(choice_margin(model.wide_routers[layer].attn, x, mine.input_choice))
+
+    state.input_observers.append(observe)
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        if i in mine.dense_layers:
+            continue
+
+        def hook(mod, a, i=i):  # prepended: o's input before the routing mask; the thresholds' keep rule applied
+            x = a[0]
+            if fine is not None:
+                x = x * fine.keep(i, "o", x).to(x.dtype)
+            xs = x.reshape(*x.shape[:-1], -1, cols).float()
+            w = mod.weight.float().view(mod.weight.shape[0], -1, cols)
+            norms.setdefault(i, []).append(torch.einsum("...gc,hgc->...gh", xs, w).norm(dim=-1))
+
+        handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(hook, prepend=True))
+    try:
+        res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
+    finally:
+        for h in handles:
+            h.remove()
+        state.input_observers.remove(observe)
+    keys = ["seq=tok", "tok=oracle", "seq=oracle", "oseq=oracle", "best seq", "best static", "1 group"]
+    rows = {}
+    for i in sorted(margins):
+        m, n = torch.cat(margins[i]), torch.cat(norms[i])
+        G = m.shape[-1]
+        tok_pick, seq_pick = m.argmin(-1)[:, P:], sequence_choice(m, P, N, vote)[:, P:]
+        oracle_pick_, oseq_pick = n.argmin(-1)[:, P:], sequence_choice(n, P, N, vote)[:, P:]
+        counts = torch.nn.functional.one_hot(oracle_pick_, G).sum(1).float()  # [B, G]
+        first = seq_pick[:, 0]
+        rows[i] = [float((seq_pick == tok_pick).float().mean()), float((tok_pick == oracle_pick_).float().mean()),
+                   float((seq_pick == oracle_pick_).float().mean()), float((oseq_pick == oracle_pick_).float().mean()),
+                   float(counts.max(-1).values.sum() / oracle_pick_.numel()),
+                   float(counts.sum(0).max() / oracle_pick_.numel()),
+                   float(torch.bincount(first, minlength=G).max() / first.numel())]
+    print(f"per layer over tokens t >= {P} (per sequence by {mine.sequence_score}, refreshed every {N or 'never'}), "
+          f"held-out ppl under the per-token rule {res['ppl']:.3f} on {heldout.shape[0]} windows")
+    print("  layer " + " | ".join(keys))
+    for i, r in rows.items():
+        print(f"  {i:5d} " + " | ".join(f"{v:.3f}" for v in r))
+    mean = [sum(r[k] for r in rows.values()) / len(rows) for k in range(len(keys))]
+    print("  mean  " + " | ".join(f"{v:.3f}" for v in mean), flush=True)
+    return {"per_layer": rows, "mean": dict(zip(keys, mean)), "ppl": res["ppl"]}
+
+
 def oracle(mine, args) -> dict:
     """The issue's oracle on the held-out windows: thresholds on, and in every layer but the dense
     ones the GQA pack of smallest contribution norm ||h_g W_o[:, g]^T|| zeroed per token (and, for
-    reference, a random pack instead)."""
+    reference, a random pack instead; or one fixed pack per layer; or, mode ``sequence``, the pack of
+    :func:`sequence_choice` on the norms: per token before ``--per-sequence``, per sequence after).
+    With ``--score-from``, also the perplexity over the predictions at positions >= each S."""
     from wide.base import arch
     from wide.evaluation.evaluate import perplexity
 
@@ -546,20 +830,34 @@ def oracle(mine, args) -> dict:
                     pick = norms.argmin(-1)
                 elif mode == "static":
                     pick = torch.full(norms.shape[:-1], static[i], dtype=torch.long, device=x.device)
+                elif mode == "sequence":  # per token in the prompt, per sequence from --per-sequence on
+                    pick = sequence_choice(norms, mine.per_sequence, mine.refresh, mine.sequence_score == "vote")
                 else:
                     pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
                 keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
                 return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
 
             handles.append(o.register_forward_pre_hook(hook))
+        nll = PositionNLL(model) if mine.score_from else None
         try:
             res = perplexity(model, heldout, batch_size=args.batch_size, bytes_per_token=bpt)
         finally:
             for h in handles:
                 h.remove()
+            if nll is not None:
+                nll.remove()
         out[mode] = {"ppl": res["ppl"], "linear_sparsity": res.get("linear_sparsity")}
-        print(f"oracle {mode}: ppl {res['ppl']:.2f} (linear sparsity of the thresholds {res.get('linear_sparsity')})",
-              flush=True)
+        label = mode
+        if mode == "sequence":
+            out[mode]["per_sequence"] = {"prompt": mine.per_sequence, "refresh": mine.refresh,
+                                         "score": mine.sequence_score}
+            label += f" (P {mine.per_sequence}, refresh {mine.refresh or 'never'}, by {mine.sequence_score})"
+        if nll is not None:
+            out[mode]["ppl_from"] = nll.ppl_from([0, *mine.score_from])
+            label += "; over predictions at t >= S: " + " ".join(f"S={k} {v:.3f}"
+                                                                for k, v in out[mode]["ppl_from"].items())
+        print(f"oracle {label}: ppl {res['ppl']:.3f} (linear sparsity of the thresholds "
+              f"{res.get('linear_sparsity')})", flush=True)
     return out
 
 

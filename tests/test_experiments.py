@@ -777,6 +777,93 @@ def test_head_routers_oracle_ce_and_input_choice():
         h.remove()
 
 
+def test_head_routers_per_sequence_rule():
+    """The head-router trial's ``--per-sequence P --refresh N`` rule (issue 48 design (c)): tokens
+    t < P skip their own smallest-margin group; tokens t >= P the group of smallest mean margin over
+    the tokens before the last refresh point (P, P + N, ...; or the group most often the per-token
+    choice among them, ``--sequence-score vote``), so the choice is strictly causal; the
+    mask_fn applies it to every routed layer's margins, refuses decode steps on a KV cache, and the
+    per-position NLL adds up to the perplexity and scores the decode part alone."""
+    import itertools
+    import math
+
+    from conftest import tiny_model
+
+    import wide
+    from wide.evaluation.evaluate import perplexity
+    from wide.method.state import get_state
+
+    trial = _script("head_routers_fine_cpu")
+    # one sequence by hand, P = 4: the prompt favours group 2 (mean 1.75 / 1.25 / 0.75), the decode part group 0
+    prompt = torch.tensor([[1.0, 2, 0], [1, 0, 2], [2, 1, 0], [3, 2, 1]])
+    m = torch.cat([prompt, torch.tensor([[-4.0, 3, 3]]).expand(6, 3)]).unsqueeze(0)  # [1, 10, 3]
+    assert trial.sequence_choice(m, 4).tolist() == [[2, 1, 2, 2, 2, 2, 2, 2, 2, 2]]  # never refreshed
+    # refresh 2: t 4-5 from tokens 0-3 (group 2), t 6-7 from 0-5 (sums -1 / 11 / 9: group 0), t 8-9 from 0-7
+    assert trial.sequence_choice(m, 4, 2).tolist() == [[2, 1, 2, 2, 2, 2, 0, 0, 0, 0]]
+    # refresh 1: t 5 already from tokens 0-4 (sums 3 / 8 / 6: group 0); the token's own margin never counts
+    assert trial.sequence_choice(m, 4, 1).tolist() == [[2, 1, 2, 2, 2, 0, 0, 0, 0, 0]]
+    assert trial.sequence_choice(m, 10).tolist() == [m[0].argmin(-1).tolist()]  # P >= T: per token
+    # vote: the prompt's most frequent per-token group (1, twice) where the mean picks group 0 (one -10)
+    v = torch.tensor([[[1.0, 0, 2], [1, 0, 2], [-10, 2, 2], [0, 1, 1], [0, 1, 1]]])
+    assert trial.sequence_choice(v, 3).tolist() == [[1, 1, 0, 0, 0]]
+    assert trial.sequence_choice(v, 3, vote=True).tolist() == [[1, 1, 0, 1, 1]]
+    assert trial.sequence_choice(v, 3, 1, vote=True).tolist() == [[1, 1, 0, 1, 0]]  # t 4: votes 2 / 2 / 0, tie to 0
+
+    # random margins: brute force (argmin of the mean over tokens before r(t)) and causality
+    scores = torch.randn(3, 13, 3, generator=torch.Generator().manual_seed(7))
+    votes = torch.nn.functional.one_hot(scores.argmin(-1), 3).float()
+    for (P, N), vote in itertools.product([(4, 0), (4, 3), (5, 1), (1, 4)], [False, True]):
+        pick = trial.sequence_choice(scores, P, N, vote)
+        for t in range(13):
+            r = P + (t - P) // N * N if N else P
+            want = scores[:, t].argmin(-1) if t < P else (votes[:, :r].sum(1).argmax(-1) if vote
+                                                          else scores[:, :r].mean(1).argmin(-1))
+            assert torch.equal(pick[:, t], want), (P, N, t)
+        for k in range(13):  # a change at token k moves no choice before it, nor its own from P on
+            moved = scores.clone()
+            moved[:, k] += torch.randn(3, 3, generator=torch.Generator().manual_seed(k)) * 10
+            again = trial.sequence_choice(moved, P, N, vote)
+            upto = k + 1 if k >= P else k
+            assert torch.equal(again[:, :upto], pick[:, :upto]), (P, N, k)
+
+    # the mask_fn on a tiny model: routed layers skip sequence_choice's group, layer 0 none
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    trial.dense_layers(model, [0])
+    rule = trial.install_skip_one(model, [0], input_only=True, prompt=4, refresh=3)
+    assert isinstance(rule, trial.PerSequence)
+    state = get_state(model)
+    seen = {}
+    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(input_ids=ids)
+        for layer in range(3):
+            mask = state.masks[(layer, "attn")]
+            assert mask.shape == (2, 11, 3)
+            if layer == 0:
+                assert bool((mask == 1).all())
+                continue
+            assert bool(((1 - mask).sum(-1) == 1).all())
+            margin = trial.choice_margin(model.wide_routers[layer].attn, seen[(layer, "attn")], True)
+            assert torch.equal((1 - mask).argmax(-1), trial.sequence_choice(margin, 4, 3))
+            assert torch.equal((1 - mask[:, :4]).argmax(-1), margin[:, :4].argmin(-1))
+        out = model(input_ids=ids[:, :6], use_cache=True)
+        with pytest.raises(NotImplementedError):
+            cache = {"cache": out.cache} if getattr(out, "cache", None) is not None else {
+                "past_key_values": out.past_key_values}
+            model(input_ids=ids[:, 6:7], use_cache=True, **cache)
+
+        # the per-position NLL: adds up to the perplexity, and scores the predictions at t >= S alone
+        nll = trial.PositionNLL(model)
+        res = perplexity(model, ids, batch_size=1, progress=False)
+        nll.remove()
+        assert nll.windows == 2 and nll.nll_from(0) == pytest.approx(res["nll"], rel=1e-5)
+        logits = model(input_ids=ids).logits
+        tail = torch.nn.functional.cross_entropy(logits[:, 4:-1].flatten(0, 1), ids[:, 5:].flatten())
+        assert nll.ppl_from([4])["4"] == pytest.approx(math.exp(float(tail)), rel=1e-5)
+
+
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
     # the GPU race check's own CPU mode: every case of one tile, right, and written down
