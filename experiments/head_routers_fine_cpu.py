@@ -54,6 +54,34 @@ the match with the oracle's group before and after the thresholds.
     PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --oracle-ce 1.0 --input-choice \
         --out runs/one_ce --threads 1 --steps 40 --batch-size 4 --budget layer --target 0.3333 --offsets none
 
+``--joint`` (trial 5: design (b), with ``--skip-one``) trains the thresholds beside the routers,
+the split fixed: the thresholds start from ``--thresholds`` (the shipped set: the comparison
+with design (a) is about joint training, not about training thresholds from scratch) and their
+log thresholds and per-channel log scales (``FineSparsity.learnable()``) join the routers as
+trained parameters, in the library's own second AdamW group (``--lr`` x the set's
+``fine.lr_scale``, 1.0 for the shipped recipe, no weight decay; the surrogate's temperature
+anneals ``fine.tau_start -> tau_end`` with the steps, as in ``wide calibrate --hybrid``). The
+attention split is the ``--skip-one`` rule's (one group per token in layers 1.., the per-layer
+group penalty as in design (a)); the linear sparsity is held at ``--linear-target`` (0.5) by the
+library's threshold mechanism: ``coef x |target - linear rate|`` (``sparsity_penalty`` with
+``loss_mode="linear"``, ``budget="global"``, no warm-up; the rate is all linear-layer MACs
+skipped, the routed groups' q rows and o columns included, as the hybrid counts them; coef the
+set's ``sparsity_coef``, 20, unless ``--linear-coef``) added to the task loss, and after training
+one shift of every log threshold lands the inference rule (exactly one group skipped) on the
+target on the ``--offset-batches`` calibration batches (``wide.method.fine.shift_to_target``, what
+``wide calibrate`` does for learned thresholds; ``--no-threshold-shift`` skips it). The saved
+directory holds the routers and the trained thresholds, and ``--skip-one --eval`` reads it.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --joint --skip-one --oracle-ce 3.0 --input-choice \
+        --out runs/joint --threads 1 --steps 80 --batch-size 4 --budget layer --target 0.3333 --offsets none
+
+``--reshift DIR`` (with ``--skip-one``) is the matched-sparsity control: DIR's thresholds moved by
+one shift so that the linear sparsity under the rule is ``--linear-target`` on the calibration
+batches, saved to ``--out``/routers (e.g. design (a)'s set brought to design (b)'s 0.50).
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --input-choice --reshift runs/one_ce/routers \
+        --linear-target 0.5 --out runs/one_ce_at050 --threads 1 --batch-size 4
+
 ``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
@@ -138,6 +166,21 @@ def parse(argv):
     own.add_argument("--mask-stats", metavar="DIR", default=None,
                      help="per layer, the share of held-out tokens that skip 0, 1, 2, ... attention groups under "
                           "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
+    own.add_argument("--joint", action="store_true",
+                     help="with --skip-one: train --thresholds' thresholds (and per-channel scales) beside the "
+                          "routers (design (b)), the linear sparsity held at --linear-target by the library's "
+                          "linear penalty and a threshold shift after training")
+    own.add_argument("--linear-target", type=float, default=0.5,
+                     help="--joint: linear sparsity (all linear-layer MACs, routed groups included) the thresholds hold")
+    own.add_argument("--linear-coef", type=float, default=None,
+                     help="--joint: weight of |--linear-target - linear rate| (default: the thresholds set's "
+                          "sparsity_coef)")
+    own.add_argument("--no-threshold-shift", action="store_true",
+                     help="--joint: do not shift the trained thresholds onto --linear-target after training")
+    own.add_argument("--reshift", metavar="DIR", default=None,
+                     help="with --skip-one: load DIR (routers + learned thresholds), shift every log threshold so the "
+                          "linear sparsity under the rule is --linear-target on the --offset-batches calibration "
+                          "batches (shift_to_target, as --joint ends), and save the set to --out/routers")
     own.add_argument("--eval", action="store_true",
                      help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
     own.add_argument("--per-sequence", type=int, default=None, metavar="P",
@@ -187,6 +230,22 @@ def frozen_thresholds(model, name: str) -> None:
     load_thresholds(model, path, meta["fine"])
     for p in model.wide_fine.parameters():
         p.requires_grad_(False)
+
+
+def trainable_thresholds(model, name: str) -> dict:
+    """--joint: attach ``name``'s per-element thresholds to a wrapped model as they were trained
+    (their FineConfig: allocation learned, per-channel scales, lr scale, surrogate temperatures),
+    trainable; returns the set's saved metadata."""
+    path = pretrained.resolve(name)
+    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
+    if (meta.get("fine") or {}).get("allocation") != "learned":
+        raise SystemExit(f"--joint trains learned thresholds: {name} has {(meta.get('fine') or {}).get('allocation')}")
+    load_thresholds(model, path, meta["fine"])
+    fine = model.wide_fine
+    learn = {id(p) for p in fine.learnable()}
+    for p in fine.parameters():
+        p.requires_grad_(id(p) in learn)
+    return meta
 
 
 def dense_layers(model, layers) -> None:
@@ -483,9 +542,50 @@ def run_eval(mine, rest) -> int:
             runs.evaluate_one = scoring
 
 
-def trained_parameters(model) -> list:
-    return [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
-            if p.requires_grad]
+def trained_parameters(model, joint: bool = False) -> list:
+    """The attention routers' trainable parameters; with ``joint`` the learned thresholds' and
+    per-channel scales too (``wide.training.train`` puts those in their own AdamW group)."""
+    out = [p for lr in model.wide_routers for p in (lr.attn.parameters() if lr.attn is not None else [])
+           if p.requires_grad]
+    if joint:
+        out += [p for p in model.wide_fine.learnable() if p.requires_grad]
+    return out
+
+
+def linear_config(cfg, target: float):
+    """The thresholds' penalty config: the library's linear-MAC budget over the whole model."""
+    from dataclasses import replace
+
+    return replace(cfg, loss_mode="linear", budget="global", target_sparsity=target, attn_target=None, ffn_target=None)
+
+
+def with_linear_penalty(lcfg, coef: float, log: list):
+    """--joint: a stand-in for ``wide.training.train.micro_batch_loss`` (whatever is installed,
+    e.g. :func:`with_oracle_ce`'s) that adds ``coef`` x ``sparsity_penalty(forward_sparsity(model),
+    lcfg)`` (|target - linear rate| of the student forward) to the task loss, no warm-up, and
+    appends (linear rate, penalty) to ``log`` per micro-batch."""
+    from wide.method.sparsity import forward_sparsity, sparsity_penalty
+
+    trainmod = sys.modules["wide.training.train"]
+    original = trainmod.micro_batch_loss
+
+    def micro_batch_loss(model, x, args):
+        out = original(model, x, args)
+        sp = forward_sparsity(model)
+        pen = sparsity_penalty(sp, lcfg)
+        log.append({"linear_rate": float(sp.linear_rate.detach()), "linear_pen": float(pen.detach())})
+        return dict(out, task=out["task"] + coef * pen)
+
+    return original, micro_batch_loss
+
+
+def per_step(log: list, steps: int) -> list:
+    """Per-micro-batch records averaged per optimizer step."""
+    if not log:
+        return []
+    per = max(1, len(log) // max(1, steps))
+    chunks = [log[k:k + per] for k in range(0, len(log), per)]
+    return [{"step": n + 1, **{k: sum(r[k] for r in rs) / len(rs) for k in rs[0]}} for n, rs in enumerate(chunks)]
 
 
 def input_only_routers(model) -> None:
@@ -527,6 +627,8 @@ def main(argv=None) -> dict:
         return mask_stats(mine, args)
     if mine.choice_stats:
         return choice_stats(mine, args)
+    if mine.reshift:
+        return reshift(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -538,7 +640,14 @@ def main(argv=None) -> dict:
     targs = from_args(TrainArgs, args)
     modeling.wrap(model, cfg, seed=targs.seed)
     modeling.freeze_backbone(model)
-    frozen_thresholds(model, mine.thresholds)
+    if mine.joint and not mine.skip_one:
+        raise SystemExit("--joint is an option of --skip-one")
+    if mine.joint:
+        tmeta = trainable_thresholds(model, mine.thresholds)
+        start = {k: v.detach().clone() for k, v in model.wide_fine.state_dict().items()}
+        lcoef = mine.linear_coef if mine.linear_coef is not None else float(tmeta["wide_config"]["sparsity_coef"])
+    else:
+        frozen_thresholds(model, mine.thresholds)
     dense_layers(model, mine.dense_layers)
     rule = None
     if mine.skip_one:
@@ -549,34 +658,67 @@ def main(argv=None) -> dict:
         rule = install_skip_one(model, mine.dense_layers, mine.input_choice, collect=mine.oracle_ce > 0)
     elif mine.oracle_ce or mine.input_choice:
         raise SystemExit("--oracle-ce and --input-choice are options of --skip-one")
-    params = trained_parameters(model)
-    print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
-          f"dense attention in layers {mine.dense_layers}", flush=True)
-    oracle_log, handles, patched = [], [], None
-    if mine.skip_one and mine.oracle_ce > 0:
-        handles = rule.hook_labels()
-        trainmod = sys.modules["wide.training.train"]
-        patched, trainmod.micro_batch_loss = with_oracle_ce(rule, mine.oracle_ce, oracle_log)
-        print(f"oracle cross-entropy x {mine.oracle_ce} beside {args.loss}", flush=True)
+    params = trained_parameters(model, mine.joint)
+    n_thr = sum(p.numel() for p in model.wide_fine.learnable()) if mine.joint else 0
+    if mine.joint:
+        print(f"training {sum(p.numel() for p in params) - n_thr} router parameters and {n_thr} threshold/scale "
+              f"parameters of {mine.thresholds} (lr x {model.wide_fine.config.lr_scale:g}, surrogate tau "
+              f"{model.wide_fine.config.tau_start:g} -> {model.wide_fine.config.tau_end:g}); linear sparsity held at "
+              f"{mine.linear_target:g} by {lcoef:g} x |target - linear rate|; dense attention in layers "
+              f"{mine.dense_layers}", flush=True)
+    else:
+        print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
+              f"dense attention in layers {mine.dense_layers}", flush=True)
+    oracle_log, linear_log, handles, patched = [], [], [], []
+    trainmod = sys.modules["wide.training.train"]
     try:
+        if mine.skip_one and mine.oracle_ce > 0:
+            handles = rule.hook_labels()
+            original, trainmod.micro_batch_loss = with_oracle_ce(rule, mine.oracle_ce, oracle_log)
+            patched.append(original)
+            print(f"oracle cross-entropy x {mine.oracle_ce} beside {args.loss}", flush=True)
+        if mine.joint:
+            original, trainmod.micro_batch_loss = with_linear_penalty(linear_config(cfg, mine.linear_target), lcoef,
+                                                                      linear_log)
+            patched.append(original)
         result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, parameters=params,
                        resume=args.resume, stop_at=args.stop_at)
     finally:
-        if patched is not None:
-            sys.modules["wide.training.train"].micro_batch_loss = patched
+        if patched:
+            trainmod.micro_batch_loss = patched[0]
         for h in handles:
             h.remove()
         if rule is not None:
             rule.collect = False
+    oracle_log, linear_log = per_step(oracle_log, targs.steps), per_step(linear_log, targs.steps)
     if oracle_log:
-        per = max(1, len(oracle_log) // max(1, targs.steps))
-        steps = [oracle_log[k:k + per] for k in range(0, len(oracle_log), per)]
-        oracle_log = [{"step": n + 1, **{k: sum(r[k] for r in rs) / len(rs) for k in rs[0]}}
-                      for n, rs in enumerate(steps)]
         print("oracle ce / match per step: " + " ".join(f"{r['oracle_ce']:.3f}/{r['oracle_match']:.2f}"
                                                          for r in oracle_log), flush=True)
+    if linear_log:
+        print("linear rate per step: " + " ".join(f"{r['linear_rate']:.3f}" for r in linear_log), flush=True)
     if result.get("stopped_at"):
         return result
+    joint = None
+    if mine.joint:
+        from wide.method.fine import measured_linear_sparsity, shift_to_target
+
+        fine = model.wide_fine
+        moved = {k: float((v.detach() - start[k]).abs()[torch.isfinite(start[k])].mean())
+                 for k, v in fine.state_dict().items() if k != "sparsity"}
+        batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+        t1 = time.perf_counter()
+        before = measured_linear_sparsity(model, batches)
+        shift = None
+        if not mine.no_threshold_shift:
+            shift = shift_to_target(model, batches, mine.linear_target)
+        after = measured_linear_sparsity(model, batches)
+        print("thresholds: mean |change| in log units " + " ".join(f"{k} {v:.4f}" for k, v in moved.items())
+              + f"; linear sparsity on {sum(len(b) for b in batches)} calibration sequences {before:.4f}"
+              + (f", shifted by {shift:+.4f} to {after:.4f}" if shift is not None else "")
+              + f" ({time.perf_counter() - t1:.1f}s)", flush=True)
+        joint = {"linear_target": mine.linear_target, "linear_coef": lcoef, "threshold_lr_scale": fine.config.lr_scale,
+                 "threshold_parameters": n_thr, "mean_abs_change": moved, "linear_before_shift": before,
+                 "threshold_shift": shift, "linear_after_shift": after, "linear_log": linear_log}
     offsets = None
     if args.offsets != "none":
         t1 = time.perf_counter()
@@ -592,7 +734,8 @@ def main(argv=None) -> dict:
     hist = result["history"]
     run = {
         "command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "design": "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds,
+        "design": "(b) head routers and learned thresholds trained jointly, the split fixed" if mine.joint
+        else "(a) head routers on frozen learned thresholds", "thresholds": mine.thresholds, "joint": joint,
         "rule": "skip-one (at most one group per token in training, exactly one at inference; evaluate with "
                 "--skip-one --eval)" if mine.skip_one else "independent groups (the library's)",
         "oracle_ce": mine.oracle_ce, "input_choice": mine.input_choice, "oracle_log": oracle_log or None,
@@ -605,11 +748,42 @@ def main(argv=None) -> dict:
         "offsets": offsets and (next(iter(offsets.values())) if args.offsets == "global" else offsets),
         "date": datetime.date.today().isoformat(), "decontamination": decontamination,
     }
-    method = "heads1of3+learned" if mine.skip_one else "heads+learned"
+    method = ("heads1of3+learned-joint" if mine.joint else "heads1of3+learned") if mine.skip_one else "heads+learned"
     save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": method})
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
           f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)
+    return run
+
+
+def reshift(mine, args) -> dict:
+    """--reshift: a saved set's thresholds moved by one shift onto --linear-target under the
+    --skip-one rule (a control: the same linear sparsity for sets trained at different ones)."""
+    from wide.method.fine import measured_linear_sparsity, shift_to_target
+    from wide.training.recovery import load_recovered
+
+    if not mine.skip_one:
+        raise SystemExit("--reshift measures the linear sparsity under the --skip-one rule: add --skip-one")
+    t0 = time.perf_counter()
+    tok, _ = runs.load_tokenizer(args)
+    train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
+    model, tok, _ = runs.load_model(args, tok)
+    model = load_recovered(model, mine.reshift)
+    install_skip_one(model, mine.dense_layers, mine.input_choice)
+    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+    before = measured_linear_sparsity(model, batches)
+    shift = shift_to_target(model, batches, mine.linear_target)
+    after = measured_linear_sparsity(model, batches)
+    meta = json.loads((Path(mine.reshift) / CONFIG_FILE).read_text())
+    run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]), "source": mine.reshift,
+           "linear_target": mine.linear_target, "linear_before_shift": before, "threshold_shift": shift,
+           "linear_after_shift": after, "sequences": sum(len(b) for b in batches),
+           "total_s": time.perf_counter() - t0, "machine": runs.machine(), "date": datetime.date.today().isoformat()}
+    save_routers(model, Path(args.out) / FINAL_DIR,
+                 extra={"run": {**(meta.get("run") or {}), "reshift": run}, "method": meta.get("method", "wide")})
+    atomic_write_text(Path(args.out) / "reshift.json", json.dumps(run, indent=2))
+    print(f"{mine.reshift}: linear sparsity {before:.4f}, thresholds shifted by {shift:+.4f} to {after:.4f}; saved "
+          f"{Path(args.out) / FINAL_DIR} ({run['total_s']:.0f}s)", flush=True)
     return run
 
 

@@ -864,6 +864,92 @@ def test_head_routers_per_sequence_rule():
         assert nll.ppl_from([4])["4"] == pytest.approx(math.exp(float(tail)), rel=1e-5)
 
 
+def test_head_routers_joint_trains_thresholds_and_routers(tmp_path, monkeypatch):
+    """The head-router trial's design (b) (``--joint --skip-one``): started from a learned threshold
+    set (here a one-step ``wide calibrate --hybrid`` of the tiny model, with per-channel scales), the
+    thresholds and scales are trained beside the routers (in the library's threshold group: lr x the
+    set's lr scale, no weight decay) and move, the routers too, the linear penalty joins the loss;
+    the saved directory holds the trained thresholds (shifted onto the linear target) and the
+    trial's ``--skip-one --eval`` evaluates it."""
+    import json
+
+    from conftest import write_tiny_run
+
+    from wide import data
+    from wide.cli import main as wide_main
+    from wide.io.serialization import read_meta
+    from wide.training.train import _param_groups
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    common = write_tiny_run(tmp_path)
+    quick = ["--batch-size", "2", "--eval-every", "0", "--offset-batches", "1"]
+    assert wide_main(["calibrate", *common, *quick, "--steps", "1", "--hybrid", "--sparse-target", "none",
+                      "--fine-per-channel", "--fine-lr-scale", "1", "--target", "0.5", "--out", str(tmp_path / "thr")]) == 0
+    thr = tmp_path / "thr" / "routers"
+    assert read_meta(thr)["fine"]["per_channel"]
+
+    trial = _script("head_routers_fine_cpu")
+    seen = {}
+    real_train = trial.train
+
+    def spy(model, train_ids, targs, out, *, parameters, **kw):
+        fine = model.wide_fine
+        seen["ids"] = {id(p) for p in parameters}
+        seen["fine"] = [id(p) for p in fine.learnable()]
+        seen["router"] = [id(p) for p in model.wide_routers[1].attn.parameters() if p.requires_grad]
+        seen["start"] = {id(p): p.detach().clone() for p in parameters}
+        seen["params"] = list(parameters)
+        groups = _param_groups(model, seen["params"], targs)
+        seen["groups"] = [({id(p) for p in g["params"]}, g.get("lr"), g.get("weight_decay")) for g in groups]
+        res = real_train(model, train_ids, targs, out, parameters=parameters, **kw)
+        seen["end"] = {id(p): p.detach().clone() for p in seen["params"]}
+        seen["fine_state"] = {k: v.detach().clone() for k, v in fine.state_dict().items()}
+        return res
+
+    monkeypatch.setattr(trial, "train", spy)
+    out = tmp_path / "joint"
+    run = trial.main(["--joint", "--skip-one", "--oracle-ce", "3.0", "--input-choice", "--thresholds", str(thr),
+                      *common, *quick, "--steps", "2", "--seed", "0", "--budget", "layer", "--target", "0.3333",
+                      "--offsets", "none", "--out", str(out)])
+    assert len(seen["fine"]) == 1 + 7  # log thresholds and the seven projections' per-channel scales
+    assert set(seen["fine"]) <= seen["ids"] and set(seen["router"]) <= seen["ids"]
+    moved = lambda i: not torch.equal(seen["start"][i], seen["end"][i])  # noqa: E731
+    assert moved(seen["fine"][0]) and any(moved(i) for i in seen["fine"][1:])
+    assert any(moved(i) for i in seen["router"])
+    j = run["joint"]
+    assert j["threshold_lr_scale"] == 1.0 and j["linear_coef"] == 20.0 and j["mean_abs_change"]["log_threshold"] > 0
+    assert len(j["linear_log"]) == 2 and j["threshold_shift"] is not None
+    assert j["linear_after_shift"] == pytest.approx(0.5, abs=0.05)
+    assert run["oracle_log"] and run["design"].startswith("(b)")
+    # the library's threshold group: lr x the set's lr scale (1), no weight decay; the routers in the other
+    (rest, _, _), (thr_ids, thr_lr, thr_wd) = seen["groups"]
+    assert thr_ids == set(seen["fine"]) and thr_lr == pytest.approx(2e-3) and thr_wd == 0.0
+    assert set(seen["router"]) <= rest
+    saved = out / "routers"
+    meta = read_meta(saved)
+    assert meta["method"] == "heads1of3+learned-joint" and meta["fine"]["allocation"] == "learned"
+    # the directory's thresholds are the trained ones (shifted onto the target), not the starting set's
+    from safetensors.torch import load_file
+
+    mine, first = load_file(saved / "thresholds.safetensors"), load_file(thr / "thresholds.safetensors")
+    assert not torch.equal(mine["log_threshold"], first["log_threshold"])
+    for k, v in mine.items():
+        if k.startswith("log_scale"):
+            torch.testing.assert_close(v, seen["fine_state"][k])  # the shift moves thresholds only
+    assert any(not torch.equal(v, first[k]) for k, v in mine.items() if k.startswith("log_scale"))
+    assert trial.main(["--skip-one", "--input-choice", "--eval", *common, "--routers", str(saved), "--tasks",
+                       "--max-eval-sequences", "2", "--out", str(tmp_path / "ev")]) == 0
+    rec = json.loads((tmp_path / "ev.json").read_text())["records"][0]
+    assert rec["ppl"] > 0 and rec["attn_core_sparsity"] > 0 and rec["linear_sparsity"] > 0.3
+    # --reshift (the matched-sparsity control): one threshold shift onto another linear target
+    moved_run = trial.main(["--skip-one", "--input-choice", "--reshift", str(saved), "--linear-target", "0.4", *common,
+                            *quick, "--out", str(tmp_path / "re")])
+    assert moved_run["linear_after_shift"] == pytest.approx(0.4, abs=0.05) and moved_run["threshold_shift"] < 0
+    again = load_file(tmp_path / "re" / "routers" / "thresholds.safetensors")
+    finite = torch.isfinite(mine["log_threshold"])
+    torch.testing.assert_close(again["log_threshold"][finite], mine["log_threshold"][finite] + moved_run["threshold_shift"])
+
+
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
     # the GPU race check's own CPU mode: every case of one tile, right, and written down
