@@ -82,6 +82,23 @@ batches, saved to ``--out``/routers (e.g. design (a)'s set brought to design (b)
     PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --input-choice --reshift runs/one_ce/routers \
         --linear-target 0.5 --out runs/one_ce_at050 --threads 1 --batch-size 4
 
+``--router-input query`` (sixth trial, with ``--skip-one``) feeds each routed layer's attention
+router the layer's query instead of the residual stream entering the layer: q_proj's output after
+the thresholds (the q attention uses, before RoPE; SmolLM2: 9 heads x 64 = 576 features, each KV
+group's three query heads 192 of them). The router is the library's (the same rank, dense start
+and ``--input-choice`` handling; it needs heads x head_dim = hidden), its margins computed in a
+forward hook on q_proj, which routes the layer there (masks, sparsity records; the mask is needed
+only at o_proj, where it applies) while the norm's hook leaves the routed layers alone. The saved
+directory records it (wide_config.json ``head_router_input``: ``query``), and ``--eval`` and
+``--mask-stats`` install it from there (or name it: ``--router-input query``; a mismatch is an
+error). Not with ``--per-sequence`` / ``--choice-stats``.
+
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --oracle-ce 3.0 --input-choice \
+        --router-input query --out runs/one_q --threads 1 --steps 80 --batch-size 4 --budget layer \
+        --target 0.3333 --offsets none
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --input-choice --eval --threads 1 \
+        --device cpu --routers runs/one_q/routers --max-eval-sequences 24 --tasks --out ...
+
 ``--oracle`` instead evaluates the issue's oracle on the held-out windows: the thresholds of
 ``--thresholds``, and per token and layer (layer 0 left dense) the KV group whose contribution to
 the attention output (its heads' o_proj input times their o_proj columns) has the smallest L2
@@ -163,6 +180,12 @@ def parse(argv):
                           "part of the skip margins' bias is taken out (margins minus the bias differences' "
                           "deviation from their mean, so only a shared level trains) and the routers' down-"
                           "projection bias stays at zero")
+    own.add_argument("--router-input", choices=["residual", "query"], default=None,
+                     help="with --skip-one: what each routed layer's attention router reads: the residual stream "
+                          "entering the layer (residual, the library's) or the layer's query projection output after "
+                          "the thresholds (query: q_proj's output, before RoPE, the q attention uses). Training "
+                          "default: residual; --eval / --mask-stats default: what the directory was trained with "
+                          "(its wide_config.json's head_router_input)")
     own.add_argument("--mask-stats", metavar="DIR", default=None,
                      help="per layer, the share of held-out tokens that skip 0, 1, 2, ... attention groups under "
                           "DIR's routers (the first --eval-sequences windows; with --skip-one: under that rule)")
@@ -210,6 +233,10 @@ def parse(argv):
                              "--oracle-modes sequence")
     elif (mine.oracle and "sequence" in mine.oracle_modes) or mine.choice_stats:
         raise SystemExit("--oracle-modes sequence and --choice-stats need --per-sequence P")
+    if mine.router_input == "query" and not mine.skip_one:
+        raise SystemExit("--router-input query is an option of --skip-one")
+    if mine.router_input == "query" and (mine.per_sequence is not None or mine.choice_stats):
+        raise SystemExit("--router-input query has no per-sequence rule (--per-sequence, --choice-stats)")
     if mine.score_from is None and mine.per_sequence is not None:
         mine.score_from = [mine.per_sequence]
     if mine.eval:
@@ -293,14 +320,57 @@ class SkipOne:
     ``input_only``: margins through :func:`choice_margin` (no per-group bias in the choice).
     ``collect``: in training forwards, keep each routed layer's skip scores (-margins, with their
     graph) in ``scores`` and, from a pre-hook on o_proj (:meth:`hook_labels`), the oracle's group
-    in ``labels``; :meth:`oracle_loss` is their cross-entropy."""
+    in ``labels``; :meth:`oracle_loss` is their cross-entropy.
 
-    def __init__(self, model, dense=(0,), input_only: bool = False, collect: bool = False):
+    ``query`` (``--router-input query``): the routers of the routed layers read the layer's query
+    instead of the residual stream: :meth:`install_query` puts a forward hook on every routed
+    layer's q_proj (its output after the thresholds' pre-hook on its input: the q attention uses,
+    before RoPE), which routes the layer's attention there (the library's ``_route``: masks,
+    sparsity records and observers as from the norm's hook, and the mask is in place before
+    o_proj, where it applies); the norm's own call returns None for those layers."""
+
+    def __init__(self, model, dense=(0,), input_only: bool = False, collect: bool = False, query: bool = False):
         self.model = model
         self.dense = set(dense)
         self.input_only = input_only
         self.collect = collect
+        self.query = query
+        self.in_query = False  # set while the q_proj hook routes
         self.scores, self.labels = {}, {}
+        if query:
+            self.install_query()
+
+    def install_query(self) -> None:
+        """Route the attention of every layer but the dense ones from its q_proj's output (a
+        ``state.installers`` entry, so that ``install_hooks`` re-runs keep it; one per model)."""
+        model, state = self.model, modeling.get_state(self.model)
+        from wide.base import arch
+
+        spec = arch.spec_for(model)
+        for i, layer in enumerate(arch.decoder_layers(model)):
+            r, q = model.wide_routers[i].attn, arch.projection(layer, spec, "q")
+            if r is not None and i not in self.dense and q.out_features != r.down.in_features:
+                raise ValueError(f"layer {i}: the query has {q.out_features} features, the router reads "
+                                 f"{r.down.in_features}: --router-input query needs heads x head_dim = hidden")
+        state.installers[:] = [f for f in state.installers if not getattr(f, "query_router", False)]
+
+        def install(model):
+            for i, layer in enumerate(arch.decoder_layers(model)):
+                if i in self.dense or model.wide_routers[i].attn is None:
+                    continue
+
+                def hook(mod, args, out, i=i):
+                    self.in_query = True
+                    try:
+                        modeling._route(state, model.wide_routers[i], i, "attn", out)
+                    finally:
+                        self.in_query = False
+
+                state.handles.append(arch.projection(layer, spec, "q").register_forward_hook(hook))
+
+        install.query_router = True
+        state.installers.append(install)
+        modeling.install_hooks(model)
 
     def __call__(self, layer: int, kind: str, x: torch.Tensor):
         router = self.model.wide_routers[layer].router(kind)
@@ -312,6 +382,8 @@ class SkipOne:
         G = router.num_groups
         if layer in self.dense:
             return torch.ones(*x.shape[:-1], G, device=x.device)
+        if self.query and not self.in_query:
+            return None  # the norm's call: this layer routes from its q_proj's hook
         margin = choice_margin(router, x, self.input_only)
         if tau is None or not router.training:
             return 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
@@ -426,9 +498,12 @@ class PerSequence(SkipOne):
 
 
 def install_skip_one(model, dense, input_only: bool = False, collect: bool = False,
-                     prompt=None, refresh: int = 0, vote: bool = False) -> SkipOne:
-    """Install :class:`SkipOne`, or with ``prompt`` :class:`PerSequence`, as the model's mask_fn."""
-    rule = (SkipOne(model, dense, input_only, collect) if prompt is None
+                     prompt=None, refresh: int = 0, vote: bool = False, query: bool = False) -> SkipOne:
+    """Install :class:`SkipOne` (``query``: routing from the layers' queries), or with ``prompt``
+    :class:`PerSequence`, as the model's mask_fn."""
+    if query and prompt is not None:
+        raise ValueError("the per-sequence rule reads the residual stream's margins: no query input")
+    rule = (SkipOne(model, dense, input_only, collect, query) if prompt is None
             else PerSequence(model, dense, input_only, prompt, refresh, vote))
     modeling.get_state(model).mask_fn = rule
     return rule
@@ -504,6 +579,22 @@ def scoring_from(starts, extra=None):
     return original, evaluate_one
 
 
+QUERY_KEY = "head_router_input"  # the saved set's wide_config.json: "query" for --router-input query
+
+
+def saved_router_input(rdir, wanted=None) -> str:
+    """What the routers of ``rdir`` read (its wide_config.json's ``head_router_input``; residual if
+    absent); ``wanted`` (the command line's --router-input) must agree with it."""
+    try:
+        meta = json.loads((Path(pretrained.resolve(rdir)) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    saved = meta.get(QUERY_KEY, "residual")
+    if wanted is not None and wanted != saved:
+        raise SystemExit(f"{rdir} was trained with --router-input {saved}, not {wanted}")
+    return saved
+
+
 def run_eval(mine, rest) -> int:
     """``wide eval`` with ``rest``; with ``--skip-one`` every router set it loads routes by
     :class:`SkipOne` (installed right after ``load_recovered``, which ``cmd_eval`` looks up at
@@ -516,10 +607,12 @@ def run_eval(mine, rest) -> int:
 
         def load(model, rdir, *a, **kw):
             model = original(model, rdir, *a, **kw)
+            query = saved_router_input(rdir, mine.router_input) == "query"
             install_skip_one(model, mine.dense_layers, mine.input_choice, prompt=mine.per_sequence,
-                             refresh=mine.refresh, vote=mine.sequence_score == "vote")
+                             refresh=mine.refresh, vote=mine.sequence_score == "vote", query=query)
             print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
                   f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else "")
+                  + (", routers reading the layer's query (q_proj's output)" if query else "")
                   + ("" if mine.per_sequence is None else
                      f"; per sequence from token {mine.per_sequence} on (chosen by {mine.sequence_score} over the "
                      f"tokens before it, " + (f"re-chosen every {mine.refresh} tokens)" if mine.refresh else
@@ -655,7 +748,8 @@ def main(argv=None) -> dict:
             raise SystemExit("--skip-one skips exactly one group per token at inference: use --offsets none")
         if mine.input_choice:
             input_only_routers(model)
-        rule = install_skip_one(model, mine.dense_layers, mine.input_choice, collect=mine.oracle_ce > 0)
+        rule = install_skip_one(model, mine.dense_layers, mine.input_choice, collect=mine.oracle_ce > 0,
+                                query=mine.router_input == "query")
     elif mine.oracle_ce or mine.input_choice:
         raise SystemExit("--oracle-ce and --input-choice are options of --skip-one")
     params = trained_parameters(model, mine.joint)
@@ -668,7 +762,8 @@ def main(argv=None) -> dict:
               f"{mine.dense_layers}", flush=True)
     else:
         print(f"training {sum(p.numel() for p in params)} router parameters; thresholds of {mine.thresholds} frozen; "
-              f"dense attention in layers {mine.dense_layers}", flush=True)
+              f"dense attention in layers {mine.dense_layers}"
+              + ("; attention routers reading the layer's query" if mine.router_input == "query" else ""), flush=True)
     oracle_log, linear_log, handles, patched = [], [], [], []
     trainmod = sys.modules["wide.training.train"]
     try:
@@ -739,6 +834,7 @@ def main(argv=None) -> dict:
         "rule": "skip-one (at most one group per token in training, exactly one at inference; evaluate with "
                 "--skip-one --eval)" if mine.skip_one else "independent groups (the library's)",
         "oracle_ce": mine.oracle_ce, "input_choice": mine.input_choice, "oracle_log": oracle_log or None,
+        "router_input": mine.router_input or "residual",
         "dense_layers": mine.dense_layers, "model": model_path, "wide_config": cfg.to_dict(),
         "train_args": vars(targs), "steps": targs.steps,
         "tokens": targs.steps * targs.sequences_per_step * train_ids.shape[1],
@@ -749,7 +845,10 @@ def main(argv=None) -> dict:
         "date": datetime.date.today().isoformat(), "decontamination": decontamination,
     }
     method = ("heads1of3+learned-joint" if mine.joint else "heads1of3+learned") if mine.skip_one else "heads+learned"
-    save_routers(model, Path(args.out) / FINAL_DIR, extra={"step": targs.steps, "run": run, "method": method})
+    extra = {"step": targs.steps, "run": run, "method": method}
+    if mine.router_input == "query":
+        extra[QUERY_KEY] = "query"
+    save_routers(model, Path(args.out) / FINAL_DIR, extra=extra)
     atomic_write_text(Path(args.out) / "run.json", json.dumps(run, indent=2))
     print(f"saved {Path(args.out) / FINAL_DIR} after {run['total_s'] / 60:.1f} min "
           f"({run['tokens']} calibration tokens, {run['tokens_per_s']:.0f} tokens/s)", flush=True)
@@ -800,7 +899,10 @@ def mask_stats(mine, args) -> dict:
     model, tok, _ = runs.load_model(args, tok)
     model = load_recovered(model, mine.mask_stats)
     if mine.skip_one:
-        install_skip_one(model, mine.dense_layers, mine.input_choice)
+        query = saved_router_input(mine.mask_stats, mine.router_input) == "query"
+        install_skip_one(model, mine.dense_layers, mine.input_choice, query=query)
+        print(f"routers of {mine.mask_stats} read the " + ("layer's query" if query else "residual stream"),
+              flush=True)
     picks, picks_after, handles = {}, {}, []
     if mine.skip_one:  # which group the oracle would skip at each routed layer, on the model's own states
         from wide.base import arch

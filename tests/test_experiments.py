@@ -950,6 +950,118 @@ def test_head_routers_joint_trains_thresholds_and_routers(tmp_path, monkeypatch)
     torch.testing.assert_close(again["log_threshold"][finite], mine["log_threshold"][finite] + moved_run["threshold_shift"])
 
 
+def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
+    """The head-router trial's ``--router-input query`` (sixth trial): each routed layer's router
+    reads the layer's query (q_proj's output after the thresholds) and decides there, before
+    o_proj: exactly one group skipped per token in the routed layers at inference (the smallest
+    input-only margin of that query), none in the dense one, one sparsity record per layer (the
+    norm's call routes nothing); in training at most one, and the oracle cross-entropy and the rate
+    reach the routers' parameters. The saved directory records the input, and the script's
+    ``--eval`` and ``--mask-stats`` load it with the rule (a contrary --router-input is refused)."""
+    import json
+    import math
+
+    from conftest import tiny_model, write_tiny_run
+
+    import wide
+    from wide import data
+    from wide.base import arch
+    from wide.io.serialization import CONFIG_FILE, save_routers
+    from wide.method import fine as wf
+    from wide.method import modeling
+    from wide.method.sparsity import forward_sparsity
+    from wide.method.state import get_state
+
+    trial = _script("head_routers_fine_cpu")
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    wf.attach(model, wf.FineConfig(target=0.5))
+    with torch.no_grad():
+        model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
+    trial.dense_layers(model, [0])
+    trial.input_only_routers(model)
+    rule = trial.install_skip_one(model, [0], input_only=True, collect=True, query=True)
+    modeling.install_hooks(model)  # a re-install (as PEFT's or fine's) keeps one query hook per layer
+    state, spec = get_state(model), arch.spec_for(model)
+    raw, resid = {}, {}
+    for i, layer in enumerate(arch.decoder_layers(model)):  # q's input before the thresholds' pre-hook
+        arch.projection(layer, spec, "q").register_forward_pre_hook(
+            lambda mod, a, i=i: raw.__setitem__(i, a[0].detach().clone()), prepend=True)
+    state.input_observers.append(lambda layer, kind, x: resid.__setitem__(layer, x) if x.shape[-1] == 48 else None)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert [(r.layer, r.kind) for r in state.records] == [(0, "attn"), (1, "attn"), (2, "attn")]
+    differs = 0
+    for i, layer in enumerate(arch.decoder_layers(model)):
+        mask = state.masks[(i, "attn")]
+        assert mask.shape == (2, 11, 3)
+        if i == 0:
+            assert bool((mask == 1).all())
+            continue
+        assert bool(((1 - mask).sum(-1) == 1).all())  # exactly one skipped per token
+        q_proj = arch.projection(layer, spec, "q")
+        keep = model.wide_fine.keep(i, "q", raw[i])
+        assert int((~keep).sum()) > 0
+        with torch.no_grad():
+            q = torch.nn.functional.linear(raw[i] * keep, q_proj.weight, q_proj.bias)
+            want = trial.choice_margin(model.wide_routers[i].attn, q, True).argmin(-1)
+            from_resid = trial.choice_margin(model.wide_routers[i].attn, resid[i], True).argmin(-1)
+        assert torch.equal((1 - mask).argmax(-1), want)
+        differs += int((want != from_resid).sum())
+    assert differs > 0  # the query, not the residual, decides
+    sp = forward_sparsity(model)
+    assert float(sp.per_layer["attn"][1]) == pytest.approx(1 / 3) and float(sp.per_layer["attn"][0]) == 0
+
+    model.train()
+    state.tau = 1.0
+    handles = rule.hook_labels()
+    torch.manual_seed(0)
+    model(input_ids=ids)
+    for i in (1, 2):
+        m = state.masks[(i, "attn")]
+        assert bool(((m == 0) | (m == 1)).all()) and bool(((1 - m).sum(-1) <= 1).all())
+    assert sorted(rule.scores) == sorted(rule.labels) == [1, 2]
+    ce, _ = rule.oracle_loss()
+    (ce + forward_sparsity(model).attn_rate).backward()
+    for i in (1, 2):
+        r = model.wide_routers[i].attn
+        assert all(float(p.grad.abs().sum()) > 0 for p in (r.up.weight, r.down.weight, r.up.bias))
+    assert model.wide_routers[0].attn.up.weight.grad is None  # layer 0 is frozen dense
+    for h in handles:
+        h.remove()
+
+    # through the script: train 2 steps on a tiny run with frozen thresholds, then --eval / --mask-stats
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    common = write_tiny_run(tmp_path)
+    base = wide.wrap(tiny_model("llama"), wide.WideConfig(sparse_target="none"), seed=0)
+    wf.attach(base, wf.FineConfig(target=0.5))
+    with torch.no_grad():
+        base.wide_fine.log_threshold.fill_(math.log(0.05))
+    save_routers(base, tmp_path / "thr")
+    train = ["--skip-one", "--oracle-ce", "1.0", "--input-choice", "--router-input", "query", *common,
+             "--thresholds", str(tmp_path / "thr"), "--steps", "2", "--batch-size", "2", "--eval-every", "0",
+             "--save-every", "0", "--budget", "layer", "--target", "0.5", "--offsets", "none", "--out",
+             str(tmp_path / "q")]
+    run = trial.main(train)
+    assert run["router_input"] == "query" and len(run["oracle_log"]) == 2
+    saved = tmp_path / "q" / "routers"
+    assert json.loads((saved / CONFIG_FILE).read_text())[trial.QUERY_KEY] == "query"
+    assert trial.main(["--skip-one", "--input-choice", "--eval", *common, "--routers", str(saved), "--tasks",
+                       "--out", str(tmp_path / "res")]) == 0
+    assert "routers reading the layer's query" in capsys.readouterr().out  # from the directory's record
+    rec = json.loads((tmp_path / "res.json").read_text())["records"][0]
+    # the tiny model: 2 layers of 2 groups, layer 0 dense: one group of 4
+    assert rec["method"] == "heads1of3+learned" and rec["attn_core_sparsity"] == pytest.approx(0.25)
+    stats = trial.main(["--skip-one", "--input-choice", "--mask-stats", str(saved), "--eval-sequences", "2",
+                        *common])
+    assert stats["tokens_skipping_k"]["attn"] == [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    assert stats["oracle_agreement"] is not None and "read the layer's query" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--router-input query"):
+        trial.main(["--skip-one", "--input-choice", "--router-input", "residual", "--mask-stats", str(saved),
+                    "--eval-sequences", "2", *common])
+
+
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
     # the GPU race check's own CPU mode: every case of one tile, right, and written down
