@@ -20,7 +20,6 @@ EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the scripts' CPU mode; on a GPU run the scripts themselves")
 
-
 def _library_kernels_interpreted() -> bool:
     """The setdefault above comes too late for the library: tests/conftest.py imports wide (and
     with it wide.kernels, whose @triton.jit functions read TRITON_INTERPRET when they are
@@ -34,13 +33,11 @@ def _library_kernels_interpreted() -> bool:
 
     return isinstance(_router_decision, InterpretedFunction)
 
-
 # the trials' kernels that call the library's jit helpers (the router decision, ffn_up, gemm_k)
 needs_interpreted_library = pytest.mark.skipif(
     not _library_kernels_interpreted(),
     reason="wide.kernels was imported before TRITON_INTERPRET=1 was set (tests/conftest.py imports wide): "
            "set TRITON_INTERPRET=1 in the environment, as scripts/test.sh does")
-
 
 def _script(name):
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
@@ -48,20 +45,16 @@ def _script(name):
     spec.loader.exec_module(mod)
     return mod
 
-
 def _rel(y, ref):
     assert not torch.isnan(y).any(), "NaN in output"
     return ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
 
-
 def _randn(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen) * scale
-
 
 def test_prefill_sweep_variants_match_reference():
     # TMA-descriptor weight tiles, and the library kernel at tiles its autotuner does not try
     assert _script("prefill_gemm_sweep").main(["--check-only"]) == 0
-
 
 @needs_interpreted_library
 @pytest.mark.parametrize("masks", ["random", "all", "none", "router"])
@@ -91,7 +84,6 @@ def test_ffn_decode_trial_matches_reference(masks):
     if masks == "router":
         assert 0 < int(mask.sum()) < ng  # both branches ran
 
-
 @needs_interpreted_library
 @pytest.mark.parametrize("flat,bk,split", [(0, 32, 1), (1, 32, 2), (2, 128, 1), (2, 64, 2), (2, 256, 1)])
 def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
@@ -115,7 +107,6 @@ def test_decode_gemv_sweep_variants_match_reference(flat, bk, split):
                                 BN=4, BK=min(bk, kc), SPLIT=split > 1, STAGES=1, num_warps=4)
     assert _rel(y, gemm_mn_reference(x, w, mn_mask, 8)) < 1e-5
 
-
 def test_tile_source_trial_is_causal_and_tile_coherent():
     """The tile-source trial's routers read, for every token of tile k, the mean of tile k-1's
     inputs (tile 0: its first token): the same within a tile, and never a later token's input."""
@@ -134,14 +125,12 @@ def test_tile_source_trial_is_causal_and_tile_coherent():
     assert not torch.allclose(s2[:, 32:], s[:, 32:])
     assert torch.equal(src(x[:, :1], 16), x[:, :1])
 
-
 def _tile_masks(model, ids):
     from wide.method.modeling import recording_masks
 
     with recording_masks(model) as seen, torch.no_grad():
         model(input_ids=ids)
     return {k: torch.cat(v, dim=1) for k, v in seen.items()}
-
 
 def _wrapped(**cfg):
     from conftest import tiny_model
@@ -150,7 +139,6 @@ def _wrapped(**cfg):
 
     config = wide.WideConfig(ffn_group_size=16, attn_group_size=1, router_init="random", **cfg)
     return wide.wrap(tiny_model("llama"), config, seed=0)
-
 
 def test_library_previous_tile_source_is_the_trials_rule(monkeypatch):
     """``--tile-source previous`` in the library routes full sequences as the trial did."""
@@ -163,7 +151,6 @@ def test_library_previous_tile_source_is_the_trials_rule(monkeypatch):
     trial = _tile_masks(_wrapped(route_tile=4), ids)
     assert library.keys() == trial.keys()
     assert all(torch.equal(library[k], trial[k]) for k in library)
-
 
 @pytest.mark.parametrize("tiled", ["ffn", "attn"])
 def test_tile_modules_trial_tiles_one_kind_only(tiled, monkeypatch):
@@ -184,7 +171,6 @@ def test_tile_modules_trial_tiles_one_kind_only(tiled, monkeypatch):
     assert any(not torch.equal(m, m[:, lead]) for (layer, kind), m in one.items() if kind != tiled)
     with pytest.raises(SystemExit, match="first argument"):
         _script("tile_modules_cpu").install("mlp")
-
 
 def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     """The union trial's proxy is mean_g 1 - (1 - f_g)^k over the modules' training masks, and
@@ -215,7 +201,6 @@ def test_union_penalty_trial_adds_the_expected_union(monkeypatch):
     got.backward()  # the union term reaches the routers
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in router_parameters(model))
 
-
 def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp_path):
     """``--union-coef`` is the trial's term: two steps through the trial's patched penalty and
     two with the option give the same losses and routers (to float rounding: the trial divides
@@ -242,7 +227,6 @@ def test_library_union_coef_trains_what_the_union_trial_trained(monkeypatch, tmp
     for p, q in zip(wide.router_parameters(option), wide.router_parameters(trial)):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
-
 def test_union_speed_spread_hits_its_union_and_keeps_the_rate(monkeypatch):
     """The union-speed trial biases each router's groups apart until k random tokens together
     run the asked share of groups, then calibrates as the e2e benchmark does: the per-token rate
@@ -262,7 +246,6 @@ def test_union_speed_spread_hits_its_union_and_keeps_the_rate(monkeypatch):
     with torch.no_grad(), wide.track_sparsity(model) as tr:
         model(input_ids=ids)
     assert abs(float(tr.summary().group_rate) - 0.5) < 0.05
-
 
 def test_oracle_trial_choices_keep_the_budget():
     """The oracle trial's masks: the routers' count per row (or per tile, or in total), the
@@ -298,7 +281,6 @@ def test_oracle_trial_choices_keep_the_budget():
     for bad in ("oracle-tile", "oracle:mlp", "best"):
         with pytest.raises(SystemExit):
             trial.parse_mode(bad)
-
 
 @pytest.mark.parametrize("mode", ["oracle-ce", "oracle-kl"])
 def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
@@ -346,7 +328,6 @@ def test_oracle_trial_first_order_gain_is_the_loss_slope(mode):
         want = -float((gain[..., g] * routed[..., g]).sum())  # only the tokens that run g move
         assert abs(want) > 1e-8 and abs(slope - want) <= 2e-2 * abs(want), (g, slope, want)
 
-
 def test_oracle_trial_probes_recover_a_linear_target():
     """The probes' least squares with a full-rank bias: a target exactly linear in the input
     comes back at full rank; at rank R the weight has rank R and is the best rank-R fit (no
@@ -386,7 +367,6 @@ def test_oracle_trial_probes_recover_a_linear_target():
     for key, x_, y_ in pairs[:2]:
         assert (mlp[8][key](x_) - y_).square().mean() < 0.8 * y_.square().mean()
 
-
 def test_oracle_trial_paired_se():
     trial = _script("oracle_masks_cpu")
     base = [10.0, 12.0, 11.0, 9.0]
@@ -395,7 +375,6 @@ def test_oracle_trial_paired_se():
     assert trial.paired_se(shifted, base, 5) == 0.0
     noisy = [b + d for b, d in zip(base, (1.0, -1.0, 1.0, -1.0))]
     assert abs(trial.paired_se(noisy, base, 5) - (4 / 3) ** 0.5 / 5 / 2) < 1e-12
-
 
 @pytest.mark.parametrize("mode", ["gate", "gate-flops"])
 def test_oracle_trial_gate_modes(mode):
@@ -442,7 +421,6 @@ def test_oracle_trial_gate_modes(mode):
     assert policy.kept["ffn"] == pytest.approx(kept_ffn + (slots - kept_ffn) / 3)
     with pytest.raises(SystemExit, match="FFN groups only"):
         trial.parse_mode("gate:attn")
-
 
 def test_oracle_trial_low_rank_mode():
     """lowrankR scores FFN groups from a rank-R copy of gate and up: at full rank that is the
@@ -496,7 +474,6 @@ def test_oracle_trial_low_rank_mode():
     assert torch.equal(final1.sum(-1), routed1.sum(-1)) and not torch.equal(final1, routed1)
     assert policy.predictor_macs == 2 * 10 * 2 * 2 * (dims.hidden_size + dims.intermediate_size)
 
-
 def test_oracle_trial_layer_range():
     """``@FIRST-LAST`` applies a mode to those layers only; the others keep the routers' masks."""
     from wide.method.modeling import recording_masks
@@ -519,11 +496,9 @@ def test_oracle_trial_layer_range():
     assert not torch.equal(final[(1, "ffn")].bool(), routed[(1, "ffn")][0])  # random groups there
     assert torch.equal(final[(1, "ffn")].sum(-1), routed[(1, "ffn")][0].sum(-1).float())
 
-
 def _compensation_trial(monkeypatch):
     monkeypatch.syspath_prepend(str(EXPERIMENTS))  # it imports the oracle trial's helpers
     return _script("skip_compensation_cpu")
-
 
 @pytest.mark.parametrize("conditional", [True, False])
 def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional):
@@ -567,7 +542,6 @@ def test_skip_compensation_fit_is_the_mean_contribution(monkeypatch, conditional
                 want[g] = rows.mean(0)
         torch.testing.assert_close(means[key], want, rtol=1e-4, atol=1e-5)
 
-
 def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
     """The hook adds (1 - m) @ C to the projection's output and nothing else; C = 0 changes nothing."""
     from wide.base import arch
@@ -601,7 +575,6 @@ def test_skip_compensation_adds_what_skipped_groups_mean(monkeypatch):
     torch.testing.assert_close(outs[2], outs[0])
     torch.testing.assert_close(after[0], outs[0] + (1 - mask.float()) @ c, rtol=1e-5, atol=1e-5)
 
-
 def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
     """``calibrate``'s C: zeros at the start (the model's output unchanged), among the routers'
     parameters (trained, saved and loaded with them), and reached by the loss's gradient."""
@@ -623,23 +596,37 @@ def test_skip_compensation_trainable_starts_at_zero_and_learns(monkeypatch):
     model(input_ids=ids).logits.square().mean().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in comp)
 
+def _heads_model(trial, fine: bool = False):
+    """The head-router trials' tiny model: a 3-layer Llama with 3 KV groups, attention routers from
+    a random start, layer 0 dense; with ``fine``, thresholds that drop a share of every input."""
+    import math
+
+    from conftest import tiny_model
+
+    import wide
+    from wide.method import fine as wf
+
+    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
+    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
+    if fine:
+        wf.attach(model, wf.FineConfig(target=0.5))
+        with torch.no_grad():
+            model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
+    trial.dense_layers(model, [0])
+    return model
 
 def test_head_routers_skip_one_rule():
     """The head-router trial's ``--skip-one`` rule: at inference exactly one attention group per
     token (the smallest margin's) in every routed layer and none in the dense ones; in training
     at most one, a hard 0/1 mask whose straight-through gradient reaches the routers, and from
     the dense start nearly nothing skipped."""
-    from conftest import tiny_model
 
-    import wide
     from wide.method.modeling import router_parameters
     from wide.method.sparsity import forward_sparsity
     from wide.method.state import get_state
 
     trial = _script("head_routers_fine_cpu")
-    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
-    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
-    trial.dense_layers(model, [0])
+    model = _heads_model(trial)
     trial.install_skip_one(model, [0])
     state = get_state(model)
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
@@ -676,7 +663,6 @@ def test_head_routers_skip_one_rule():
         model(input_ids=torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(6)))
     assert float(forward_sparsity(model).attn_rate) < 0.05
 
-
 def test_head_routers_oracle_ce_and_input_choice():
     """The head-router trial's third rule (``--skip-one --oracle-ce W --input-choice``): in a routed
     training forward the label of every routed layer is the group of smallest contribution norm
@@ -685,13 +671,7 @@ def test_head_routers_oracle_ce_and_input_choice():
     reaches the routers; the teacher's forward records nothing; the wrapped micro-batch loss adds
     exactly W x that cross-entropy; and with the input-only choice a per-group bias does not change
     which group is skipped, and its gradient is the same for every group."""
-    import math
-
-    from conftest import tiny_model
-
-    import wide
     from wide.base import arch
-    from wide.method import fine as wf
     from wide.method.modeling import routing_disabled
     from wide.method.state import get_state
     from wide.training.train import TrainArgs, micro_batch_loss
@@ -704,12 +684,7 @@ def test_head_routers_oracle_ce_and_input_choice():
                                      for g in range(3)], -1)]).squeeze(0).argmin(-1)
     assert torch.equal(trial.oracle_pick(x, w, 4), want)
 
-    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
-    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
-    wf.attach(model, wf.FineConfig(target=0.5))
-    with torch.no_grad():
-        model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
-    trial.dense_layers(model, [0])
+    model = _heads_model(trial, fine=True)
     trial.input_only_routers(model)
     rule = trial.install_skip_one(model, [0], input_only=True, collect=True)
     handles = rule.hook_labels()
@@ -776,7 +751,6 @@ def test_head_routers_oracle_ce_and_input_choice():
     for h in handles:
         h.remove()
 
-
 def test_head_routers_per_sequence_rule():
     """The head-router trial's ``--per-sequence P --refresh N`` rule (issue 48 design (c)): tokens
     t < P skip their own smallest-margin group; tokens t >= P the group of smallest mean margin over
@@ -787,9 +761,6 @@ def test_head_routers_per_sequence_rule():
     import itertools
     import math
 
-    from conftest import tiny_model
-
-    import wide
     from wide.evaluation.evaluate import perplexity
     from wide.method.state import get_state
 
@@ -827,9 +798,7 @@ def test_head_routers_per_sequence_rule():
             assert torch.equal(again[:, :upto], pick[:, :upto]), (P, N, k)
 
     # the mask_fn on a tiny model: routed layers skip sequence_choice's group, layer 0 none
-    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
-    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
-    trial.dense_layers(model, [0])
+    model = _heads_model(trial)
     rule = trial.install_skip_one(model, [0], input_only=True, prompt=4, refresh=3)
     assert isinstance(rule, trial.PerSequence)
     state = get_state(model)
@@ -862,7 +831,6 @@ def test_head_routers_per_sequence_rule():
         logits = model(input_ids=ids).logits
         tail = torch.nn.functional.cross_entropy(logits[:, 4:-1].flatten(0, 1), ids[:, 5:].flatten())
         assert nll.ppl_from([4])["4"] == pytest.approx(math.exp(float(tail)), rel=1e-5)
-
 
 def test_head_routers_joint_trains_thresholds_and_routers(tmp_path, monkeypatch):
     """The head-router trial's design (b) (``--joint --skip-one``): started from a learned threshold
@@ -949,7 +917,6 @@ def test_head_routers_joint_trains_thresholds_and_routers(tmp_path, monkeypatch)
     finite = torch.isfinite(mine["log_threshold"])
     torch.testing.assert_close(again["log_threshold"][finite], mine["log_threshold"][finite] + moved_run["threshold_shift"])
 
-
 def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     """The head-router trial's ``--router-input query`` (sixth trial): each routed layer's router
     reads the layer's query (q_proj's output after the thresholds) and decides there, before
@@ -973,12 +940,7 @@ def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     from wide.method.state import get_state
 
     trial = _script("head_routers_fine_cpu")
-    model = tiny_model("llama", hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3)
-    model = wide.wrap(model, wide.WideConfig(sparse_target="attention", router_init="random"), seed=0)
-    wf.attach(model, wf.FineConfig(target=0.5))
-    with torch.no_grad():
-        model.wide_fine.log_threshold.fill_(math.log(0.05))  # drops a share of every input
-    trial.dense_layers(model, [0])
+    model = _heads_model(trial, fine=True)
     trial.input_only_routers(model)
     rule = trial.install_skip_one(model, [0], input_only=True, collect=True, query=True)
     modeling.install_hooks(model)  # a re-install (as PEFT's or fine's) keeps one query hook per layer
@@ -1060,7 +1022,6 @@ def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="--router-input query"):
         trial.main(["--skip-one", "--input-choice", "--router-input", "residual", "--mask-stats", str(saved),
                     "--eval-sequences", "2", *common])
-
 
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
