@@ -615,6 +615,24 @@ def _heads_model(trial, fine: bool = False):
     trial.dense_layers(model, [0])
     return model
 
+def _one_skipped(model, state, ids):
+    """Runs the heads model on ``ids`` [2, 11] (no grad) and yields (layer, attention mask, router
+    input) of each routed layer, after checking the shape, layer 0 dense and exactly one group
+    skipped per token everywhere else."""
+    seen = {}
+    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for layer in range(3):
+        mask = state.masks[(layer, "attn")]
+        assert mask.shape == (2, 11, 3)
+        if layer == 0:
+            assert bool((mask == 1).all())
+            continue
+        assert bool(((1 - mask).sum(-1) == 1).all())  # exactly one skipped per token
+        yield layer, mask, seen[(layer, "attn")]
+
+
 def test_head_routers_skip_one_rule():
     """The head-router trial's ``--skip-one`` rule: at inference exactly one attention group per
     token (the smallest margin's) in every routed layer and none in the dense ones; in training
@@ -630,18 +648,8 @@ def test_head_routers_skip_one_rule():
     trial.install_skip_one(model, [0])
     state = get_state(model)
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
-    seen = {}
-    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
-    with torch.no_grad():
-        model(input_ids=ids)
-    for layer in range(3):
-        mask = state.masks[(layer, "attn")]
-        assert mask.shape == (2, 11, 3)
-        if layer == 0:
-            assert bool((mask == 1).all())
-            continue
-        assert bool(((1 - mask).sum(-1) == 1).all())  # exactly one skipped per token
-        want = model.wide_routers[layer].attn.margin(seen[(layer, "attn")]).argmin(-1)
+    for layer, mask, x in _one_skipped(model, state, ids):
+        want = model.wide_routers[layer].attn.margin(x).argmin(-1)
         assert torch.equal((1 - mask).argmax(-1), want)
     sp = forward_sparsity(model)
     assert float(sp.per_layer["attn"][1]) == pytest.approx(1 / 3) and float(sp.per_layer["attn"][0]) == 0
@@ -802,19 +810,10 @@ def test_head_routers_per_sequence_rule():
     rule = trial.install_skip_one(model, [0], input_only=True, prompt=4, refresh=3)
     assert isinstance(rule, trial.PerSequence)
     state = get_state(model)
-    seen = {}
-    state.input_observers.append(lambda layer, kind, x: seen.__setitem__((layer, kind), x))
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        model(input_ids=ids)
-        for layer in range(3):
-            mask = state.masks[(layer, "attn")]
-            assert mask.shape == (2, 11, 3)
-            if layer == 0:
-                assert bool((mask == 1).all())
-                continue
-            assert bool(((1 - mask).sum(-1) == 1).all())
-            margin = trial.choice_margin(model.wide_routers[layer].attn, seen[(layer, "attn")], True)
+        for layer, mask, x in _one_skipped(model, state, ids):
+            margin = trial.choice_margin(model.wide_routers[layer].attn, x, True)
             assert torch.equal((1 - mask).argmax(-1), trial.sequence_choice(margin, 4, 3))
             assert torch.equal((1 - mask[:, :4]).argmax(-1), margin[:, :4].argmin(-1))
         out = model(input_ids=ids[:, :6], use_cache=True)
