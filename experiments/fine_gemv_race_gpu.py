@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from wide.benchmarks.fine_gemv import MODELS, TINY, _cfg_name
+from wide.benchmarks.fine_gemv import MODELS, TINY, _cfg_name, _thresholds
 from wide.kernels import fine_gemv as fg
 
 LIMIT = 1e-2
@@ -29,7 +29,7 @@ LIMIT = 1e-2
 GLU_BF16_LIMIT = 3e-2
 
 
-def _case(K, widths, T, dtype, gen, device):
+def _case(K, widths, dtype, gen, device):
     N = sum(widths)
     w_t = (torch.randn(K, N, generator=gen) / math.sqrt(K)).to(device=device, dtype=dtype)
     segs = [0]
@@ -38,21 +38,22 @@ def _case(K, widths, T, dtype, gen, device):
     return w_t, segs
 
 
+def _rel(y, ref) -> float:
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-20)).item()
+
+
 def _check(x, w_t, segs, kept, c, glu):
-    th = torch.quantile(x.float().abs().flatten(), 1.0 - kept).item()
-    ths = [th] * (len(segs) - 1)
+    ths = _thresholds(x, kept, len(segs) - 1)
     y = fg.fine_gemv(x, w_t, segments=segs, thresholds=ths, config=c, glu=glu).float()
     ref = fg.fine_gemv_reference(x, w_t, segments=segs, thresholds=ths, glu=glu)
-    err = ((y - ref).norm() / ref.norm().clamp_min(1e-20)).item()
-    return y, ref, err
+    return y, ref, _rel(y, ref)
 
 
 def _bad_slices(y, ref, bn, limit):
     """Column slices (of BN) whose own rel err is over the limit: (slice, err)."""
     out = []
     for s in range(0, y.shape[1], bn):
-        r = ref[:, s:s + bn]
-        e = ((y[:, s:s + bn] - r).norm() / r.norm().clamp_min(1e-20)).item()
+        e = _rel(y[:, s:s + bn], ref[:, s:s + bn])
         if not e < limit:
             out.append((s // bn, round(e, 4)))
     return out
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     rows, t0 = [], time.time()
     for shape, dt, T, glu in cases:
         K, widths = shapes[shape]
-        w_t, segs = _case(K, widths, T, dt, gen, dev)
+        w_t, segs = _case(K, widths, dt, gen, dev)
         for c in configs:
             if T > 1 and not fg._compact(c):
                 continue

@@ -541,6 +541,15 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     timer = partial(step_time_s, device=device)
     state = model.wide_state
 
+    def in_turns(pair, fn, reps: int, warmup: int) -> list:
+        """Median seconds of ``fn(i)`` for each engine ``i`` of ``pair``, the engines timed in
+        turns (one run each, ``reps`` rounds; ``warmup`` untimed runs before each engine's first)."""
+        times = [[] for _ in pair]
+        for r in range(reps):
+            for i, t in enumerate(times):
+                t.append(timer(lambda: fn(i), reps=1, warmup=warmup if r == 0 else 0))
+        return [statistics.median(t) for t in times]
+
     # ---------------------------------------------------------------- TTFT
     def ttft(engine, T, engine_name, s):
         """Prefill time of ``engine``; beside the dense engine's, the two are timed in turns on
@@ -553,19 +562,14 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         pair = [engine] if engine is dense else [dense, engine]
         for e in pair:
             e.setup_cache(1, length)
-            for _ in range(2):
-                e.prefill(ids)
         reps = max(args.reps, 5) if T <= 4096 else max(2, args.reps // 2)
-        times = [[] for _ in pair]
-        for _ in range(reps):
-            for e, t in zip(pair, times):
-                t.append(timer(lambda: e.prefill(ids), reps=1, warmup=0))
+        sec = in_turns(pair, lambda i: pair[i].prefill(ids), reps, warmup=2)
         for e in pair:
             e.free_cache()
         rec = {"op": "e2e_ttft", "B": 1, "prompt_len": T, "engine": engine_name, "sparsity": s,
-               "ms": statistics.median(times[-1]) * 1e3, "routing": routing}
+               "ms": sec[-1] * 1e3, "routing": routing}
         if len(pair) == 2:
-            rec["paired_dense_ms"] = statistics.median(times[0]) * 1e3
+            rec["paired_dense_ms"] = sec[0] * 1e3
         return rec
 
     def tpot(engine, B, ctx, engine_name, s, record_masks: bool):
@@ -602,17 +606,14 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
                 e.pos += 1
                 tok = logits.argmax(-1)
 
-        times = [[] for _ in pair]
-        for r in range(max(2, args.reps // 2)):
-            for e, tok, t in zip(pair, firsts, times):
-                t.append(timer(lambda: loop(e, tok), reps=1, warmup=int(r == 0)) / n)
+        sec = in_turns(pair, lambda i: loop(pair[i], firsts[i]), max(2, args.reps // 2), warmup=1)
         if len(pair) == 2:
             dense.free_cache()
         rec = {"op": "e2e_tpot", "B": B, "prompt_len": ctx, "engine": engine_name, "sparsity": s,
-               "ms": statistics.median(times[-1]) * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n,
+               "ms": sec[-1] / n * 1e3, "cuda_graph": engine.cuda_graphs, "decode_steps": n,
                "routing": routing, "decode_path": engine.decode_path(B)}
         if len(pair) == 2:
-            rec["paired_dense_ms"] = statistics.median(times[0]) * 1e3
+            rec["paired_dense_ms"] = sec[0] / n * 1e3
         if rec["decode_path"] == "dense":  # a fine engine that measured its dense step faster
             rec.update(weight_bytes_frac_kernel=1.0, weight_bytes_frac_union=1.0, active_frac_per_token=1.0)
         elif record_masks:
@@ -661,13 +662,14 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             rec.update(router_sparsity=r, fine_sparsity=f)
         # speedup = dense engine time over this engine's, same run, model and shape
         if rec["engine"] != "dense":
-            for r in records:
-                if r["op"] == rec["op"] and r["engine"] == "dense" and r["B"] == rec["B"] \
-                        and r["prompt_len"] == rec["prompt_len"] and r.get("model") == model_name:
-                    rec["dense_ms"] = r["ms"]
-                    rec["speedup"] = r["ms"] / rec["ms"]
             if "paired_dense_ms" in rec:  # timed in turns with the dense engine (ttft, tpot)
                 rec["dense_ms"] = rec["paired_dense_ms"]
+            else:  # the dense engine's own block of the run
+                for r in records:
+                    if r["op"] == rec["op"] and r["engine"] == "dense" and r["B"] == rec["B"] \
+                            and r["prompt_len"] == rec["prompt_len"] and r.get("model") == model_name:
+                        rec["dense_ms"] = r["ms"]
+            if "dense_ms" in rec:
                 rec["speedup"] = rec["dense_ms"] / rec["ms"]
         records.append(rec)
         print(f"[e2e] {model_name} {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
