@@ -40,8 +40,8 @@ run e2e_modes "${E2E_MODES_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$O
 # The fine mode alone (issue 47): per-element GEMVs against cuBLAS, TEAL's kernel and the
 # plain-read floor at 25/50/75 % in bf16 and fp16 (T = 1; T = 2, 4 at 50 %), then the engine at
 # 50 %: TTFT 4k/16k, TPOT B = 1/2/4/8/32 at 4k and 16k, peak memory of the dense and fine engines
-run fine_gemv "${FINE_GEMV_S:-270}" bash -c "python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
-    --shapes up down qkv o --tokens 1 --kept 0.25 0.5 0.75 --dtypes bf16 fp16 --teal --prefill-tokens 4096 16384 --out '$OUT/fine_gemv' \
+run fine_gemv "${FINE_GEMV_S:-330}" bash -c "python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
+    --shapes up down qkv o --tokens 1 --kept 0.25 0.5 0.75 --dtypes bf16 fp16 --teal --acc-out --prefill-tokens 4096 16384 --out '$OUT/fine_gemv' \
     && python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b --shapes up down qkv o --tokens 2 4 \
     --kept 0.5 --out '$OUT/fine_gemv_batches'"
 # (TTFT and TPOT in turns with the dense engine: ~1.3x the time of separate blocks; a device call
@@ -49,10 +49,12 @@ run fine_gemv "${FINE_GEMV_S:-270}" bash -c "python3 -m wide.benchmarks.fine_gem
 run e2e_fine "${E2E_FINE_S:-450}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine \
     --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 --batches 1,2,4,8,32 --reps 3 \
     --decode-steps 16 --no-hf --memory --budget-s 420
-# The GEMV tiles one by one (T = 1, 50 %, bf16): the compacting ones (kept rows listed first) beside
-# the best masked tile of the 2026-12-07 H200 sweep, on the narrowest and the widest shape
-run fine_sweep "${FINE_SWEEP_S:-150}" python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b --shapes o up \
-    --tokens 1 --kept 0.5 --sweep --sweep-match compact BN256-BR1-BU16-P64-nopf-w1-s1-atomic --out "$OUT/fine_gemv_sweep"
+# The GEMV tiles one by one (T = 1, 50 %, bf16, each also adding into caller-held fp32 sums):
+# the compacting tiles the autotuner kept on the H100 (2026-12-07) beside their twins whose weight
+# loads wait on the list alone (-nomask) and those walked under the compiler's pipeline (-nopf-sN)
+run fine_sweep "${FINE_SWEEP_S:-240}" python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
+    --shapes o qkv up down --tokens 1 --kept 0.5 --sweep --acc-out --sweep-match nomask nopf-w1 \
+    BN256-BR1-BU8-P16-pf-w1-s1-atomic-compact64 BN512-BR1-BU8-P8-pf-w1-s1-atomic-compact128 --out "$OUT/fine_gemv_sweep"
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
     && python3 -m wide.benchmarks.bounds --results '$OUT'"

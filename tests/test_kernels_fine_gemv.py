@@ -236,8 +236,13 @@ def test_glu_is_silu_mul_of_gate_and_up(T, dtype, split):
 CONFIGS = [fg._cfg(64, 16, 8, 4, 8, False), fg._cfg(256, 1, 16, 1, 16, True), fg._cfg(32, 32, 1, 4, 8, True),
            fg._cfg(128, 8, 2, 4, 4, True), fg._cfg(128, 16, 4, 4, 64, False, atomic=True),
            fg._cfg(64, 8, 2, 2, 32, True, atomic=True),
-           # compacting: rows across threads too, a chunk longer than K, no prefetch not offered
-           fg._cfg(64, 4, 2, 1, 8, True, atomic=True, compact=32), fg._cfg(32, 2, 4, 1, 8, True, compact=128)]
+           # compacting: rows across threads too, a chunk longer than K; weight loads masked by
+           # the list alone; without prefetch (the compiler's pipeline, num_stages > 1)
+           fg._cfg(64, 4, 2, 1, 8, True, atomic=True, compact=32), fg._cfg(32, 2, 4, 1, 8, True, compact=128),
+           fg._cfg(64, 4, 2, 1, 8, True, atomic=True, compact=32, maskw=False),
+           fg._cfg(32, 1, 8, 1, 8, True, compact=16, maskw=False),
+           fg._cfg(64, 2, 4, 1, 8, False, stages=3, atomic=True, compact=16),
+           fg._cfg(32, 1, 8, 1, 8, False, atomic=True, compact=16, maskw=False)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.kwargs.items()))
@@ -277,10 +282,63 @@ def test_strided_x_and_out():
     assert torch.all(big[:, :3] == 0) and torch.all(big[:, 3 + N_RAGGED:] == 0)
 
 
+@pytest.mark.parametrize("T", TOKENS)
+def test_acc_out_adds_the_fp32_sums(T, split):
+    # acc_out: the products added into the caller's fp32 sums, nothing rounded or cleared: two
+    # launches hold twice the sums; a launch keeping nothing leaves them as they were.
+    if torch.are_deterministic_algorithms_enabled():
+        pytest.skip("acc_out adds atomically")
+    x, w, _ = _inputs(T, K_RAGGED, N_RAGGED, torch.float32, 71 + T)
+    wt = fine_layout(w)
+    bounds, ths = [0, 50, 70, 90], [_median_abs(x), 0.3, 2 * _median_abs(x)]
+    ref = fine_gemv_reference(x, wt, segments=bounds, thresholds=ths)
+    acc = torch.zeros(T, N_RAGGED, device=DEVICE)
+    assert fine_gemv(x, wt, segments=bounds, thresholds=ths, acc_out=acc) is acc
+    assert rel_err(acc, ref) < 1e-5
+    fine_gemv(x, wt, segments=bounds, thresholds=ths, acc_out=acc)
+    assert rel_err(acc, 2 * ref) < 1e-5
+    before = acc.clone()
+    fine_gemv(x, wt, float("inf"), acc_out=acc)
+    assert torch.equal(acc, before)
+    acc.zero_()
+    fine_gemv(x, wt, 0.0, acc_out=acc)  # all kept: the dense product
+    assert rel_err(acc, x @ wt) < 1e-5
+    gm = torch.rand(T, K_RAGGED // 7, generator=torch.Generator().manual_seed(T)).to(DEVICE) < 0.5
+    acc.zero_()
+    fine_gemv(x, wt, 0.3, group_mask=gm, group_size=7, acc_out=acc)
+    assert rel_err(acc, fine_gemv_reference(x, wt, 0.3, group_mask=gm, group_size=7)) < 1e-5
+
+
+def test_acc_out_errors_and_shared_buffers():
+    from wide.kernels.routing import split_tickets, zeroed_accumulator
+    x, w, _ = _inputs(2, 32, 48, torch.float32, 98)
+    wt = fine_layout(w)
+    acc = torch.zeros(2, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="glu or out"):
+        fine_gemv(x, wt, 0.1, out=torch.empty(2, 48, device=DEVICE), acc_out=acc)
+    with pytest.raises(ValueError, match="glu or out"):
+        fine_gemv(x, wt, segments=[0, 24, 48], thresholds=[0.1, 0.1], glu=True, acc_out=acc)
+    with pytest.raises(ValueError, match="deterministic"):
+        fine_gemv(x, wt, 0.1, deterministic=True, acc_out=acc)
+    with pytest.raises(ValueError, match="ATOMIC"):
+        fine_gemv(x, wt, 0.1, config=fg._cfg(64, 16, 8, 4, 8, False), acc_out=acc)
+    for bad in (torch.zeros(2, 47, device=DEVICE), torch.zeros(2, 48, device=DEVICE, dtype=torch.float16),
+                torch.zeros(48, 2, device=DEVICE).t()):
+        with pytest.raises(ValueError, match="acc_out must be"):
+            fine_gemv(x, wt, 0.1, acc_out=bad)
+    # the shared atomic sums and tickets are left as they were (zero)
+    fine_gemv(x, wt, 0.1, acc_out=acc)
+    assert torch.all(zeroed_accumulator(x.device, 2 * 48) == 0)
+    assert torch.all(split_tickets(x.device, 1) == 0)
+    assert rel_err(acc, fine_gemv_reference(x, wt, 0.1)) < 1e-5
+
+
 def test_compacting_tiles_run_one_warp():
     # the two-warp compacting tile lost rows on an H100 (experiments/results/fine_gemv_race_h100/)
     with pytest.raises(ValueError, match="one warp"):
         fg._cfg(512, 1, 8, 2, 8, True, atomic=True, compact=128)
+    with pytest.raises(ValueError, match="maskw=False"):
+        fg._cfg(256, 1, 16, 1, 8, True, atomic=True, maskw=False)
     assert all(c.num_warps == 1 for c in fg._CONFIGS if fg._compact(c))
 
 

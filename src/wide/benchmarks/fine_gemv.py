@@ -84,6 +84,14 @@ def _sweep_configs():
                 cfgs.append(_cfg(bn, 1, bu, w, pps, True, atomic=True, compact=ch))
     for ch, pps in ((64, 8), (128, 8), (256, 4)):
         cfgs.append(_cfg(256, 1, 16, 1, pps, True, compact=ch))
+    # the tiles the autotuner keeps (bench/results/h100/fine_gemv.md) with the weight loads waiting
+    # on the list alone (-nomask), and walked without register prefetch under the compiler's
+    # software pipeline (-nopf-s2..s4)
+    for bn, bu, ch, pps in ((256, 8, 64, 16), (512, 8, 128, 8), (256, 16, 64, 16), (512, 16, 128, 8)):
+        cfgs.append(_cfg(bn, 1, bu, 1, pps, True, atomic=True, compact=ch, maskw=False))
+        for st in (2, 3, 4):
+            for mw in (True, False):
+                cfgs.append(_cfg(bn, 1, bu, 1, pps, False, stages=st, atomic=True, compact=ch, maskw=mw))
     return cfgs
 
 
@@ -91,15 +99,17 @@ def _cfg_name(c):
     k = c.kwargs
     return (f"BN{k['BN']}-BR{k['BR']}-BU{k['BU']}-P{k['PPS']}-{'pf' if k['PF'] else 'nopf'}"
             f"-w{c.num_warps}-s{c.num_stages}" + ("-atomic" if k.get("ATOMIC") else "")
-            + (f"-compact{k['CH']}" if k.get("COMPACT") else ""))
+            + (f"-compact{k['CH']}" if k.get("COMPACT") else "") + ("" if k.get("MASKW", True) else "-nomask"))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, dtype="bf16", teal=False):
+def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, dtype="bf16", teal=False,
+             acc_out=False):
     """One record (or, with ``sweep``, one per config): check, then time dense, fine, floor
-    (and, with ``teal``, TEAL's kernel on the same weight and threshold)."""
+    (and, with ``teal``, TEAL's kernel on the same weight and threshold; with ``acc_out``, the
+    atomic tiles adding into caller-held fp32 sums, ``acc_us``: no ticket, no rounding pass)."""
     from wide.kernels.fine_gemv import fine_gemv, fine_gemv_reference, fine_layout, keep_mask_reference
     from wide.kernels.plain_read import plain_read
 
@@ -134,6 +144,24 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, 
 
     def fine(s, config=None, deterministic=None):
         return fine_gemv(s[0], s[2], segments=segments, thresholds=ths, config=config, deterministic=deterministic)
+
+    accs = [torch.zeros(T, N, device=device) for _ in sets] if acc_out else None
+
+    def fine_acc(i, config=None):
+        # the sums grow over the timed launches; only the first, on zeros, is checked
+        return fine_gemv(sets[i][0], sets[i][2], segments=segments, thresholds=ths, config=config, acc_out=accs[i])
+
+    def acc_fields(config=None):
+        if not acc_out or (config is not None and not config.kwargs.get("ATOMIC")):
+            return {}
+        accs[0].zero_()
+        a = fine_acc(0, config)
+        rel = ((a - ref).norm() / ref.norm().clamp_min(1e-20)).item()
+        us = timer([lambda i=i: fine_acc(i, config) for i in range(len(sets))])
+        out = {"acc_us": round(us, 3), "acc_rel_err": rel}
+        if config is None:
+            out["acc_config"] = _chosen_config("_tuned_acc")
+        return out
 
     def dense(s):
         return F.linear(s[0], s[1])
@@ -180,24 +208,24 @@ def run_case(model, shape, K, widths, T, kept, device, timer, seed, sweep=None, 
             except Exception as e:  # a config that does not compile or fit is skipped, named
                 print(f"  {_cfg_name(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            out.append(record(us, rel, {"config": _cfg_name(c)}))
+            out.append(record(us, rel, {"config": _cfg_name(c), **acc_fields(c)}))
         del sets
         return out
     rel = check()
     fine_us = timer([lambda s=s: fine(s) for s in sets])
     chosen = _chosen_config()
     ordered_us = timer([lambda s=s: fine(s, deterministic=True) for s in sets]) if cuda else None
-    del sets
     extra = {} if ordered_us is None else {"ordered_us": round(ordered_us, 3)}
     if chosen:
         extra["config"] = chosen
+    extra.update(acc_fields())
     return [record(fine_us, rel, extra)]
 
 
-def _chosen_config():
+def _chosen_config(tuner="_tuned_gemv"):
     """The tile the autotuner kept for the last launch, by name (None without autotuning)."""
     from wide.kernels import fine_gemv as fg
-    best = getattr(fg._tuned_gemv, "best_config", None)
+    best = getattr(getattr(fg, tuner, None), "best_config", None)
     return _cfg_name(best) if best is not None and fg.autotune_enabled() else None
 
 
@@ -252,6 +280,7 @@ def write_results(records, meta, out):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
     cfg = any("config" in r for r in records)
+    acc = any("acc_us" in r for r in records)
     lines = [f"# Activation-sparse decode GEMVs vs dense cuBLAS ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. Command: `{meta['command']}`", "",
              "kept: share of each token's inputs over the threshold (i.i.d. random); union: share of the "
@@ -261,8 +290,8 @@ def write_results(records, meta, out):
              "sums), T = 1. dense^T: cuBLAS on the kernels' transposed copy.", "",
              "| shape | dtype | N | K | T | kept | union | dense us | dense^T us | fine us | ordered us | floor us | "
              "speedup | TEAL us | TEAL speedup | fine / floor | GB/s | rel err | TEAL rel err |"
-             + (" config |" if cfg else ""),
-             "|" + "---|" * (19 + cfg)]
+             + (" fp32-out us | fp32-out / floor |" if acc else "") + (" config |" if cfg else ""),
+             "|" + "---|" * (19 + 2 * acc + cfg)]
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -275,6 +304,8 @@ def write_results(records, meta, out):
                      f"{r['fine_us']:.2f} | {f(r.get('ordered_us'), '.2f')} | {r['floor_us']:.2f} | {sp} | "
                      f"{f(r.get('teal_us'), '.2f')} | {f(r.get('teal_speedup'), '.2f')} | {r['vs_floor']:.3f} | "
                      f"{r['gbps']:.0f} | {r['rel_err']:.2e} | {f(r.get('teal_rel_err'), '.2e')} |"
+                     + (f" {f(r.get('acc_us'), '.2f')} | {f(r.get('acc_us') and r['acc_us'] / r['floor_us'], '.3f')} |"
+                        if acc else "")
                      + (f" {r['config']} |" if "config" in r else ""))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -293,6 +324,9 @@ def add_arguments(p) -> None:
                         "(e.g. BN256-BR1-BU16-P8-pf)")
     p.add_argument("--dtypes", nargs="*", default=["bf16"], choices=list(DTYPES), help="weight/input dtypes (GPU)")
     p.add_argument("--teal", action="store_true", help="time TEAL's kernel beside ours (T = 1)")
+    p.add_argument("--acc-out", action="store_true",
+                   help="also time the atomic tiles adding into caller-held fp32 sums (fine_gemv(acc_out=)): "
+                        "the kernel without its ticket and rounding pass")
     p.add_argument("--prefill-tokens", type=int, nargs="*", default=[],
                    help="also time cuBLAS at these prefill sizes on the original weight and on the "
                         "fine layout's transposed copy (OUT_prefill.json/md; GPU)")
@@ -341,20 +375,22 @@ def run(args) -> list:
                                                 args.tokens, args.kept):
                 try:
                     rs = run_case(model, shape, K, widths, T, kept, device, timer,
-                                  args.seed + 7 * T, sweep=sweep, dtype=dtype, teal=args.teal)
+                                  args.seed + 7 * T, sweep=sweep, dtype=dtype, teal=args.teal,
+                                  acc_out=getattr(args, "acc_out", False))
                 except Exception as e:  # record and go on: one bad case must not lose the run
                     print(f"FAILED {model} {shape} {dtype} T={T} kept={kept}: {type(e).__name__}: {e}",
                           flush=True)
                     bad += 1
                     continue
                 for r in rs:
-                    ok = r["rel_err"] < 1e-2
+                    ok = r["rel_err"] < 1e-2 and r.get("acc_rel_err", 0.0) < 1e-2
                     bad += not ok
                     records.append(r)
                     print(f"{model:12s} {shape:7s} {dtype} T={T} kept={kept:.2f} union={r['union']:.3f} "
                           f"dense={r['dense_us']:8.2f} fine={r['fine_us']:8.2f} floor={r['floor_us']:8.2f} "
                           f"x{r['speedup']:.2f} /floor {r['vs_floor']:.3f} {r['gbps']:.0f}GB/s "
-                          f"err={r['rel_err']:.1e} {r.get('config', '')} {'ok' if ok else 'BAD'} "
+                          f"err={r['rel_err']:.1e} {r.get('config', '')} "
+                          + (f"fp32-out={r['acc_us']:.2f} " if "acc_us" in r else "") + f"{'ok' if ok else 'BAD'} "
                           f"[{time.time() - t0:.0f}s]", flush=True)
                 write_results(records, meta, args.out)
     write_results(records, meta, args.out)

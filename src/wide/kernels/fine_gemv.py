@@ -80,9 +80,11 @@ def _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS,
 
 @triton.jit
 def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stride_wk, stride_gt, GS,
-           T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
+           T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, MASKW: tl.constexpr):
     """One step of BU x BR rows: the weight rows any token keeps (the rest masked off: no
-    memory traffic) and each token's kept inputs (zeros where it does not keep the row)."""
+    memory traffic) and each token's kept inputs (zeros where it does not keep the row).
+    ``MASKW`` False: every row in range is kept by some token (a list of kept rows), so the
+    weight load is masked by the range alone and need not wait for the inputs' keep bits."""
     k_ok = k < k_hi
     s = 1.0
     if HAS_SCALE:
@@ -109,8 +111,11 @@ def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stri
         keep3 = (m3 >= th) & o3
         row = row | keep3
         a3 = tl.where(keep3, x3, 0.0)
-    w = tl.load(w_base + k[:, :, None].to(tl.int64) * stride_wk, mask=row[:, :, None] & n_ok3,
-                other=0.0, eviction_policy="evict_first")
+    if MASKW:
+        wm = row[:, :, None] & n_ok3
+    else:
+        wm = k_ok[:, :, None] & n_ok3
+    w = tl.load(w_base + k[:, :, None].to(tl.int64) * stride_wk, mask=wm, other=0.0, eviction_policy="evict_first")
     return w, a0, a1, a2, a3
 
 
@@ -174,6 +179,18 @@ def _finish(src_ptr, y_ptr, cols, n_ok, tk, b1, N, n_s, stride_yt, T: tl.constex
         for t in tl.static_range(T):
             tot = _total(src_ptr, t, cols, n_ok, n_s, T, N, RS, ATOMIC)
             tl.store(y_ptr + t * stride_yt + cols, tot.to(out_ty), mask=n_ok)
+
+
+@triton.jit
+def _add_sums(ap, N, y0, y1, y2, y3, n_ok, T: tl.constexpr):
+    # token t's fp32 sums at ap + t * N
+    tl.atomic_add(ap, y0, mask=n_ok, sem="relaxed")
+    if T > 1:
+        tl.atomic_add(ap + N, y1, mask=n_ok, sem="relaxed")
+    if T > 2:
+        tl.atomic_add(ap + 2 * N, y2, mask=n_ok, sem="relaxed")
+    if T > 3:
+        tl.atomic_add(ap + 3 * N, y3, mask=n_ok, sem="relaxed")
 
 
 @triton.jit
@@ -267,7 +284,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
                       PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
-                      GLU: tl.constexpr, RS: tl.constexpr):
+                      GLU: tl.constexpr, RS: tl.constexpr, MASKW: tl.constexpr, ACC_ONLY: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
     c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
@@ -293,16 +310,17 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         slot = idx_ptr
         n = k_hi - k_lo
         lim = k_hi
-    if PF or COMPACT:
+    if PF:
         # Register double buffering: the next step's rows, inputs, keep bits and weight loads
         # are issued before this step's products wait on its weights, so a load is always in
         # flight behind the (list ->) input -> threshold -> weight dependency.
         w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, _step_rows(slot, kk, n, k_lo, K, COMPACT),
-                                   lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+                                   lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM, MASKW)
         for j0 in range(0, n, BR * BU):
             wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr,
                                            _step_rows(slot, j0 + BR * BU + kk, n, k_lo, K, COMPACT), lim,
-                                           n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+                                           n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM,
+                                           MASKW)
             acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
             w = wn
             a0 = b0
@@ -310,9 +328,11 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
             a2 = b2_
             a3 = b3_
     else:
+        # (num_stages > 1: the compiler's software pipeline keeps the loads in flight instead)
         for j0 in range(0, n, BR * BU):
-            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, k_lo + j0 + kk, lim, n_ok3, th,
-                                       stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM)
+            w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, _step_rows(slot, j0 + kk, n, k_lo, K, COMPACT),
+                                       lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM,
+                                       MASKW)
             acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
     y0 = tl.sum(acc0, axis=0)
     y1 = tl.sum(acc1, axis=0)
@@ -327,7 +347,11 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         tpg = tl.cdiv(b1, BN)
         tk = tl.where(pid < tpg, pid, pid - tpg)
         arrivals = 2 * n_s
-    if n_s == 1 and not GLU:
+    if ACC_ONLY:
+        # The caller's fp32 [T, N] sums (zero before the launch): added into, never rounded
+        # or cleared here, so no ticket and no last program; whoever reads them next clears them.
+        _add_sums(acc_ptr + cols, N, y0, y1, y2, y3, n_ok, T)
+    elif n_s == 1 and not GLU:
         tl.store(y_ptr + cols, y0.to(out_ty), mask=n_ok)
         if T > 1:
             tl.store(y_ptr + stride_yt + cols, y1.to(out_ty), mask=n_ok)
@@ -338,14 +362,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
     elif ATOMIC:
         # fp32 sums in acc[token, column] (zero at launch); the last program of the slice to
         # draw its ticket reads them, stores y and clears them for the next launch.
-        ap = acc_ptr + cols
-        tl.atomic_add(ap, y0, mask=n_ok, sem="relaxed")
-        if T > 1:
-            tl.atomic_add(ap + N, y1, mask=n_ok, sem="relaxed")
-        if T > 2:
-            tl.atomic_add(ap + 2 * N, y2, mask=n_ok, sem="relaxed")
-        if T > 3:
-            tl.atomic_add(ap + 3 * N, y3, mask=n_ok, sem="relaxed")
+        _add_sums(acc_ptr + cols, N, y0, y1, y2, y3, n_ok, T)
         tl.debug_barrier()
         ticket = tl.atomic_add(cnt_ptr + tk, 1, sem="acq_rel")
         if ticket == arrivals - 1:
@@ -370,9 +387,13 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
             tl.atomic_xchg(cnt_ptr + tk, 0)  # re-armed for the next launch on this stream
 
 
-def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False, compact=0):
+def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False, compact=0, maskw=True):
     """``compact``: 0 walks the split's rows under the keep mask; CH > 0 first lists the kept
-    rows CH at a time, then walks the list (splits are then whole CH chunks)."""
+    rows CH at a time, then walks the list (splits are then whole CH chunks). ``maskw`` False
+    (compacting tiles only): the weight loads of a step wait for its list entries alone, not
+    for the inputs' keep bits as well."""
+    if not maskw and not compact:
+        raise ValueError("only a compacting tile may load weights without the keep mask (maskw=False)")
     if compact and warps != 1:
         # Measured wrong, not understood: on an H100 (triton 3.6) the one two-warp compacting
         # tile lost rows in 2-3 of 12 launches at T = 1 and in every launch at T = 2 and 4, in
@@ -380,7 +401,7 @@ def _cfg(bn, br, bu, warps, pps, pf, stages=1, atomic=False, compact=0):
         # (experiments/results/fine_gemv_race_h100/).
         raise ValueError(f"compacting tiles run one warp (got num_warps={warps})")
     return triton.Config({"BN": bn, "BR": br, "BU": bu, "PPS": pps, "PF": pf, "ATOMIC": atomic,
-                          "COMPACT": compact > 0, "CH": max(compact, 1)},
+                          "COMPACT": compact > 0, "CH": max(compact, 1), "MASKW": maskw},
                          num_warps=warps, num_stages=stages)
 
 
@@ -438,6 +459,11 @@ _COMPACT = [
     _cfg(256, 1, 16, 1, 16, True, atomic=True, compact=64), _cfg(256, 1, 8, 1, 16, True, atomic=True, compact=64),
     _cfg(512, 1, 8, 1, 8, True, atomic=True, compact=128), _cfg(256, 1, 32, 1, 8, True, atomic=True, compact=256),
 ]
+# The same tiles with the weight loads waiting on the list alone (maskw=False): the keep
+# bits of listed rows are known true for some token, so the input -> threshold step leaves the
+# chain before each weight load. Listed beside the originals until a GPU run has timed both.
+_COMPACT = _COMPACT + [_cfg(c.kwargs["BN"], 1, c.kwargs["BU"], 1, c.kwargs["PPS"], True, atomic=True,
+                            compact=c.kwargs["CH"], maskw=False) for c in _COMPACT]
 _COMPACT_ORDERED = [_cfg(256, 1, 16, 1, 8, True, compact=128), _cfg(256, 1, 16, 1, 16, True, compact=64)]
 _ORDERED = _ORDERED + _COMPACT_ORDERED
 _CONFIGS = _ORDERED + _ATOMIC + _COMPACT
@@ -489,9 +515,16 @@ with warnings.catch_warnings():
     _tuned_gemv = triton.autotune(configs=_CONFIGS, key=_KEY, **_BENCH)(_plain_gemv)
     # deterministic=True: the ordered reduction only (the same bits on every run)
     _tuned_ordered = triton.autotune(configs=_ORDERED, key=_KEY, **_BENCH)(_plain_gemv)
+    # acc_out: atomic tiles only, each tuning run's additions taken back (restore_value) so
+    # the caller's sums hold one launch's worth; triton versions without it tune nothing there
+    _ACC_TUNE = "restore_value" in inspect.signature(triton.autotune).parameters
+    _tuned_acc = (triton.autotune(configs=_ATOMIC + _COMPACT, key=_KEY, restore_value=["acc_ptr"], **_BENCH)(_plain_gemv)
+                  if _ACC_TUNE else None)
 
 
-def _configs_for_launch(deterministic: bool):
+def _configs_for_launch(deterministic: bool, acc: bool = False):
+    if acc:
+        return _ATOMIC + _COMPACT if autotune_enabled() and _ACC_TUNE else [_default_config()]
     if autotune_enabled():
         return _ORDERED if deterministic else _CONFIGS
     return [_default_config(deterministic)]
@@ -619,6 +652,18 @@ def _check_out(out, T, N, x):
     return out
 
 
+def _check_acc_out(acc_out, T, N, x, glu, out, deterministic, config):
+    if glu or out is not None:
+        raise ValueError("acc_out takes the fp32 sums alone: not with glu or out")
+    if deterministic:
+        raise ValueError("acc_out adds atomically, in no fixed order: not with deterministic=True")
+    if config is not None and not _atomic(config):
+        raise ValueError("acc_out needs an ATOMIC config (its programs add into the sums)")
+    if not isinstance(acc_out, torch.Tensor) or acc_out.dtype != torch.float32 or tuple(acc_out.shape) != (T, N) \
+            or acc_out.device != x.device or not acc_out.is_contiguous():
+        raise ValueError(f"acc_out must be a contiguous float32 [{T}, {N}] tensor on {x.device}")
+
+
 def _check_segments(segments, N) -> List[int]:
     if segments is None:
         return [0, N]
@@ -660,7 +705,8 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
               segments: Optional[Sequence[int]] = None,
               thresholds: Union[Sequence[float], torch.Tensor, None] = None,
               out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None,
-              deterministic: Optional[bool] = None, glu: bool = False) -> torch.Tensor:
+              deterministic: Optional[bool] = None, glu: bool = False,
+              acc_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
 
     Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
@@ -682,6 +728,12 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     atomically (the order, and so the last bits, can differ between runs); ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) keeps to the reduction that
     sums the splits' partials in a fixed order.
+
+    ``acc_out`` (fp32 ``[T, N]``, contiguous, zero or holding sums to add to): the products are
+    added into it atomically and nothing else is written (no rounding to x's dtype, no split-K
+    ticket, no last program), and it is returned. The kernel's tail is then one atomic add: a
+    consumer that reads the fp32 sums (a norm or RoPE after the projection) rounds them and
+    writes the zeros back for the next launch. Not with ``glu``, ``out`` or ``deterministic``.
     """
     T, K = _check_x(x, w_t)
     N = w_t.shape[1]
@@ -694,8 +746,14 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     gs = _check_group_mask(group_mask, group_size, T, K, x.device, "K")
     if glu and (nseg != 2 or 2 * bounds[1] != N):
         raise ValueError(f"glu needs two segments of equal width (gate | up), got segments {bounds}")
-    y = _check_out(out, T, N // 2 if glu else N, x)
-    if N == 0:
+    acc_only = acc_out is not None
+    if acc_only:
+        _check_acc_out(acc_out, T, N, x, glu, out, deterministic, config)
+        deterministic = False
+        y = acc_out
+    else:
+        y = _check_out(out, T, N // 2 if glu else N, x)
+    if N == 0 or (K == 0 and acc_only):
         return y
     if K == 0:  # silu(0) * 0 = 0 too
         return y.zero_()
@@ -704,8 +762,10 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
         deterministic = torch.are_deterministic_algorithms_enabled()
     if config is not None and deterministic and _atomic(config):
         raise ValueError("an ATOMIC config sums its splits in no fixed order: not with deterministic=True")
-    configs = [config] if config is not None else _configs_for_launch(deterministic)
+    configs = [config] if config is not None else _configs_for_launch(deterministic, acc_only)
     ws, acc, tickets, idx, sms = _workspace(x, T, N, K, lambda bn: _n_tiles(bounds, bn), configs, glu)
+    if acc_only:
+        acc = acc_out
     gm = group_mask.view(torch.uint8) if group_mask is not None else x
     gm_stride = group_mask.stride(0) if group_mask is not None else 0
     if group_mask is not None and group_mask.stride(1) != 1:
@@ -721,8 +781,10 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets, idx,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
-                 TH_PTR=th_t is not None, GLU=glu)
-    if config is None and autotune_enabled():
+                 TH_PTR=th_t is not None, GLU=glu, ACC_ONLY=acc_only)
+    if acc_only and config is None and autotune_enabled() and _ACC_TUNE:
+        _tuned_acc[grid](*args, **flags)
+    elif config is None and autotune_enabled() and not acc_only:
         (_tuned_ordered if deterministic else _tuned_gemv)[grid](*args, **flags)
     else:
         c = configs[0]
