@@ -1081,8 +1081,9 @@ def oracle(mine, args) -> dict:
             handles.append(arch.projection(layer, spec, "o").register_forward_pre_hook(count))
         try:
             with torch.no_grad():
+                device = next(model.parameters()).device
                 for ids in train_ids[:mine.static_sequences].split(args.batch_size):
-                    model(input_ids=ids)
+                    model(input_ids=ids.to(device))
         finally:
             for h in handles:
                 h.remove()
@@ -1109,7 +1110,8 @@ def oracle(mine, args) -> dict:
                 elif mode == "sequence":  # per token in the prompt, per sequence from --per-sequence on
                     pick = sequence_choice(norms, mine.per_sequence, mine.refresh, mine.sequence_score == "vote")
                 else:
-                    pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen)
+                    # drawn on the host (the same groups on every device), used where x is
+                    pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen).to(x.device)
                 keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
                 return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
 
