@@ -459,8 +459,8 @@ def main() -> int:
     print("kernel tests on the GPU (pytest -k on_gpu):")
     ok &= gpu_kernel_tests()
     torch.cuda.synchronize()
-    raised = sum(int(b.abs().sum()) for b in routing._TICKETS_KEEP)
-    print(f"split-K tickets left raised: {raised}")
+    raised = routing.raised_counters()
+    print(f"split-K tickets and atomic sums left raised: {raised}")
     ok &= raised == 0
     from wide.engine.ops import K_CHOICES
     print("routed-or-cuBLAS choices:", {(k[0], k[1], k[3]): v for k, v in K_CHOICES.items()})

@@ -133,7 +133,7 @@ def cases() -> dict:
     for T in (1, 4):
         # T = 1: gate|up with silu(gate) * up in the epilogue; T = 4: q|k|v
         const = lambda c, T=T: dict(T=T, NSEG=2 if T == 1 else 3, HAS_SCALE=True, HAS_GM=T > 1,  # noqa: E731
-                                    TH_PTR=True, GLU=T == 1, RS=fg._rs(c.kwargs["BN"]))
+                                    TH_PTR=True, GLU=T == 1, RS=fg._rs(c.kwargs["BN"]), ACC_ONLY=False)
         out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=_sizes(
             fg._fine_gemv_kernel, "bf16", const, fg._CONFIGS, ptrs, float_args=("th0", "th1", "th2", "th3")))
     return out

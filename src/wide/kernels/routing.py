@@ -63,8 +63,15 @@ def _stream_buffer(kind: str, device: torch.device, n: int, dtype: torch.dtype) 
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(int(n), 4096), dtype=dtype, device=device)
         _TICKETS[key] = buf
-        _TICKETS_KEEP.append(buf)
+        _TICKETS_KEEP.append((kind, buf))
     return buf
+
+
+def raised_counters() -> int:
+    """Sum of |value| over every ticket and atomic-sum buffer made so far: 0 between launches
+    when every split-K reduction re-armed its counters and cleared its sums (a GPU check). The
+    compacting GEMVs' row lists are scratch and hold row indices, so they are not counted."""
+    return sum(int(b.abs().sum()) for kind, b in _TICKETS_KEEP if kind in ("tickets", "accumulator"))
 
 
 def split_tickets(device: torch.device, n: int) -> torch.Tensor:
