@@ -451,19 +451,21 @@ class AcceleratedModel:
         rule = self.rule
         rule.begin_decode(pos, reuse)  # first: what the rule asks of the router may depend on the batch
         # Batch 1 on the kernels: the q and gate/up GEMVs finish the router and write the masks
-        # (not where the rule changes the mask after the router).
-        defer = ops.defer_router() and rule.defers
+        # (per module, not where the rule changes the mask after the router).
+        defer = ops.defer_router()
+        defer_attn, defer_ffn = (defer and rule.defers_router(k) for k in ("attn", "ffn"))
+        margins_attn, margins_ffn = (rule.wants_margins(k) for k in ("attn", "ffn"))
         ops.row_runs = rule.decode_runs(x.shape[0])
         route = rule.norm_routes(reuse)
         for i, L in enumerate(self.layers):
-            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer, margins=rule.margins, route=route,
-                                              sums=rule.norm_sums(i, "attn"))
+            x, h, ma, router = ops.norm_route(i, "attn", x, delta, defer=defer_attn, margins=margins_attn,
+                                              route=route, sums=rule.norm_sums(i, "attn"))
             ma = rule.decode(ops, i, "attn", ma, pos, x, h)
             index = ops.index(ma)
             q, kv = ops.qkv(L, h, ma, index, router, fused=True)
             q = ops.rope_decode(i, L, q, kv, pos)
             o = ops.o_proj(L, ops.attend_decode(i, q, ma, seq_lens), ma, index)
-            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer, margins=rule.margins,
+            x, h, mf, router = ops.norm_route(i, "ffn", x, o, attn=ma, defer=defer_ffn, margins=margins_ffn,
                                               route=route, sums=rule.norm_sums(i, "ffn"))
             mf = rule.decode(ops, i, "ffn", mf, pos, x, h, attn=ma)
             delta = ops.ffn(L, h, mf, router)

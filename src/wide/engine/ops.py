@@ -178,7 +178,10 @@ class TorchOps:
             m = m.reshape(x3.shape[0], x3.shape[1], -1) != 0
             m = m if x.dim() == 3 else m[:, 0]
         else:
-            m = self.router_mask(e.layers[i].routers[kind], x)
+            router = e.layers[i].routers.get(kind)
+            if router is None:  # a layer the config keeps dense (attn_dense_layers)
+                return None
+            m = self.router_mask(router, x)
         if cfg.tie_modules and kind == "attn":
             m = m[..., :1].expand(*m.shape[:-1], e.attn_groups)
         return m if valid is None else m & valid[..., None]
@@ -192,8 +195,11 @@ class TorchOps:
         if not self.routed(kind):
             return None
         if e.state.mask_fn is not None:
-            raise ValueError("batch-shared decode chooses groups from router margins; a mask_fn gives none")
-        return e.layers[i].routers[kind].margin(self.router_input(resid, normed).float())
+            raise ValueError(f"the {e.rule.name} rule chooses groups from router margins; a mask_fn gives none")
+        router = e.layers[i].routers.get(kind)
+        if router is None:  # a layer the config keeps dense
+            return None
+        return router.margin(self.router_input(resid, normed).float())
 
     def shared_mask(self, margin):
         """One group set for the batch from margins [B, groups], as a [B, groups] mask."""

@@ -13,11 +13,15 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
 * :class:`PreviousTileRule`: ``route_tile = N`` with ``tile_source="previous"``: tile k runs the
   routers' decision on the mean of tile k-1's router inputs; decode keeps each tile's running
   sum of inputs beside its mask.
+* :class:`SkipSmallestRule`: ``attn_rule="skip_smallest"``; the attention router gives margins
+  (prefill and decode) and every token skips the ``k`` groups of smallest margin
+  (:func:`wide.method.group_rules.skip_smallest_runs`); the FFN routes per token.
 * :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
   reads the weights of that set only. Prefill routes per token.
 
-The masked HF path implements the same rules in :mod:`wide.method.modeling` (``_tiled``, ``_shared``);
+The masked HF path implements the same rules in :mod:`wide.method.modeling` (``_tiled``, ``_shared``,
+and :mod:`wide.method.group_rules`);
 tests check that both give the same logits.
 """
 
@@ -27,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..method.group_rules import skip_smallest_runs
+
 
 class TokenRule:
     name = "token"
@@ -35,6 +41,14 @@ class TokenRule:
 
     def setup(self, engine, batch: int) -> None:
         pass
+
+    def wants_margins(self, kind: str) -> bool:
+        """Whether a decode step asks module ``kind``'s router for margins instead of a mask."""
+        return self.margins
+
+    def defers_router(self, kind: str) -> bool:
+        """Whether batch-1 decode may leave module ``kind``'s router to the GEMVs."""
+        return self.defers
 
     def prefill_runs(self) -> Optional[int]:
         """Aligned runs of rows sharing a mask in a prefill (a kernel hint), or None."""
@@ -88,8 +102,10 @@ class TileRule(TokenRule):
 
     def setup(self, engine, batch: int) -> None:
         groups = {"attn": engine.attn_groups, "ffn": engine.ffn_groups}
+        # a module without a router (not routed, or a layer kept dense) has no mask to keep
         self.store = {(i, kind): torch.zeros(batch, groups[kind], dtype=torch.bool, device=engine.device)
-                      for i in range(len(engine.layers)) for kind in ("attn", "ffn") if engine.ops.routed(kind)}
+                      for i, L in enumerate(engine.layers) for kind in ("attn", "ffn")
+                      if engine.ops.routed(kind) and (L.routers.get(kind) is not None or engine.cfg.tie_modules)}
 
     def prefill_runs(self) -> Optional[int]:
         return self.tile
@@ -239,9 +255,51 @@ class SharedRule(TokenRule):
         return ops.shared_mask(margin) if self.margins and margin is not None else margin
 
 
+class SkipSmallestRule(TokenRule):
+    """``attn_rule="skip_smallest"``: attention skips, per token, the ``k`` groups of smallest
+    margin; the FFN keeps the per-token rule. The router's margins come from the same launches
+    that give masks (the fused norm in decode, as for batch-shared decode), and the choice is a few
+    elementwise ops, captured with the step. At batch 1 only the FFN's router is left to the
+    GEMVs: they threshold each margin at 0 (the independent rule), which attention does not run."""
+
+    margins = False
+    defers = False
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self.name = f"skip_smallest{self.k}"
+
+    def wants_margins(self, kind: str) -> bool:
+        return kind == "attn"
+
+    def defers_router(self, kind: str) -> bool:
+        return kind == "ffn"
+
+    def prefill(self, ops, i, kind, resid, normed, valid, lens, attn=None):
+        if kind != "attn":
+            return ops.mask(i, kind, resid, normed, valid, attn=attn)
+        margin = ops.margins(i, kind, resid, normed)
+        if margin is None:  # a layer kept dense
+            return None
+        mask = skip_smallest_runs(margin, self.k)
+        return mask if valid is None else mask & valid[..., None]
+
+    def decode(self, ops, i, kind, mask, pos, resid, normed, attn=None):
+        if kind != "attn" or mask is None:
+            return mask
+        return skip_smallest_runs(mask, self.k)  # mask holds the margins here (wants_margins)
+
+
 def make_rule(engine, batch_shared: bool) -> TokenRule:
     """The rule of an engine (the dense and fine engines' masks are None, which every rule passes on)."""
     tile = engine.cfg.route_tile if engine.cfg is not None else 1  # cfg: None unless the engine routes
+    if engine.cfg is not None and engine.cfg.attn_rule == "skip_smallest":
+        if batch_shared or tile != 1:
+            raise ValueError(
+                "the engine runs attn_rule='skip_smallest' with per-token routing only; these routers also ask for "
+                + ("batch-shared decode" if batch_shared else f"one mask per tile of {tile} tokens")
+                + " (the masked HF path runs skip_smallest with tiles)")
+        return SkipSmallestRule(engine.cfg.attn_skip)
     if batch_shared:
         if tile != 1:
             raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "
@@ -256,4 +314,4 @@ def make_rule(engine, batch_shared: bool) -> TokenRule:
     return PreviousTileRule(tile) if engine.cfg.tile_source == "previous" else TileRule(tile)
 
 
-__all__ = ["TokenRule", "TileRule", "PreviousTileRule", "SharedRule", "make_rule"]
+__all__ = ["TokenRule", "TileRule", "PreviousTileRule", "SkipSmallestRule", "SharedRule", "make_rule"]

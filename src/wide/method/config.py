@@ -21,12 +21,14 @@ ROUTER_INPUTS = ("residual", "normed")
 ROUTER_INITS = ("random", "dense")
 BUDGETS = ("global", "layer")
 TILE_SOURCES = ("first", "previous")
+ATTN_RULES = ("independent", "skip_smallest")
 
 
 # What wide did before each of these fields existed: a file that lacks one was written then, and
 # loads or resumes with that behaviour even after the field's default changes.
 PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global", "tile_source": "first",
-            "union_coef": 0.0, "union_tokens": 8}
+            "union_coef": 0.0, "union_tokens": 8, "attn_rule": "independent", "attn_skip": 1,
+            "attn_dense_layers": []}
 # Fields that only set where training starts: routers that differ only in these compute the same
 # function, so loading or resuming them never counts these as a difference.
 START_ONLY = frozenset({"router_init"})
@@ -123,6 +125,23 @@ class WideConfig:
         "choices": TILE_SOURCES,
         "help": "what the routers read to decide a tile (--route-tile > 1): its first token's input, or the mean "
                 "of the previous tile's inputs (the first tile of a text: its first token's)"})
+    # How the attention router's margins become a mask (wide.method.group_rules). On SmolLM2-135M
+    # (3 groups) skipping exactly the smallest-margin group per token was far better than the
+    # independent per-group rule at the same rate (issue 48, experiments/head_routers_fine_cpu.py).
+    attn_rule: str = field(default="independent", metadata={
+        "choices": ATTN_RULES,
+        "help": "how attention groups are picked: independent (each group runs iff its margin is >= 0, the "
+                "paper's rule) or skip_smallest (every token skips exactly --attn-skip groups per routed layer, "
+                "those of smallest margin; offsets then change nothing)"})
+    attn_skip: int = field(default=1, metadata={
+        "help": "attention groups each token skips per routed layer under --attn-rule skip_smallest "
+                "(at least 1, fewer than the layer's groups)", "min": 1})
+    # Layer 0's attention is the worst to prune (the oracle of issue 48 keeps it dense): these
+    # layers get no attention router, and the rates count them as skipping nothing.
+    attn_dense_layers: list[int] = field(default_factory=list, metadata={
+        "nargs": "*",
+        "help": "layers (0-based) whose attention has no router and always runs every head; counted in "
+                "the rates as skipping nothing", "min": 0})
     # One decision per layer, shared by attention and FFN (dynamic depth pruning baseline):
     # set by wide.method.baselines, not a command-line option.
     tie_modules: bool = False
@@ -136,6 +155,17 @@ class WideConfig:
             raise ValueError("separate attn/ffn targets need sparse_target='all'")
         if self.tie_modules and self.sparse_target != "all":
             raise ValueError("tie_modules (dynamic depth) routes both modules: use sparse_target='all'")
+        if self.attn_rule != "independent" or self.attn_dense_layers:
+            if not self.routes_attention or self.tie_modules:
+                raise ValueError("attn_rule and attn_dense_layers shape attention routing: they need attention routed "
+                                 "per group (sparse_target 'attention' or 'all', modules not tied)")
+        if self.attn_rule == "independent" and self.attn_skip != 1:
+            raise ValueError("attn_skip is the skip_smallest rule's count: set attn_rule='skip_smallest' with it")
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in self.attn_dense_layers):
+            raise ValueError(f"attn_dense_layers takes layer indices (ints), got {self.attn_dense_layers}")
+        if len(set(self.attn_dense_layers)) != len(self.attn_dense_layers):
+            raise ValueError(f"attn_dense_layers names a layer twice: {self.attn_dense_layers}")
+        self.attn_dense_layers = sorted(self.attn_dense_layers)
         if self.loss_mode == "linear" and (self.attn_target is not None or self.budget != "global"):
             raise ValueError("loss_mode='linear' holds one target over all linear MACs: it takes neither separate "
                              "attn/ffn targets nor budget='layer'")

@@ -19,7 +19,9 @@ from the kernels in ``wide.kernels`` (see ``wide.engine.inference``).
 Two structured rules give the kernels whole blocks to skip (docs/routing_structure.md):
 ``WideConfig.route_tile`` makes the tokens of a position tile share the mask of the tile's first
 token (training and inference), and :func:`batch_shared_decode` makes a decode batch share one
-group set per module (inference only).
+group set per module (inference only). How a module's margins become its mask (each group on its
+own, or attention skipping the k smallest margins: ``WideConfig.attn_rule``) is
+:mod:`wide.method.group_rules`; layers in ``attn_dense_layers`` have no attention router.
 
 Beside this module: the model's groups and their costs (``geometry``), the state the hooks share
 (``state``), the accounting of what they skip (``sparsity``) and offset calibration (``offsets``).
@@ -39,14 +41,15 @@ import torch.nn as nn
 from ..base import arch
 from ..base.arch import KINDS
 from .config import WideConfig
+from .group_rules import group_rule
 from .geometry import Geometry, ModelDims, resolve_geometry
-from .routers import TokenRouter, batch_shared_runs, group_runs
+from .routers import TokenRouter, batch_shared_runs
 from .sparsity import linear_macs
 from .state import WideState, _positions, _Record, _valid_tokens, get_state
 
 
 class LayerRouters(nn.Module):
-    def __init__(self, geo: Geometry, config: WideConfig):
+    def __init__(self, geo: Geometry, config: WideConfig, layer: int = 0):
         super().__init__()
         h, r = geo.dims.hidden_size, config.router_rank
         if config.tie_modules:
@@ -54,7 +57,8 @@ class LayerRouters(nn.Module):
             self.attn = TokenRouter(h, 1, r)
             self.ffn = None
         else:
-            self.attn = TokenRouter(h, geo.attn_groups, r) if config.routes_attention else None
+            self.attn = (TokenRouter(h, geo.attn_groups, r)
+                         if config.routes_attention and layer not in config.attn_dense_layers else None)
             self.ffn = TokenRouter(h, geo.ffn_groups, r) if config.routes_ffn else None
 
     def router(self, kind: str) -> Optional[TokenRouter]:
@@ -253,6 +257,9 @@ def _decide(state: WideState, router: Optional[TokenRouter], layer: int, kind: s
     module is not routed. At inference the margins are tiled, so that a batch-shared decode
     step ranks groups by the margins that decided each sequence's tile."""
     if router is None:
+        if kind == "attn" and layer in state.config.attn_dense_layers:
+            # kept dense by the config: counted as running every group, as the rates promise
+            return x.new_ones(*x.shape[:-1], state.geometry.attn_groups, dtype=torch.float32)
         return None
     if state.mask_fn is not None:
         mask = state.mask_fn(layer, kind, x)
@@ -262,12 +269,13 @@ def _decide(state: WideState, router: Optional[TokenRouter], layer: int, kind: s
         if state.config.tie_modules:
             mask = mask[..., :1]
         return _tiled(state, layer, kind, "mask", mask)
+    rule = group_rule(state.config, kind)
     if router.training and state.tau is not None:
-        return _tiled(state, layer, kind, "mask", router.decide(x, state.tau))
+        return _tiled(state, layer, kind, "mask", rule.sample(router, x, state.tau))
     margin = _tiled(state, layer, kind, "margin", router.margin(x))
     if state.batch_shared and _decode_step(state, x):
         return _shared(state, margin, x)
-    return group_runs(margin).float()  # router.decide(x) when nothing is tiled
+    return rule.runs(margin).float()  # router.decide(x) when nothing is tiled under the independent rule
 
 
 def _route(state: WideState, routers: LayerRouters, layer: int, kind: str, x: torch.Tensor) -> None:
@@ -401,7 +409,7 @@ def wrap(model, config: Optional[WideConfig] = None, *, seed: Optional[int] = No
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        model.wide_routers = nn.ModuleList(LayerRouters(geo, config) for _ in layers).to(device)
+        model.wide_routers = nn.ModuleList(LayerRouters(geo, config, i) for i in range(len(layers))).to(device)
     if config.router_init == "dense":
         for r in model.wide_routers.modules():
             if isinstance(r, TokenRouter):
@@ -522,6 +530,10 @@ def batch_shared_decode(model):
     should be asked for where the batch is formed.
     """
     state = get_state(model)
+    if state.config.attn_rule != "independent":
+        raise ValueError(f"batch-shared decode picks one group set per module from margins thresholded at 0; "
+                         f"these routers' attention runs attn_rule={state.config.attn_rule!r}, which it would "
+                         "ignore: serve them without batch_shared_decode")
     previous = state.batch_shared
     state.batch_shared = True
     try:

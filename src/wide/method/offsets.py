@@ -3,12 +3,14 @@ exactly on calibration batches (``calibrate_offsets``), and ``observed_pass``.""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 
 from ..base.arch import KINDS
 from . import modeling
+from .group_rules import group_rule
 from .sparsity import _linear_macs_per_layer, _summarise
 from .state import get_state
 
@@ -38,6 +40,11 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     mode="global": one shift for every router, found by bisection on the FLOP-weighted
     (or group, per the config's loss mode) rate, keeping the learned allocation across
     layers. mode="per_module": each router skips exactly ``target`` of its groups.
+
+    Routers whose rule skips a fixed share (``attn_rule="skip_smallest"``: k of G groups per
+    token, which no offset changes) keep their offsets; the global rate counts their share, and
+    layers kept dense (``attn_dense_layers``) at 0, as the sparsity records do. With no other
+    router there is nothing to calibrate: a warning, and ``{}``.
     """
     state = get_state(model)
     cfg = state.config
@@ -46,13 +53,27 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     if mode not in ("global", "per_module"):
         raise ValueError(f"mode must be 'global' or 'per_module', got {mode!r}")
     target = cfg.target_sparsity if target is None else target
-    routers = [(i, k, r) for i, lr in enumerate(model.wide_routers) for k in KINDS
-               if (r := lr.router(k)) is not None]
+    routers, fixed = [], {}  # fixed: (layer, kind) -> the share a module skips whatever its offset
+    for i, lr in enumerate(model.wide_routers):
+        for k in KINDS:
+            r = lr.router(k)
+            share = None if r is None else group_rule(cfg, k).fixed_share(r.num_groups)
+            if r is None and k == "attn" and i in cfg.attn_dense_layers:
+                share = 0.0  # kept dense, and counted so by the rates
+            if share is not None:
+                fixed[(i, k)] = share
+            elif r is not None:
+                routers.append((i, k, r))
+    calibrated = {(i, k) for i, k, _ in routers}
+    if not routers and fixed:
+        warnings.warn("calibrate_offsets: no router's decisions move with an offset (attn_rule='skip_smallest' "
+                      "skips a fixed number of groups per token): nothing to calibrate", stacklevel=2)
+        return {}
     if cfg.loss_mode == "linear":
         # Routers alone skip only routable MACs: the same share of all linear MACs is that many
         # more of the routable ones (per-element sparsity is set by its own thresholds instead).
         target = target * _linear_macs_per_layer(state.geometry) / sum(
-            state.geometry.module_macs(k) for k in KINDS if any(kk == k for _, kk, _ in routers))
+            state.geometry.module_macs(k) for k in KINDS if any(kk == k for _, kk in [*fixed, *calibrated]))
         if target >= 1:
             raise ValueError(f"routers alone cannot skip that share of the linear MACs (needs {target:.3f} of the "
                              "routable ones)")
@@ -67,7 +88,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
 
         def observe(layer, kind, x):
             r = model.wide_routers[layer].router(kind)
-            if r is not None:
+            if (layer, kind) in calibrated:
                 # Only deciding tokens count, each once per valid token it decides for: with
                 # route_tile > 1 a tile's first token, as many times as the tile has tokens.
                 # (modeling's own, looked up at each call as before the split: trials patch it,
@@ -88,7 +109,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     # second pass with the first pass's offsets in place settles that.
     for _round in range(rounds):
         # not held in a name: one round's margins (GBs on a GPU run) are freed before the next
-        _set_offsets(model, state, collect(), routers, target, mode)
+        _set_offsets(model, state, collect(), routers, target, mode, fixed)
     return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
 
 
@@ -121,9 +142,12 @@ def _skipped_share(sorted_margins: torch.Tensor, shift: float) -> float:
     return int(torch.searchsorted(sorted_margins, thr)) / sorted_margins.numel()
 
 
-def _set_offsets(model, state, margins, routers, target, mode) -> None:
+def _set_offsets(model, state, margins, routers, target, mode, fixed=None) -> None:
     """margins: (layer, kind) -> that module's margins, flattened and sorted ascending. A module
-    that decided for no token keeps its offset."""
+    that decided for no token keeps its offset. ``fixed``: (layer, kind) -> the share of groups a
+    module skips whatever the offsets (a skip_smallest router, a layer kept dense), which the
+    global rate counts as the records do."""
+    fixed = fixed or {}
     margins = {k: v for k, v in margins.items() if v.numel()}
     if not margins:
         raise ValueError("offset calibration saw no router decision: are the batches empty?")
@@ -141,7 +165,8 @@ def _set_offsets(model, state, margins, routers, target, mode) -> None:
         cfg = state.config
 
         def rate_at(shift: float) -> float:
-            sums = {}
+            sums = {key: (torch.tensor(share * state.geometry.groups(key[1])),
+                          torch.tensor(float(state.geometry.groups(key[1])))) for key, share in fixed.items()}
             for (layer, kind), v in margins.items():
                 share = _skipped_share(v, shift)
                 for k in (KINDS if cfg.tie_modules else (kind,)):

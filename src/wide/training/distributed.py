@@ -36,6 +36,7 @@ import torch
 import torch.distributed as tdist
 
 from ..base.arch import KINDS, decoder_layers
+from ..method.group_rules import group_rule
 from ..method.sparsity import _summarise
 from ..method.state import get_state
 
@@ -211,15 +212,14 @@ class KeyedGumbel:
         self.key: Optional[tuple] = None  # (step, micro, global offset of this rank's first sample)
 
     def __call__(self, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+        state = self.model.wide_state
         router = self.model.wide_routers[layer].router(kind)
-        tau = self.model.wide_state.tau
+        rule = group_rule(state.config, kind)
+        tau = state.tau
         if tau is None or not router.training or self.key is None:
-            return router.decide(x, None)
-        logits = router(x)
-        noise = self.noise(logits.shape, layer, kind, logits.device)
-        y = ((logits + noise) / tau).softmax(-1)
-        hard = torch.zeros_like(y).scatter_(-1, y.argmax(-1, keepdim=True), 1.0)
-        return (hard - y.detach() + y)[..., 0]
+            return rule.runs(router.margin(x)).float()
+        noise = self.noise(rule.noise_shape(tuple(x.shape[:-1]), router.num_groups), layer, kind, x.device)
+        return rule.sample(router, x, tau, gumbels=noise)
 
     def noise(self, shape, layer: int, kind: str, device) -> torch.Tensor:
         step, micro, offset = self.key
