@@ -459,11 +459,16 @@ _COMPACT = [
     _cfg(256, 1, 16, 1, 16, True, atomic=True, compact=64), _cfg(256, 1, 8, 1, 16, True, atomic=True, compact=64),
     _cfg(512, 1, 8, 1, 8, True, atomic=True, compact=128), _cfg(256, 1, 32, 1, 8, True, atomic=True, compact=256),
 ]
-# The same tiles with the weight loads waiting on the list alone (maskw=False): the keep
-# bits of listed rows are known true for some token, so the input -> threshold step leaves the
-# chain before each weight load. Listed beside the originals until a GPU run has timed both.
-_COMPACT = _COMPACT + [_cfg(c.kwargs["BN"], 1, c.kwargs["BU"], 1, c.kwargs["PPS"], True, atomic=True,
-                            compact=c.kwargs["CH"], maskw=False) for c in _COMPACT]
+# Weight loads waiting on the list alone (maskw=False: listed rows are kept by some token, so
+# the input -> threshold step leaves the chain before each weight load), with register prefetch
+# or under the compiler's software pipeline (PF off, num_stages 2-3). The H100 sweep of
+# 2026-12-07 (bench/results/h100/fine_gemv_sweep.md, T = 1, 50 %, bf16) timed the 64-row-chunk
+# tile this way at 11.6 us on o (13.3 with the keep mask and prefetch), 14.0 on q|k|v (14.7),
+# 25.1-25.2 on up (25.7 for the 512-column tile) and 26.2 on down (26.7); the same changes made
+# the 512-column and 16-row-step tiles slower (up to 2-4x without prefetch), so they are not listed.
+_COMPACT = _COMPACT + [_cfg(256, 1, 8, 1, 16, True, atomic=True, compact=64, maskw=False),
+                       _cfg(256, 1, 8, 1, 16, False, stages=2, atomic=True, compact=64, maskw=False),
+                       _cfg(256, 1, 8, 1, 16, False, stages=3, atomic=True, compact=64, maskw=False)]
 _COMPACT_ORDERED = [_cfg(256, 1, 16, 1, 8, True, compact=128), _cfg(256, 1, 16, 1, 16, True, compact=64)]
 _ORDERED = _ORDERED + _COMPACT_ORDERED
 _CONFIGS = _ORDERED + _ATOMIC + _COMPACT
