@@ -162,11 +162,15 @@ def parse(argv):
     own.add_argument("--oracle", action="store_true", help="evaluate the smallest-norm-group oracle instead")
     own.add_argument("--eval-sequences", type=int, default=24, help="held-out windows (--oracle)")
     own.add_argument("--oracle-modes", nargs="+", default=["smallest", "random"],
-                     choices=["smallest", "random", "static", "sequence"],
+                     choices=["smallest", "random", "static", "sequence", "share"],
                      help="--oracle's choices: per token the smallest-norm group, a random one, or per layer one "
                           "fixed group (static: the group most often of smallest norm on --static-sequences "
                           "calibration sequences), or per sequence (sequence: --per-sequence's rule on the "
                           "groups' contribution norms)")
+    own.add_argument("--oracle-share", type=float, default=0.78, metavar="S",
+                     help="--oracle-modes share: per routed layer and batch, only the share S of tokens whose "
+                          "smallest group contributes least (its norm over the norm of the whole attention "
+                          "output) skip it; 0.78 x 29/30 x 1/3 = 0.25 attention-core sparsity")
     own.add_argument("--static-sequences", type=int, default=8, help="calibration sequences of --oracle-modes static")
     own.add_argument("--skip-one", action="store_true",
                      help="at most one attention group skipped per token and layer (exactly one at inference)")
@@ -1103,7 +1107,7 @@ def oracle(mine, args) -> dict:
                 xs = x.view(*x.shape[:-1], -1, cols)
                 contrib = torch.einsum("btgc,hgc->btgh", xs, w.view(w.shape[0], -1, cols))
                 norms = contrib.norm(dim=-1)
-                if mode == "smallest":
+                if mode in ("smallest", "share"):
                     pick = norms.argmin(-1)
                 elif mode == "static":
                     pick = torch.full(norms.shape[:-1], static[i], dtype=torch.long, device=x.device)
@@ -1113,6 +1117,10 @@ def oracle(mine, args) -> dict:
                     # drawn on the host (the same groups on every device), used where x is
                     pick = torch.randint(0, norms.shape[-1], norms.shape[:-1], generator=gen).to(x.device)
                 keep = 1.0 - torch.nn.functional.one_hot(pick, xs.shape[-2]).to(x.dtype)
+                if mode == "share":  # the skips that cost least, relative to the token's whole output
+                    rel = norms.amin(-1) / contrib.sum(-2).norm(dim=-1).clamp_min(1e-12)
+                    cut = torch.quantile(rel.flatten().float(), mine.oracle_share)
+                    keep = torch.where((rel <= cut).unsqueeze(-1), keep, torch.ones_like(keep))
                 return ((xs * keep.unsqueeze(-1)).view_as(x),) + tuple(a[1:])
 
             handles.append(o.register_forward_pre_hook(hook))
@@ -1126,6 +1134,12 @@ def oracle(mine, args) -> dict:
                 nll.remove()
         out[mode] = {"ppl": res["ppl"], "linear_sparsity": res.get("linear_sparsity")}
         label = mode
+        if mode == "share":
+            out[mode]["share"] = mine.oracle_share
+            n = len(arch.decoder_layers(model))
+            core = mine.oracle_share * (n - len(set(mine.dense_layers))) / n / geo.attn_groups
+            out[mode]["attn_core_sparsity"] = core
+            label += f" (S {mine.oracle_share}: attention-core sparsity {core:.4f})"
         if mode == "sequence":
             out[mode]["per_sequence"] = {"prompt": mine.per_sequence, "refresh": mine.refresh,
                                          "score": mine.sequence_score}

@@ -339,3 +339,13 @@ def test_group_rule_picks_per_module():
     assert isinstance(group_rules.group_rule(cfg, "attn"), group_rules.SkipSmallest)
     assert isinstance(group_rules.group_rule(cfg, "ffn"), group_rules.Independent)
     assert isinstance(group_rules.group_rule(wide.WideConfig(), "attn"), group_rules.Independent)
+
+
+def test_records_name_the_rule():
+    from wide.commands.runs import routing_name
+    from wide.method.config import routing_name as config_name
+
+    assert config_name() == "token" and config_name(attn_rule="skip_smallest", attn_skip=2) == "skip_smallest2"
+    assert config_name(4, "previous", "skip_smallest", 1) == "tile4prev+skip_smallest1"
+    assert routing_name({"wide_config": {"attn_rule": "skip_smallest", "attn_skip": 1}}) == "skip_smallest1"
+    assert routing_name({"wide_config": {"route_tile": 8}}) == "tile8"  # a directory predating the rule

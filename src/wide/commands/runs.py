@@ -720,9 +720,11 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
 
 def routing_name(meta: dict) -> str:
     """The routing rule of saved routers, as records name it: "token", or "tile<N>" (and
-    "tile<N>prev") for route_tile N > 1 (docs/routing_structure.md)."""
+    "tile<N>prev") for route_tile N > 1, "skip_smallest<k>" for attention skipping the k
+    smallest margins (docs/routing_structure.md)."""
     cfg = meta.get("wide_config") or {}
-    return config_routing_name(cfg.get("route_tile", 1), cfg.get("tile_source", "first"))
+    return config_routing_name(cfg.get("route_tile", 1), cfg.get("tile_source", "first"),
+                               cfg.get("attn_rule", "independent"), cfg.get("attn_skip", 1))
 
 
 def training_fields(meta: Optional[dict]) -> dict:

@@ -34,12 +34,16 @@ PREDATES = {"route_tile": 1, "router_init": "random", "budget": "global", "tile_
 START_ONLY = frozenset({"router_init"})
 
 
-def routing_name(route_tile: int = 1, tile_source: str = "first") -> str:
+def routing_name(route_tile: int = 1, tile_source: str = "first", attn_rule: str = "independent",
+                 attn_skip: int = 1) -> str:
     """How records and engines name a routing rule: "token", "tile<N>" (a tile's first token
-    decides) or "tile<N>prev" (the previous tile's mean input decides)."""
-    if route_tile == 1:
-        return "token"
-    return f"tile{route_tile}" + ("prev" if tile_source == "previous" else "")
+    decides) or "tile<N>prev" (the previous tile's mean input decides); with attention skipping
+    the k smallest margins, "skip_smallest<k>" (the engine's name) after a tile rule's "+"."""
+    base = "token" if route_tile == 1 else f"tile{route_tile}" + ("prev" if tile_source == "previous" else "")
+    if attn_rule == "skip_smallest":
+        rule = f"skip_smallest{attn_skip}"
+        return rule if base == "token" else f"{base}+{rule}"
+    return base
 
 
 def with_predating(saved: dict) -> dict:
