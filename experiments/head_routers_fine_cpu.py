@@ -224,6 +224,11 @@ def parse(argv):
                      help="with --skip-one --per-sequence P: on the first --eval-sequences held-out windows under "
                           "DIR's per-token rule, how the per-sequence choice relates to the per-token one and to the "
                           "oracle's over the tokens t >= P (see choice_stats)")
+    own.add_argument("--skip-share", type=float, default=None, metavar="S",
+                     help="with --skip-one --eval: only about S of the tokens skip their smallest-margin group, "
+                          "per layer those whose smallest margin is under the S-quantile of --share-sequences "
+                          "calibration sequences (0.78 x 29/30 x 1/3 = 0.25 attention-core sparsity)")
+    own.add_argument("--share-sequences", type=int, default=16, help="calibration sequences of --skip-share")
     own.add_argument("--score-from", type=int, nargs="+", default=None, metavar="S",
                      help="with --eval or --oracle: also the perplexity over the predictions at positions t >= S "
                           "(default: --per-sequence's P)")
@@ -241,6 +246,9 @@ def parse(argv):
         raise SystemExit("--router-input query is an option of --skip-one")
     if mine.router_input == "query" and (mine.per_sequence is not None or mine.choice_stats):
         raise SystemExit("--router-input query has no per-sequence rule (--per-sequence, --choice-stats)")
+    if mine.skip_share is not None and not (mine.eval and mine.skip_one and mine.per_sequence is None
+                                            and 0.0 < mine.skip_share <= 1.0):
+        raise SystemExit("--skip-share S (0 < S <= 1) is a rule of --skip-one --eval, per token")
     if mine.score_from is None and mine.per_sequence is not None:
         mine.score_from = [mine.per_sequence]
     if mine.eval:
@@ -341,6 +349,8 @@ class SkipOne:
         self.query = query
         self.in_query = False  # set while the q_proj hook routes
         self.scores, self.labels = {}, {}
+        self.mins = None  # layer -> [smallest margins per token], while calibrate_share collects
+        self.cut = None  # layer -> the smallest margin at or below which a token skips (--skip-share)
         if query:
             self.install_query()
 
@@ -390,7 +400,13 @@ class SkipOne:
             return None  # the norm's call: this layer routes from its q_proj's hook
         margin = choice_margin(router, x, self.input_only)
         if tau is None or not router.training:
-            return 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
+            mask = 1.0 - torch.nn.functional.one_hot(margin.argmin(-1), G).float()
+            low = margin.amin(-1)
+            if self.mins is not None:
+                self.mins.setdefault(layer, []).append(low.detach().flatten().float().cpu())
+            if self.cut is not None:  # --skip-share: only tokens whose smallest margin is low enough skip
+                mask = torch.where((low <= self.cut[layer]).unsqueeze(-1), mask, torch.ones_like(mask))
+            return mask
         if self.collect and torch.is_grad_enabled():
             self.scores[layer] = -margin
         scores = torch.cat([-margin, torch.zeros_like(margin[..., :1])], -1)
@@ -501,6 +517,23 @@ class PerSequence(SkipOne):
         return 1.0 - torch.nn.functional.one_hot(pick, router.num_groups).float()
 
 
+def calibrate_share(rule: SkipOne, model, ids: torch.Tensor, share: float, batch_size: int) -> dict:
+    """``--skip-share S``: per routed layer, the cut at the S-quantile of the tokens' smallest
+    margins on calibration text ``ids``, so that at inference about S of the tokens skip their
+    smallest-margin group and the rest skip nothing (the rule the training sampler's "skip
+    nothing" outcome allows; one scalar per layer, as an offset would be)."""
+    rule.cut, rule.mins = None, {}
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for batch in ids.split(batch_size):
+                model(input_ids=batch.to(device))
+        rule.cut = {i: torch.quantile(torch.cat(v), share).item() for i, v in rule.mins.items()}
+    finally:
+        rule.mins = None
+    return rule.cut
+
+
 def install_skip_one(model, dense, input_only: bool = False, collect: bool = False,
                      prompt=None, refresh: int = 0, vote: bool = False, query: bool = False) -> SkipOne:
     """Install :class:`SkipOne` (``query``: routing from the layers' queries), or with ``prompt``
@@ -599,6 +632,16 @@ def saved_router_input(rdir, wanted=None) -> str:
     return saved
 
 
+def share_ids() -> torch.Tensor:
+    """Calibration sequences (the calibration split of ``wide calibrate``'s defaults, the trials'
+    data and sequence length, decontaminated) for ``--skip-share``, loaded once."""
+    if not hasattr(share_ids, "ids"):
+        cal = build_parser().parse_args(["calibrate", "--out", "/dev/null"])
+        tok, _ = runs.load_tokenizer(cal)
+        share_ids.ids, _ = runs.calibration(cal, tok)
+    return share_ids.ids
+
+
 def run_eval(mine, rest) -> int:
     """``wide eval`` with ``rest``; with ``--skip-one`` every router set it loads routes by
     :class:`SkipOne` (installed right after ``load_recovered``, which ``cmd_eval`` looks up at
@@ -612,8 +655,12 @@ def run_eval(mine, rest) -> int:
         def load(model, rdir, *a, **kw):
             model = original(model, rdir, *a, **kw)
             query = saved_router_input(rdir, mine.router_input) == "query"
-            install_skip_one(model, mine.dense_layers, mine.input_choice, prompt=mine.per_sequence,
-                             refresh=mine.refresh, vote=mine.sequence_score == "vote", query=query)
+            rule = install_skip_one(model, mine.dense_layers, mine.input_choice, prompt=mine.per_sequence,
+                                    refresh=mine.refresh, vote=mine.sequence_score == "vote", query=query)
+            if mine.skip_share is not None:
+                cut = calibrate_share(rule, model, share_ids()[:mine.share_sequences], mine.skip_share, 4)
+                print(f"--skip-share {mine.skip_share}: cuts on the smallest margin per layer "
+                      + " ".join(f"{cut[i]:.2f}" for i in sorted(cut)), flush=True)
             print(f"{rdir}: at most one attention group skipped per token (exactly one at inference), "
                   f"dense layers {mine.dense_layers}" + (", choice from the input only" if mine.input_choice else "")
                   + (", routers reading the layer's query (q_proj's output)" if query else "")

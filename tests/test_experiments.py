@@ -671,6 +671,33 @@ def test_head_routers_skip_one_rule():
         model(input_ids=torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(6)))
     assert float(forward_sparsity(model).attn_rate) < 0.05
 
+def test_head_routers_skip_share_calibrates_the_rate():
+    # --skip-share S: per routed layer a cut on the smallest margin from calibration text, so about
+    # S of the tokens skip their smallest-margin group and the rest skip nothing
+    from wide.method.sparsity import forward_sparsity
+    from wide.method.state import get_state
+
+    trial = _script("head_routers_fine_cpu")
+    model = _heads_model(trial)
+    rule = trial.install_skip_one(model, [0])
+    state = get_state(model)
+    ids = torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(7))
+    cut = trial.calibrate_share(rule, model, ids, 0.5, 4)
+    assert sorted(cut) == [1, 2] and rule.mins is None
+    with torch.no_grad():
+        model(input_ids=ids)
+    for layer in (1, 2):
+        m = state.masks[(layer, "attn")]
+        skipped = (1 - m).sum(-1)
+        assert bool(((skipped == 0) | (skipped == 1)).all())
+        assert float((skipped == 1).float().mean()) == pytest.approx(0.5, abs=0.02)
+    assert float(forward_sparsity(model).per_layer["attn"][1]) == pytest.approx(0.5 / 3, abs=0.01)
+    assert trial.calibrate_share(rule, model, ids, 1.0, 4) and rule.cut is not None
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert bool(((1 - state.masks[(1, "attn")]).sum(-1) == 1).all())  # S = 1: every token skips one
+
+
 def test_head_routers_oracle_ce_and_input_choice():
     """The head-router trial's third rule (``--skip-one --oracle-ce W --input-choice``): in a routed
     training forward the label of every routed layer is the group of smallest contribution norm
