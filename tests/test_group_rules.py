@@ -165,7 +165,7 @@ def test_config_checks():
         wrapped(k=4)
     with pytest.raises(ValueError, match="has 3 layers"):
         wrapped(dense=(3,))
-    with pytest.raises(ValueError, match="attn_rule='skip_smallest' with it"):
+    with pytest.raises(ValueError, match="set attn_rule with it"):
         wide.WideConfig(attn_skip=2)
     with pytest.raises(ValueError, match="need attention routed"):
         wide.WideConfig(sparse_target="ffn", attn_rule="skip_smallest")
@@ -349,3 +349,36 @@ def test_records_name_the_rule():
     assert config_name(4, "previous", "skip_smallest", 1) == "tile4prev+skip_smallest1"
     assert routing_name({"wide_config": {"attn_rule": "skip_smallest", "attn_skip": 1}}) == "skip_smallest1"
     assert routing_name({"wide_config": {"route_tile": 8}}) == "tile8"  # a directory predating the rule
+
+
+# ------------------------------------------------------------------ at most k: skip_upto
+
+
+def test_skip_upto_skips_the_smallest_only_below_zero():
+    m = torch.tensor([[-2.0, -1.0, 3.0, 0.5], [1.0, 2.0, 3.0, 4.0], [-1.0, -3.0, -2.0, 5.0]])
+    runs = group_rules.SkipUpTo(2).runs(m)
+    assert runs.tolist() == [[False, False, True, True], [True, True, True, True], [True, False, False, True]]
+    assert group_rules.SkipUpTo(1).runs(m).tolist() == [[False, True, True, True], [True] * 4,
+                                                        [True, False, True, True]]
+    vals, share = group_rules.SkipUpTo(2).decision_margins(m)
+    assert share == 0.5 and torch.equal(vals.sort(-1).values, torch.tensor([[-2.0, -1.0], [1.0, 2.0], [-3.0, -2.0]]))
+
+
+def test_skip_upto_offsets_set_the_rate_in_the_records_and_the_engine():
+    # the rate moves with the offsets, so offset calibration sets it; the engine runs the same masks
+    model = wrapped(k=1, sparse_target="attention", attn_rule="skip_upto", loss_mode="groups")
+    ids = ids_of(4, 24, seed=8)
+    offsets = wide.calibrate_offsets(model, [ids], target=0.12)
+    assert set(offsets) == {"1.attn", "2.attn"}
+    with torch.no_grad(), wide.track_sparsity(model) as tracker, recording_masks(model) as rec:
+        ref = model(input_ids=ids).logits
+    sp = tracker.summary()
+    assert sp.attn_rate == pytest.approx(0.12, abs=0.01)  # layer 0 dense counts as 0
+    for layer in (1, 2):
+        skipped = (~rec[(layer, "attn")][0].bool()).sum(-1)
+        assert int(skipped.max()) <= 1 and 0 < float((skipped == 1).float().mean()) < 1
+    eng = wide.accelerate(model, backend="torch")
+    assert eng.routing == "skip_upto1"
+    assert rel(eng.logits(ids), ref) < 1e-5
+    with pytest.raises(ValueError, match="skips at most"):
+        wide.calibrate_offsets(model, [ids], target=0.3, mode="per_module")

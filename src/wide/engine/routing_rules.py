@@ -13,9 +13,9 @@ and decode loops call unconditionally (docs/routing_structure.md has the rules t
 * :class:`PreviousTileRule`: ``route_tile = N`` with ``tile_source="previous"``: tile k runs the
   routers' decision on the mean of tile k-1's router inputs; decode keeps each tile's running
   sum of inputs beside its mask.
-* :class:`SkipSmallestRule`: ``attn_rule="skip_smallest"``; the attention router gives margins
+* :class:`SkipSmallestRule`: ``attn_rule="skip_smallest"`` (or ``"skip_upto"``: at most k, below 0); the attention router gives margins
   (prefill and decode) and every token skips the ``k`` groups of smallest margin
-  (:func:`wide.method.group_rules.skip_smallest_runs`); the FFN routes per token.
+  (``wide.method.group_rules``' ``runs``); the FFN routes per token.
 * :class:`SharedRule`: batch-shared decode; the router gives margins and one group set is chosen
   for the whole batch (:func:`wide.kernels.batch_shared.batch_shared_mask`), so a decode step
   reads the weights of that set only. Prefill routes per token.
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..method.group_rules import skip_smallest_runs
+from ..method.group_rules import SkipSmallest, SkipUpTo
 
 
 class TokenRule:
@@ -257,7 +257,8 @@ class SharedRule(TokenRule):
 
 class SkipSmallestRule(TokenRule):
     """``attn_rule="skip_smallest"``: attention skips, per token, the ``k`` groups of smallest
-    margin; the FFN keeps the per-token rule. The router's margins come from the same launches
+    margin (``"skip_upto"``: those of them below 0; the margins carry the offsets, as the masked
+    path's do); the FFN keeps the per-token rule. The router's margins come from the same launches
     that give masks (the fused norm in decode, as for batch-shared decode), and the choice is a few
     elementwise ops, captured with the step. At batch 1 only the FFN's router is left to the
     GEMVs: they threshold each margin at 0 (the independent rule), which attention does not run."""
@@ -265,9 +266,10 @@ class SkipSmallestRule(TokenRule):
     margins = False
     defers = False
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, upto: bool = False):
         self.k = int(k)
-        self.name = f"skip_smallest{self.k}"
+        self.rule = (SkipUpTo if upto else SkipSmallest)(self.k)
+        self.name = f"{self.rule.name}{self.k}"
 
     def wants_margins(self, kind: str) -> bool:
         return kind == "attn"
@@ -281,25 +283,25 @@ class SkipSmallestRule(TokenRule):
         margin = ops.margins(i, kind, resid, normed)
         if margin is None:  # a layer kept dense
             return None
-        mask = skip_smallest_runs(margin, self.k)
+        mask = self.rule.runs(margin)
         return mask if valid is None else mask & valid[..., None]
 
     def decode(self, ops, i, kind, mask, pos, resid, normed, attn=None):
         if kind != "attn" or mask is None:
             return mask
-        return skip_smallest_runs(mask, self.k)  # mask holds the margins here (wants_margins)
+        return self.rule.runs(mask)  # mask holds the margins here (wants_margins)
 
 
 def make_rule(engine, batch_shared: bool) -> TokenRule:
     """The rule of an engine (the dense and fine engines' masks are None, which every rule passes on)."""
     tile = engine.cfg.route_tile if engine.cfg is not None else 1  # cfg: None unless the engine routes
-    if engine.cfg is not None and engine.cfg.attn_rule == "skip_smallest":
+    if engine.cfg is not None and engine.cfg.attn_rule in ("skip_smallest", "skip_upto"):
         if batch_shared or tile != 1:
             raise ValueError(
-                "the engine runs attn_rule='skip_smallest' with per-token routing only; these routers also ask for "
-                + ("batch-shared decode" if batch_shared else f"one mask per tile of {tile} tokens")
-                + " (the masked HF path runs skip_smallest with tiles)")
-        return SkipSmallestRule(engine.cfg.attn_skip)
+                f"the engine runs attn_rule={engine.cfg.attn_rule!r} with per-token routing only; these routers also "
+                "ask for " + ("batch-shared decode" if batch_shared else f"one mask per tile of {tile} tokens")
+                + " (the masked HF path runs the rule with tiles)")
+        return SkipSmallestRule(engine.cfg.attn_skip, upto=engine.cfg.attn_rule == "skip_upto")
     if batch_shared:
         if tile != 1:
             raise ValueError(f"the engine runs batch-shared decode for per-token routers only; these share one mask "

@@ -21,7 +21,7 @@ ROUTER_INPUTS = ("residual", "normed")
 ROUTER_INITS = ("random", "dense")
 BUDGETS = ("global", "layer")
 TILE_SOURCES = ("first", "previous")
-ATTN_RULES = ("independent", "skip_smallest")
+ATTN_RULES = ("independent", "skip_smallest", "skip_upto")
 
 
 # What wide did before each of these fields existed: a file that lacks one was written then, and
@@ -38,10 +38,11 @@ def routing_name(route_tile: int = 1, tile_source: str = "first", attn_rule: str
                  attn_skip: int = 1) -> str:
     """How records and engines name a routing rule: "token", "tile<N>" (a tile's first token
     decides) or "tile<N>prev" (the previous tile's mean input decides); with attention skipping
-    the k smallest margins, "skip_smallest<k>" (the engine's name) after a tile rule's "+"."""
+    the k smallest margins, "skip_smallest<k>" ("skip_upto<k>": at most k, those below 0; the
+    engine's names) after a tile rule's "+"."""
     base = "token" if route_tile == 1 else f"tile{route_tile}" + ("prev" if tile_source == "previous" else "")
-    if attn_rule == "skip_smallest":
-        rule = f"skip_smallest{attn_skip}"
+    if attn_rule in ("skip_smallest", "skip_upto"):
+        rule = f"{attn_rule}{attn_skip}"
         return rule if base == "token" else f"{base}+{rule}"
     return base
 
@@ -135,10 +136,11 @@ class WideConfig:
     attn_rule: str = field(default="independent", metadata={
         "choices": ATTN_RULES,
         "help": "how attention groups are picked: independent (each group runs iff its margin is >= 0, the "
-                "paper's rule) or skip_smallest (every token skips exactly --attn-skip groups per routed layer, "
-                "those of smallest margin; offsets then change nothing)"})
+                "paper's rule), skip_smallest (every token skips exactly --attn-skip groups per routed layer, "
+                "those of smallest margin; offsets then change nothing) or skip_upto (at most --attn-skip: "
+                "those of the smallest margins that are below 0, so offsets set the rate)"})
     attn_skip: int = field(default=1, metadata={
-        "help": "attention groups each token skips per routed layer under --attn-rule skip_smallest "
+        "help": "attention groups each token skips (skip_smallest) or may skip (skip_upto) per routed layer "
                 "(at least 1, fewer than the layer's groups)", "min": 1})
     # Layer 0's attention is the worst to prune (the oracle of issue 48 keeps it dense): these
     # layers get no attention router, and the rates count them as skipping nothing.
@@ -164,7 +166,7 @@ class WideConfig:
                 raise ValueError("attn_rule and attn_dense_layers shape attention routing: they need attention routed "
                                  "per group (sparse_target 'attention' or 'all', modules not tied)")
         if self.attn_rule == "independent" and self.attn_skip != 1:
-            raise ValueError("attn_skip is the skip_smallest rule's count: set attn_rule='skip_smallest' with it")
+            raise ValueError("attn_skip is the skip_smallest / skip_upto rules' count: set attn_rule with it")
         if any(isinstance(i, bool) or not isinstance(i, int) for i in self.attn_dense_layers):
             raise ValueError(f"attn_dense_layers takes layer indices (ints), got {self.attn_dense_layers}")
         if len(set(self.attn_dense_layers)) != len(self.attn_dense_layers):

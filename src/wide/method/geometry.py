@@ -113,8 +113,8 @@ def resolve_geometry(dims: ModelDims, config: WideConfig) -> Geometry:
             f"sizes that divide it and suit the GPU kernels (multiples of 16): {good}"
         )
     groups = dims.num_heads // attn
-    if config.attn_rule == "skip_smallest" and not 1 <= config.attn_skip < groups:
-        raise ValueError(f"attn_skip={config.attn_skip}: the skip_smallest rule skips at least 1 and fewer than the "
+    if config.attn_rule != "independent" and not 1 <= config.attn_skip < groups:
+        raise ValueError(f"attn_skip={config.attn_skip}: the {config.attn_rule} rule skips at least 1 and fewer than the "
                          f"{groups} attention groups of this model (attn_group_size={attn})")
     far = [i for i in config.attn_dense_layers if i >= dims.num_layers]
     if far:

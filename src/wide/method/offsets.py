@@ -83,6 +83,8 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     if not batches:
         raise ValueError("offset calibration needs at least one batch")
 
+    scales: dict = {}  # (layer, kind) -> share of groups one decision value stands for
+
     def collect() -> dict:
         margins: dict = {}
 
@@ -94,7 +96,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
                 # (modeling's own, looked up at each call as before the split: trials patch it,
                 # experiments/tile_modules_cpu.py)
                 weight = modeling._decision_weights(state, x).flatten().long()
-                m = r.gap(x).flatten(0, -2)
+                m, scales[(layer, kind)] = group_rule(cfg, kind).decision_margins(r.gap(x).flatten(0, -2))
                 # Kept on the model's device, where sorting them is quick: on the host, the old
                 # comparison of every margin at each of the 50 bisection steps took 6 s a round
                 # on 2 cores at an eighth of a GPU run's 262k tokens x 99 groups x 30 layers.
@@ -109,7 +111,7 @@ def calibrate_offsets(model, batches, target: Optional[float] = None, mode: str 
     # second pass with the first pass's offsets in place settles that.
     for _round in range(rounds):
         # not held in a name: one round's margins (GBs on a GPU run) are freed before the next
-        _set_offsets(model, state, collect(), routers, target, mode, fixed)
+        _set_offsets(model, state, collect(), routers, target, mode, fixed, scales)
     return {f"{layer}.{kind}": float(r.offset) for layer, kind, r in routers}
 
 
@@ -142,12 +144,14 @@ def _skipped_share(sorted_margins: torch.Tensor, shift: float) -> float:
     return int(torch.searchsorted(sorted_margins, thr)) / sorted_margins.numel()
 
 
-def _set_offsets(model, state, margins, routers, target, mode, fixed=None) -> None:
+def _set_offsets(model, state, margins, routers, target, mode, fixed=None, scales=None) -> None:
     """margins: (layer, kind) -> that module's margins, flattened and sorted ascending. A module
     that decided for no token keeps its offset. ``fixed``: (layer, kind) -> the share of groups a
     module skips whatever the offsets (a skip_smallest router, a layer kept dense), which the
-    global rate counts as the records do."""
+    global rate counts as the records do. ``scales``: (layer, kind) -> the share of groups each
+    margin value stands for (a skip_upto router: k / G, its tokens' k smallest margins; else 1)."""
     fixed = fixed or {}
+    scales = scales or {}
     margins = {k: v for k, v in margins.items() if v.numel()}
     if not margins:
         raise ValueError("offset calibration saw no router decision: are the batches empty?")
@@ -156,7 +160,11 @@ def _set_offsets(model, state, margins, routers, target, mode, fixed=None) -> No
             # offset = -threshold: a group runs iff margin + offset >= 0; the quantile as
             # torch.quantile interpolates it (rank and weight in the margins' fp32), which it
             # refuses to do past 16M values (262k tokens x 96 groups is 25M)
-            rank = torch.tensor(target, dtype=v.dtype) * (v.numel() - 1)
+            scale = scales.get((layer, kind), 1.0)
+            if target > scale:
+                raise ValueError(f"router {layer}.{kind} skips at most {scale:.3f} of its groups "
+                                 f"(attn_rule={state.config.attn_rule!r}): per_module cannot reach {target}")
+            rank = torch.tensor(target / scale, dtype=v.dtype) * (v.numel() - 1)
             i = min(int(rank.floor()), v.numel() - 1)
             j = min(int(rank.ceil()), v.numel() - 1)
             q = float(torch.lerp(v[i], v[j], (rank - i).to(v.device)))
@@ -168,7 +176,7 @@ def _set_offsets(model, state, margins, routers, target, mode, fixed=None) -> No
             sums = {key: (torch.tensor(share * state.geometry.groups(key[1])),
                           torch.tensor(float(state.geometry.groups(key[1])))) for key, share in fixed.items()}
             for (layer, kind), v in margins.items():
-                share = _skipped_share(v, shift)
+                share = _skipped_share(v, shift) * scales.get((layer, kind), 1.0)
                 for k in (KINDS if cfg.tie_modules else (kind,)):
                     g = state.geometry.groups(k)
                     sums[(layer, k)] = (torch.tensor(share * g), torch.tensor(float(g)))
