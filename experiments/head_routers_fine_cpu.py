@@ -208,6 +208,16 @@ def parse(argv):
                      help="with --skip-one: load DIR (routers + learned thresholds), shift every log threshold so the "
                           "linear sparsity under the rule is --linear-target on the --offset-batches calibration "
                           "batches (shift_to_target, as --joint ends), and save the set to --out/routers")
+    own.add_argument("--to-library", metavar="DIR", default=None,
+                     help="with --skip-one: convert DIR (routers trained by this script + their thresholds) into a "
+                          "set the library runs alone (--library-rule, layers --dense-layers kept dense, the "
+                          "--input-choice bias folded in), offsets calibrated to --library-target, saved to "
+                          "--out/routers: `wide eval|generate --routers` and the engine read it, no --eval hook")
+    own.add_argument("--library-rule", choices=["skip_upto", "skip_smallest"], default="skip_upto")
+    own.add_argument("--library-target", type=float, default=0.25,
+                     help="--to-library skip_upto: attention-core sparsity over all layers (dense ones at 0)")
+    own.add_argument("--library-offsets", choices=["per_module", "global"], default="per_module",
+                     help="--to-library skip_upto: one rate per routed layer (as --skip-share) or one shift for all")
     own.add_argument("--eval", action="store_true",
                      help="run `wide eval` with the rest of the command line (with --skip-one: under that rule)")
     own.add_argument("--per-sequence", type=int, default=None, metavar="P",
@@ -773,6 +783,8 @@ def main(argv=None) -> dict:
         return choice_stats(mine, args)
     if mine.reshift:
         return reshift(mine, args)
+    if mine.to_library:
+        return to_library(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -934,6 +946,70 @@ def reshift(mine, args) -> dict:
     atomic_write_text(Path(args.out) / "reshift.json", json.dumps(run, indent=2))
     print(f"{mine.reshift}: linear sparsity {before:.4f}, thresholds shifted by {shift:+.4f} to {after:.4f}; saved "
           f"{Path(args.out) / FINAL_DIR} ({run['total_s']:.0f}s)", flush=True)
+    return run
+
+
+@torch.no_grad()
+def to_library(mine, args) -> dict:
+    """--to-library: the same routers and thresholds as a library set (``WideConfig.attn_rule``,
+    ``attn_dense_layers``): layer 0's zeroed router dropped, the input-only choice folded into the
+    biases (each group's exec-skip bias difference set to the groups' mean: the plain margin is
+    then the choice margin :func:`choice_margin` used), the offsets calibrated for skip_upto."""
+    import dataclasses
+
+    import wide
+    from wide.training.recovery import load_recovered
+
+    if not mine.skip_one:
+        raise SystemExit("--to-library converts --skip-one routers: add --skip-one")
+    t0 = time.perf_counter()
+    tok, _ = runs.load_tokenizer(args)
+    train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
+    src, tok, _ = runs.load_model(args, tok)
+    src = load_recovered(src, mine.to_library)
+    old = modeling.get_state(src).config
+    cfg = dataclasses.replace(old, attn_rule=mine.library_rule, attn_skip=1,
+                              attn_dense_layers=sorted(set(mine.dense_layers)))
+    model, tok, _ = runs.load_model(args, tok)
+    modeling.wrap(model, cfg)
+    frozen_thresholds(model, mine.to_library)
+    for i, (a, b) in enumerate(zip(src.wide_routers, model.wide_routers)):
+        if b.attn is None:
+            continue
+        b.attn.load_state_dict(a.attn.state_dict())
+        if mine.input_choice:
+            bias = b.attn.up.bias.view(b.attn.num_groups, 2)
+            d = bias[:, 0] - bias[:, 1]
+            bias[:, 0] -= d - d.mean()
+        b.attn.offset.zero_()
+    del src
+    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+    offsets = {}
+    if mine.library_rule == "skip_upto":
+        n = len(model.wide_routers)
+        routed = n - len(cfg.attn_dense_layers)
+        # per_module: every routed layer skips the same share (the dense ones count 0 in the rate)
+        target = mine.library_target * n / routed if mine.library_offsets == "per_module" else mine.library_target
+        offsets = wide.calibrate_offsets(model, batches, target=target, mode=mine.library_offsets)
+    with torch.no_grad(), wide.track_sparsity(model) as tracker:
+        for b in batches:
+            model(input_ids=b.to(next(model.parameters()).device))
+    sp = tracker.summary()
+    meta = json.loads((Path(mine.to_library) / CONFIG_FILE).read_text())
+    run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]),
+           "source": mine.to_library, "rule": mine.library_rule, "dense_layers": cfg.attn_dense_layers,
+           "input_choice_folded": bool(mine.input_choice), "target": mine.library_target,
+           "offsets_mode": mine.library_offsets, "offsets": offsets,
+           "calibration_attn_rate": float(sp.attn_rate),
+           "calibration_linear": None if sp.linear_rate is None else float(sp.linear_rate),
+           "sequences": sum(len(b) for b in batches), "total_s": time.perf_counter() - t0,
+           "machine": runs.machine(), "date": datetime.date.today().isoformat()}
+    save_routers(model, Path(args.out) / FINAL_DIR,
+                 extra={"run": {**(meta.get("run") or {}), "to_library": run}, "method": meta.get("method", "wide")})
+    atomic_write_text(Path(args.out) / "to_library.json", json.dumps(run, indent=2))
+    print(f"{mine.to_library} -> {Path(args.out) / FINAL_DIR}: attn_rule={mine.library_rule}, dense layers "
+          f"{cfg.attn_dense_layers}, attention rate on calibration text {float(sp.attn_rate):.4f} "
+          f"({run['total_s']:.0f}s)", flush=True)
     return run
 
 
