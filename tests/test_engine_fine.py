@@ -339,3 +339,118 @@ def test_fine_max_batch_decodes_dense_above_it():
             wide.accelerate(model, backend="torch", mode="fine", fine_max_batch=bad)
     with pytest.raises(ValueError, match="fine_max_batch"):
         wide.accelerate(model, backend="torch", mode="hybrid", fine_max_batch=2)
+
+
+# ---------------------------------------------------------------- fp32 sums (fine_sums)
+def _launches(monkeypatch):
+    """Records, per fine_gemv launch of the engine, whether it added into sums (acc_out) or
+    cleared a buffer (clear), and which buffer."""
+    from wide.engine import fine_engine
+
+    calls = []
+    real = fine_engine.fine_gemv
+
+    def spy(*a, **kw):
+        calls.append((kw.get("acc_out"), kw.get("clear")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fine_engine, "fine_gemv", spy)
+    return calls
+
+
+def _same_buffer(t, buf, B):
+    return t is not None and t.data_ptr() == buf.data_ptr() and tuple(t.shape) == (B, buf.shape[1])
+
+
+@pytest.mark.parametrize("criterion", ["magnitude", "wina"])
+def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
+    # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads:
+    # the same logits as GEMVs that round their own outputs and as the PyTorch path, over batch
+    # sizes that change between steps (rows a larger batch left in the down sums are cleared
+    # before the next step adds). WINA: q, k, v (and gate, up) in launches of their own, the
+    # sums cleared by the first of them only.
+    model = model_with_thresholds(seed=5, routers=False, criterion=criterion)
+    ids = ids_of(4, 13, seed=21)
+    fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
+    ref = wide.accelerate(model, backend="torch", mode="fine")
+    assert (fp32.fine_sums, rounded.fine_sums) == ("fp32", "rounded")
+    ops = fp32.decode_ops
+    H, L = model.config.hidden_size, len(fp32.layers)
+    calls = _launches(monkeypatch)
+    for B in (2, 4, 1, 4):
+        for e in (fp32, rounded, ref):
+            e.setup_cache(B, 32)
+            e.prefill(ids[:B, :9])
+        for t in range(9, 11):
+            pos = torch.full((B,), t, dtype=torch.long)
+            calls.clear()
+            got = fp32.decode(ids[:B, t], pos)
+            launches = list(calls)
+            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
+            assert torch.equal(got, want), (B, t)  # the interpreter adds the sums in one order
+            assert rel(got, slow) < 1e-5, (B, t)
+            # between steps: o sums zero, down sums the last layer's (read by the final norm)
+            assert torch.all(ops.o_sum == 0) and bool(ops.down_sum[:B].abs().sum() > 0)
+            per_layer = len(launches) // L
+            acc = [a for a, _ in launches if a is not None]
+            clr = [c for _, c in launches if c is not None]
+            assert len(acc) == len(clr) == 2 * L
+            assert all(_same_buffer(a, ops.o_sum if k % 2 == 0 else ops.down_sum, B) for k, a in enumerate(acc))
+            assert all(_same_buffer(c, ops.down_sum if k % 2 == 0 else ops.o_sum, B) for k, c in enumerate(clr))
+            assert per_layer == (4 if criterion == "magnitude" else 3 + 1 + 2 + 1)  # wina: q, k, v, o, gate, up, down
+            assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
+    prompt = ids_of(1, 7, seed=8)[0].tolist()
+    assert fp32.generate([prompt], max_new_tokens=5).tokens == rounded.generate([prompt], max_new_tokens=5).tokens \
+        == ref.generate([prompt], max_new_tokens=5).tokens
+    # two [MAX_T, H] fp32 buffers per engine, whatever the model's depth
+    from wide.kernels.fine_gemv import MAX_T
+    assert ops.o_sum.shape == ops.down_sum.shape == (MAX_T, H) and ops.o_sum.dtype == torch.float32
+    assert ops.o_sum.untyped_storage().nbytes() + ops.down_sum.untyped_storage().nbytes() == 2 * MAX_T * H * 4
+
+
+def test_fp32_sums_in_half_precision():
+    # fp16 (bf16's rounding, on the interpreter): the norm rounds the fp32 sums to fp16 before
+    # the residual add, which is what the GEMV's epilogue did: the same bits.
+    model = model_with_thresholds(seed=6, routers=False).half()
+    ids = ids_of(2, 12, seed=22)
+    fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
+    for e in (fp32, rounded):
+        e.setup_cache(2, 32)
+        e.prefill(ids[:, :9])
+    for t in range(9, 12):
+        pos = torch.full((2,), t, dtype=torch.long)
+        got, want = fp32.decode(ids[:, t], pos), rounded.decode(ids[:, t], pos)
+        assert torch.equal(got, want), t
+        assert bool(fp32.decode_ops.down_sum[:2].abs().sum() > 0) and torch.all(fp32.decode_ops.o_sum == 0)
+
+
+def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(monkeypatch):
+    # The atomic adds into the sums have no fixed order: deterministic mode keeps the ordered
+    # GEMVs that round their own outputs. Batches above MAX_T run GEMMs, with no sums either.
+    model = model_with_thresholds(seed=7, routers=False)
+    ids = ids_of(5, 12, seed=23)
+    eng = wide.accelerate(model, backend="triton", mode="fine")
+    ref = wide.accelerate(model, backend="torch", mode="fine")
+    calls = _launches(monkeypatch)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for e in (eng, ref):
+            e.setup_cache(2, 32)
+            e.prefill(ids[:2, :9])
+        pos = torch.full((2,), 9, dtype=torch.long)
+        assert rel(eng.decode(ids[:2, 9], pos), ref.decode(ids[:2, 9], pos)) < 1e-5
+        assert calls and not any(a is not None or c is not None for a, c in calls)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.all(eng.decode_ops.o_sum == 0) and torch.all(eng.decode_ops.down_sum == 0)
+    calls.clear()
+    check_decode(model, eng, "fine", batches=(5,), start=9, end=11)
+    assert not any(a is not None or c is not None for a, c in calls)
+
+
+def test_fine_sums_refused_values():
+    model = model_with_thresholds(seed=2, routers=False)
+    for bad in ("bf16", None, True):
+        with pytest.raises(ValueError, match="fine_sums must be one of"):
+            wide.accelerate(model, backend="triton", mode="fine", fine_sums=bad)

@@ -31,6 +31,21 @@ engine on the kernels decodes such batches with the dense weights instead, and m
 batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
 fixes the limit).
 
+fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``, the default). A GEMV's split-K
+programs add into fp32 sums; rounding them to the model's dtype takes a ticket per column slice
+and a last program that reads, rounds, stores and clears, which the next norm then reads back.
+In a ``fine`` decode step of up to MAX_T tokens the o and down GEMVs instead add into two
+engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and the next fused norm (the FFN norm
+after o, the next layer's attention norm or the final norm after down) rounds each sum to the
+model's dtype before the residual add, as the epilogue did: the same values. The re-arming
+zeros ride on launches that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears
+the down sums (the attention norm has read them), its gate|up the o sums (the FFN norm has).
+On an H100 (Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md,
+2026-12-07) the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6 and
+down in 23.8 against 26.2 (read floors 7.3 and 20.8). Deterministic algorithms keep the ordered,
+rounding GEMVs (atomic adds have no fixed order); hybrid, the torch backend, batches above
+MAX_T and ``fine_sums="rounded"`` round in each GEMV as before.
+
 The Triton backend reads the weights in the transposed layout of the kernels
 (:func:`~wide.kernels.fine_gemv.fine_layout`), built when the first fine or hybrid engine of a
 model is made and shared by every later one (:func:`layouts`). A ``fine`` engine keeps that
@@ -256,6 +271,12 @@ class FineTritonOps(_FineDecode, TritonOps):
         # need the token lists.
         return None if mask is None or mask.shape[0] <= MAX_T else super().index(mask)
 
+    def _sums(self, B: int):
+        """``(o sums, down sums)``: fp32 ``[B, H]`` buffers that this step's o and down GEMVs add
+        into, for the next norm to read (:class:`FineOnlyTritonOps`), or None: each GEMV rounds
+        its own output."""
+        return None
+
     def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
         f = L.fine
         for j in (Q, K, V):
@@ -264,12 +285,18 @@ class FineTritonOps(_FineDecode, TritonOps):
             q = (self._masked_q(L, h, f, False) if mask is None
                  else self._q_proj(L, _kept(f, Q, h), flat_mask(mask), route))
             return q, self._masked_kv(L, h, f, False)
+        sums = self._sums(h.shape[0])
+        # This layer's attention norm, the down sums' reader, came before in stream order, and
+        # this layer's down GEMV, their next writer, comes after: re-armed here, in a launch
+        # that runs anyway.
+        clear = None if sums is None else sums[1]
         if f.qkv_one_scale:
-            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q])
+            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q], clear=clear)
         else:
             out = torch.empty(h.shape[0], f.segs[-1], dtype=h.dtype, device=h.device)
             for j, (lo, hi) in zip((Q, K, V), zip(f.segs[:-1], f.segs[1:])):
-                fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi])
+                fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi], clear=clear)
+                clear = None  # zeroed once
         nq = f.segs[1]
         return out[:, :nq], out[:, nq:]
 
@@ -280,6 +307,10 @@ class FineTritonOps(_FineDecode, TritonOps):
         self._note(f, O, att, rows=m, group=gs)
         if att.shape[0] > MAX_T:
             return super().o_proj(L, _kept(f, O, att), mask, route)
+        sums = self._sums(att.shape[0])
+        if sums is not None:  # zero here: the previous layer's gate|up cleared them
+            return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
+                             group_size=None if m is None else gs, acc_out=sums[0])
         return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
                          group_size=None if m is None else gs)
 
@@ -291,6 +322,9 @@ class FineTritonOps(_FineDecode, TritonOps):
             self._note(f, j, h, cols=m)
         large = h.shape[0] > MAX_T
         route = self.index(m) if large and m is not None else None
+        sums = None if large else self._sums(h.shape[0])
+        # this layer's ffn norm has read the o sums: re-armed for the next layer's o GEMV
+        clear = None if sums is None else sums[0]
         if large:
             u = self._ffn_up_large(L, h, f, m, route)
         else:
@@ -299,22 +333,26 @@ class FineTritonOps(_FineDecode, TritonOps):
                 # gate|up in one fine_gemv, silu(gate) * up written by the last program of each
                 # column slice (the same bits as silu_mul after it, one launch fewer per layer)
                 u = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                              scale=f.scale[GATE], glu=True)
+                              scale=f.scale[GATE], glu=True, clear=clear)
             else:
                 if f.gu_one_scale:
                     # gate|up in one fine_gemv (a threshold per segment). It reads the gate/up rows
                     # of skipped FFN groups too; silu_mul zeroes their products.
                     gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                                   scale=f.scale[GATE])
+                                   scale=f.scale[GATE], clear=clear)
                 else:
                     gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
-                    fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
+                    fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter],
+                              clear=clear)
                     fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
                 u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         self._note(f, DOWN, u, rows=m, group=gs)
         if large:
             ud = _kept(f, DOWN, u)
             return F.linear(ud, L.wd) if m is None else self._reduce_k(ud, L.wd, m, gs, route)
+        if sums is not None:  # zero here: this layer's q|k|v cleared them
+            return fine_gemv(u, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], group_mask=m,
+                             group_size=None if m is None else gs, acc_out=sums[1])
         return fine_gemv(u, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], group_mask=m,
                          group_size=None if m is None else gs)
 
@@ -328,7 +366,27 @@ class FineTritonOps(_FineDecode, TritonOps):
 
 
 class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
-    """``fine`` decode on the kernels: no router runs, every mask is None."""
+    """``fine`` decode on the kernels: no router runs, every mask is None. With
+    ``fine_sums="fp32"`` (the default) and deterministic algorithms off, the o and down GEMVs of
+    a step of up to MAX_T tokens add into the fp32 sums that the next norm reads (module
+    docstring, "fp32 sums")."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        # [MAX_T, H] each (128 KiB for H = 4096), zero from the start; a step of B tokens uses
+        # rows [:B] (contiguous). Invariant between steps: o_sum all zero; down_sum[:B'] holds the
+        # last fine step's last-layer sums, which the next fine step's layer-0 q|k|v clears
+        # (whatever its batch) before any down GEMV adds. A CUDA-graph capture's warm-up runs
+        # whole steps (GraphCapture), which keep this, so the buffers need no restoring there.
+        self.o_sum = torch.zeros(MAX_T, engine.hidden, dtype=torch.float32, device=engine.device)
+        self.down_sum = torch.zeros_like(self.o_sum)
+
+    def _sums(self, B: int):
+        # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
+        # ordered GEMVs round their own outputs as before.
+        if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
+            return None
+        return self.o_sum[:B], self.down_sum[:B]
 
 
 def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:
