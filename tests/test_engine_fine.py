@@ -358,17 +358,25 @@ def _launches(monkeypatch):
     return calls
 
 
-def _same_buffer(t, buf, B):
-    return t is not None and t.data_ptr() == buf.data_ptr() and tuple(t.shape) == (B, buf.shape[1])
+def _which(t, ops, B):
+    """The engine buffer whose rows [:B] ``t`` is (its name), or None."""
+    if t is None:
+        return None
+    for name in ("o_sum", "down_sum", "qkv_sum"):
+        buf = getattr(ops, name)
+        if t.data_ptr() == buf.data_ptr() and tuple(t.shape) == (B, buf.shape[1]):
+            return name
+    return "another"
 
 
 @pytest.mark.parametrize("criterion", ["magnitude", "wina"])
 def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
-    # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads:
-    # the same logits as GEMVs that round their own outputs and as the PyTorch path, over batch
-    # sizes that change between steps (rows a larger batch left in the down sums are cleared
-    # before the next step adds). WINA: q, k, v (and gate, up) in launches of their own, the
-    # sums cleared by the first of them only.
+    # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads,
+    # q|k|v into sums that the RoPE launch rounds, reads and clears: the same logits as GEMVs
+    # that round their own outputs and as the PyTorch path, over batch sizes that change
+    # between steps (rows a larger batch left in the down sums are cleared before the next step
+    # adds). WINA: q, k, v (and gate, up) in launches of their own that round (no contiguous
+    # sums), the down sums cleared by the first of them only.
     model = model_with_thresholds(seed=5, routers=False, criterion=criterion)
     ids = ids_of(4, 13, seed=21)
     fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
@@ -389,15 +397,15 @@ def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
             want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
             assert torch.equal(got, want), (B, t)  # the interpreter adds the sums in one order
             assert rel(got, slow) < 1e-5, (B, t)
-            # between steps: o sums zero, down sums the last layer's (read by the final norm)
-            assert torch.all(ops.o_sum == 0) and bool(ops.down_sum[:B].abs().sum() > 0)
-            per_layer = len(launches) // L
-            acc = [a for a, _ in launches if a is not None]
-            clr = [c for _, c in launches if c is not None]
-            assert len(acc) == len(clr) == 2 * L
-            assert all(_same_buffer(a, ops.o_sum if k % 2 == 0 else ops.down_sum, B) for k, a in enumerate(acc))
-            assert all(_same_buffer(c, ops.down_sum if k % 2 == 0 else ops.o_sum, B) for k, c in enumerate(clr))
-            assert per_layer == (4 if criterion == "magnitude" else 3 + 1 + 2 + 1)  # wina: q, k, v, o, gate, up, down
+            # between steps: o and q|k|v sums zero, down sums the last layer's (read by the final norm)
+            assert torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
+            assert bool(ops.down_sum[:B].abs().sum() > 0)
+            if criterion == "magnitude":  # q|k|v, o, gate|up, down
+                layer = [("qkv_sum", "down_sum"), ("o_sum", None), (None, "o_sum"), ("down_sum", None)]
+            else:  # q, k, v, o, gate, up, down
+                layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", None), (None, "o_sum"),
+                         (None, None), ("down_sum", None)]
+            assert [(_which(a, ops, B), _which(c, ops, B)) for a, c in launches] == layer * L
             assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
     prompt = ids_of(1, 7, seed=8)[0].tolist()
     assert fp32.generate([prompt], max_new_tokens=5).tokens == rounded.generate([prompt], max_new_tokens=5).tokens \
@@ -406,12 +414,16 @@ def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
     from wide.kernels.fine_gemv import MAX_T
     assert ops.o_sum.shape == ops.down_sum.shape == (MAX_T, H) and ops.o_sum.dtype == torch.float32
     assert ops.o_sum.untyped_storage().nbytes() + ops.down_sum.untyped_storage().nbytes() == 2 * MAX_T * H * 4
+    c = model.config
+    assert ops.qkv_sum.shape == (MAX_T, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
 
 
-def test_fp32_sums_in_half_precision():
-    # fp16 (bf16's rounding, on the interpreter): the norm rounds the fp32 sums to fp16 before
-    # the residual add, which is what the GEMV's epilogue did: the same bits.
-    model = model_with_thresholds(seed=6, routers=False).half()
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fp32_sums_in_half_precision(model_type):
+    # fp16 (bf16's rounding, on the interpreter): the norms and the RoPE launch round the fp32
+    # sums to fp16 before the residual add / the q|k|v bias (Qwen2) and q/k norms (Qwen3), which
+    # is what the GEMVs' epilogues did: the same bits.
+    model = model_with_thresholds(model_type, seed=6, routers=False).half()
     ids = ids_of(2, 12, seed=22)
     fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
     for e in (fp32, rounded):
@@ -421,7 +433,8 @@ def test_fp32_sums_in_half_precision():
         pos = torch.full((2,), t, dtype=torch.long)
         got, want = fp32.decode(ids[:, t], pos), rounded.decode(ids[:, t], pos)
         assert torch.equal(got, want), t
-        assert bool(fp32.decode_ops.down_sum[:2].abs().sum() > 0) and torch.all(fp32.decode_ops.o_sum == 0)
+        ops = fp32.decode_ops
+        assert bool(ops.down_sum[:2].abs().sum() > 0) and torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
 
 
 def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(monkeypatch):
@@ -443,7 +456,7 @@ def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(m
         assert calls and not any(a is not None or c is not None for a, c in calls)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert torch.all(eng.decode_ops.o_sum == 0) and torch.all(eng.decode_ops.down_sum == 0)
+    assert all(torch.all(t == 0) for t in (eng.decode_ops.o_sum, eng.decode_ops.down_sum, eng.decode_ops.qkv_sum))
     calls.clear()
     check_decode(model, eng, "fine", batches=(5,), start=9, end=11)
     assert not any(a is not None or c is not None for a, c in calls)

@@ -27,9 +27,9 @@ hybrid at target s splits it between routers and thresholds so that the linear M
 1 - s: routers at ``1 - sqrt(1 - s)`` and thresholds dropping as much inside the kept groups, or
 with ``--hybrid-router-sparsity R`` routers at R and thresholds at ``1 - (1 - s) / (1 - R)``; its
 records carry ``router_sparsity`` and ``fine_sparsity``.
-``--fine-sums fp32,rounded`` times the fine engine's decode both ways
-(``wide.accelerate(fine_sums=...)``: o and down adding into fp32 sums that the next norm reads, or
-each GEMV rounding its own output), one TPOT record each with its ``fine_sums``.
+``--fine-sums fp32,rounded`` times the fine engine's decode both ways (``wide.accelerate(fine_sums=...)``:
+q|k|v, o and down adding into fp32 sums that RoPE and the next norm read, or each GEMV rounding its
+own output), one TPOT record each with its ``fine_sums``.
 
 The benchmark only times the engine's public API; its correctness is checked by the tests
 (``tests/test_inference.py``, ``tests/test_engine_fine.py``, ``tests/test_kernels_*.py``, on the
@@ -313,9 +313,10 @@ def main(argv=None) -> int:
                     help="the hybrid's routers at this group sparsity and its thresholds at what reaches the target "
                          "(default: the two even, 1 - sqrt(1 - target) each)")
     ap.add_argument("--fine-sums", default="fp32",
-                    help="the fine engine's o and down sums, comma-separated: fp32 (added into fp32 sums that the "
-                         "next norm reads) and/or rounded (each GEMV rounds its own output); with both, TPOT of "
-                         "each as records of their own (fine_sums in the record); default: %(default)s")
+                    help="the fine engine's q|k|v, o and down sums, comma-separated: fp32 (added into fp32 sums "
+                         "that RoPE and the next norm read) and/or rounded (each GEMV rounds its own output); "
+                         "with both, TPOT of each as records of their own (fine_sums in the record); "
+                         "default: %(default)s")
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--decode-ctxs", default=None,
                     help="prompt lengths before the timed decode steps, comma-separated (TPOT at each with every "

@@ -34,17 +34,20 @@ fixes the limit).
 fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``, the default). A GEMV's split-K
 programs add into fp32 sums; rounding them to the model's dtype takes a ticket per column slice
 and a last program that reads, rounds, stores and clears, which the next norm then reads back.
-In a ``fine`` decode step of up to MAX_T tokens the o and down GEMVs instead add into two
-engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and the next fused norm (the FFN norm
-after o, the next layer's attention norm or the final norm after down) rounds each sum to the
-model's dtype before the residual add, as the epilogue did: the same values. The re-arming
-zeros ride on launches that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears
-the down sums (the attention norm has read them), its gate|up the o sums (the FFN norm has).
-On an H100 (Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md,
-2026-12-07) the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6 and
-down in 23.8 against 26.2 (read floors 7.3 and 20.8). Deterministic algorithms keep the ordered,
-rounding GEMVs (atomic adds have no fixed order); hybrid, the torch backend, batches above
-MAX_T and ``fine_sums="rounded"`` round in each GEMV as before.
+In a ``fine`` decode step of up to MAX_T tokens the q|k|v, o and down GEMVs instead add into
+three engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and their consumers round each
+sum to the model's dtype before using it, as the epilogue did: the same values. o's and down's
+consumer is the next fused norm (the FFN norm after o, the next layer's attention norm or the
+final norm after down); q|k|v's is the RoPE + KV-cache launch, which also zeros each head once
+read (``rope_decode(clear=True)``: each head is one program's). The other re-arming zeros ride
+on launches that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears the down sums
+(the attention norm has read them), its gate|up the o sums (the FFN norm has). On an H100
+(Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md, 2026-12-07)
+the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6, down in 23.8
+against 26.2 and q|k|v in 12.5 against 14.0 (read floors 7.3, 20.8 and 10.0). Deterministic
+algorithms keep the ordered, rounding GEMVs (atomic adds have no fixed order); hybrid, the
+torch backend, batches above MAX_T, q|k|v launched per projection (scales that differ) and
+``fine_sums="rounded"`` round in each GEMV as before.
 
 The Triton backend reads the weights in the transposed layout of the kernels
 (:func:`~wide.kernels.fine_gemv.fine_layout`), built when the first fine or hybrid engine of a
@@ -70,7 +73,7 @@ from ..method.geometry import PROJECTIONS
 from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:
-    from ..kernels import silu_mul
+    from ..kernels import rope_decode, silu_mul
     from ..kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
 except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
     MAX_T = 4
@@ -272,9 +275,9 @@ class FineTritonOps(_FineDecode, TritonOps):
         return None if mask is None or mask.shape[0] <= MAX_T else super().index(mask)
 
     def _sums(self, B: int):
-        """``(o sums, down sums)``: fp32 ``[B, H]`` buffers that this step's o and down GEMVs add
-        into, for the next norm to read (:class:`FineOnlyTritonOps`), or None: each GEMV rounds
-        its own output."""
+        """``(o sums, down sums, q|k|v sums)``: fp32 ``[B, H]``, ``[B, H]`` and ``[B, (Hq + 2 Hkv) D]``
+        buffers that this step's GEMVs add into, for the next norm or the RoPE launch to read
+        (:class:`FineOnlyTritonOps`), or None: each GEMV rounds its own output."""
         return None
 
     def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
@@ -290,9 +293,14 @@ class FineTritonOps(_FineDecode, TritonOps):
         # this layer's down GEMV, their next writer, comes after: re-armed here, in a launch
         # that runs anyway.
         clear = None if sums is None else sums[1]
-        if f.qkv_one_scale:
-            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q], clear=clear)
-        else:
+        if f.qkv_one_scale and sums is not None:
+            # fp32 sums (zero: the previous layer's RoPE launch cleared them) that this layer's
+            # RoPE launch rounds, reads and clears (rope_decode below)
+            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q],
+                            clear=clear, acc_out=sums[2])
+        elif f.qkv_one_scale:
+            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q])
+        else:  # (column slices of one output are no contiguous fp32 sums: these launches round)
             out = torch.empty(h.shape[0], f.segs[-1], dtype=h.dtype, device=h.device)
             for j, (lo, hi) in zip((Q, K, V), zip(f.segs[:-1], f.segs[1:])):
                 fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi], clear=clear)
@@ -367,9 +375,9 @@ class FineTritonOps(_FineDecode, TritonOps):
 
 class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
     """``fine`` decode on the kernels: no router runs, every mask is None. With
-    ``fine_sums="fp32"`` (the default) and deterministic algorithms off, the o and down GEMVs of
-    a step of up to MAX_T tokens add into the fp32 sums that the next norm reads (module
-    docstring, "fp32 sums")."""
+    ``fine_sums="fp32"`` (the default) and deterministic algorithms off, the q|k|v, o and down
+    GEMVs of a step of up to MAX_T tokens add into fp32 sums that the RoPE launch and the next
+    norm read (module docstring, "fp32 sums")."""
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -380,13 +388,28 @@ class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
         # whole steps (GraphCapture), which keep this, so the buffers need no restoring there.
         self.o_sum = torch.zeros(MAX_T, engine.hidden, dtype=torch.float32, device=engine.device)
         self.down_sum = torch.zeros_like(self.o_sum)
+        # q|k|v (one launch, where q, k and v score with one scale): read and cleared by the same
+        # layer's RoPE launch, so zero between layers and steps
+        width = (engine.num_heads + 2 * engine.num_kv) * engine.head_dim
+        self.qkv_sum = torch.zeros(MAX_T, width, dtype=torch.float32, device=engine.device)
 
     def _sums(self, B: int):
         # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
         # ordered GEMVs round their own outputs as before.
         if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
             return None
-        return self.o_sum[:B], self.down_sum[:B]
+        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B]
+
+    def rope_decode(self, i, L, q, kv, pos):
+        if q.data_ptr() != self.qkv_sum.data_ptr():  # rounded q|k|v: rotated in place
+            return super().rope_decode(i, L, q, kv, pos)
+        e = self.e
+        # Each (token, head) program rounds its head of the sums, rotates it and zeros it: no
+        # other program reads those elements, and the next writer is the next layer's q|k|v GEMV.
+        q_out = torch.empty(q.shape, dtype=e.dtype, device=q.device)
+        rope_decode(q, kv, kv[:, e.num_kv * e.head_dim:], e.cos, e.sin, pos, e.k_cache[i], e.v_cache[i],
+                    bias=L.bqkv, qk_norm=L.qk_norm, eps=L.qk_eps, q_out=q_out, clear=True)
+        return q_out.unflatten(-1, (e.num_heads, e.head_dim))
 
 
 def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:

@@ -77,8 +77,9 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 BACKENDS = ("auto", "triton", "torch")
 MODES = ("coarse", "fine", "hybrid", "dense")
 ALIASES = {"routed": "coarse"}  # the name coarse had before fine and hybrid existed
-# fine decode on the kernels: o and down add into fp32 sums the next norm rounds and reads, or
-# (rounded) each GEMV rounds its own output, as before: wide.engine.fine_engine, "fp32 sums"
+# fine decode on the kernels: q|k|v, o and down add into fp32 sums that RoPE and the next norm
+# round and read, or (rounded) each GEMV rounds its own output, as before: wide.engine.fine_engine,
+# "fp32 sums"
 FINE_SUMS = ("fp32", "rounded")
 log = logging.getLogger(__name__)
 
@@ -620,8 +621,9 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
     sequences that run the thresholds run GEMMs on the thresholded inputs
     (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` on the Triton backend; other
-    modes ignore it): ``"fp32"`` lets the o and down GEMVs of a thresholded step add into fp32
-    sums that the next norm rounds and reads (the same values, fewer kernel epilogues), except
+    modes ignore it): ``"fp32"`` lets the q|k|v, o and down GEMVs of a thresholded step add into
+    fp32 sums that the RoPE launch and the next norm round and read (the same values, no
+    rounding epilogues), except
     while ``torch.are_deterministic_algorithms_enabled()``; ``"rounded"``: each GEMV writes its
     own rounded output (the earlier launches, e.g. to time both).
 
