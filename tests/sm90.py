@@ -129,11 +129,13 @@ def cases() -> dict:
     # (fine_ffn_up once failed to compile there) and fit
     fg = importlib.import_module("wide.kernels.fine_gemv")
     ptrs = {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": _I32, "idx_ptr": _I32,
-            "scale_ptr": "*fp32"}
+            "scale_ptr": "*fp32", "clr_ptr": "*fp32"}
     for T in (1, 4):
-        # T = 1: gate|up with silu(gate) * up in the epilogue; T = 4: q|k|v
+        # T = 1: gate|up with silu(gate) * up in the epilogue, clearing a sum buffer (the fine
+        # engine's launch); T = 4: q|k|v
         const = lambda c, T=T: dict(T=T, NSEG=2 if T == 1 else 3, HAS_SCALE=True, HAS_GM=T > 1,  # noqa: E731
-                                    TH_PTR=True, GLU=T == 1, RS=fg._rs(c.kwargs["BN"]), ACC_ONLY=False)
+                                    TH_PTR=True, GLU=T == 1, RS=fg._rs(c.kwargs["BN"]), ACC_ONLY=False,
+                                    CLEAR=T == 1, CLR_BLOCK=fg.CLEAR_BLOCK)
         out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=_sizes(
             fg._fine_gemv_kernel, "bf16", const, fg._CONFIGS, ptrs, float_args=("th0", "th1", "th2", "th3")))
     return out

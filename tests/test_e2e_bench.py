@@ -215,3 +215,21 @@ def test_fine_bytes_fraction_reads_the_union_up_to_the_gemv_limit():
     assert out["active_frac_per_token"] == pytest.approx(0.25)
     assert out["weight_bytes_frac_kernel"] == out["weight_bytes_frac_union"]
     assert e2e.fine_bytes_fraction(M, recs, 8, "fine")["weight_bytes_frac_kernel"] == 1.0  # GEMMs on every row
+
+
+def test_e2e_fine_sums_timed_both_ways(tmp_path, once):
+    # --fine-sums fp32,rounded: the fine engine's decode timed with each (records of their own,
+    # fine_sums in each); its prefill, the dense one's either way, once.
+    argv = ["--tiny", "--modes", "fine", "--fine-sums", "fp32,rounded", "--sparsities", "0.5", "--prompt-lens", "16",
+            "--batches", "1", "--decode-ctxs", "8", "--decode-steps", "1", "--reps", "1", "--no-hf",
+            "--out-dir", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    meta = json.loads((tmp_path / "e2e.json").read_text())
+    assert meta["errors"] == [] and meta["fine_sums"] == ["fp32", "rounded"]
+    fine = [(r["op"], r["fine_sums"]) for r in meta["records"] if r["engine"] == "fine"]
+    assert sorted(fine) == [("e2e_tpot", "fp32"), ("e2e_tpot", "rounded"), ("e2e_ttft", "fp32")]
+    assert all(r["mode"] == "fine" and r["speedup"] > 0 for r in meta["records"] if r["engine"] == "fine")
+    md = (tmp_path / "e2e.md").read_text()
+    assert "fine (fp32 sums)" in md and "fine (rounded sums)" in md
+    with pytest.raises(SystemExit):
+        e2e.main(["--tiny", "--modes", "fine", "--fine-sums", "fp16"])

@@ -339,3 +339,131 @@ def test_fine_max_batch_decodes_dense_above_it():
             wide.accelerate(model, backend="torch", mode="fine", fine_max_batch=bad)
     with pytest.raises(ValueError, match="fine_max_batch"):
         wide.accelerate(model, backend="torch", mode="hybrid", fine_max_batch=2)
+
+
+# ---------------------------------------------------------------- fp32 sums (fine_sums)
+def _launches(monkeypatch):
+    """Records, per fine_gemv launch of the engine, whether it added into sums (acc_out) or
+    cleared a buffer (clear), and which buffer."""
+    from wide.engine import fine_engine
+
+    calls = []
+    real = fine_engine.fine_gemv
+
+    def spy(*a, **kw):
+        calls.append((kw.get("acc_out"), kw.get("clear")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fine_engine, "fine_gemv", spy)
+    return calls
+
+
+def _which(t, ops, B):
+    """The engine buffer whose rows [:B] ``t`` is (its name), or None."""
+    if t is None:
+        return None
+    for name in ("o_sum", "down_sum", "qkv_sum"):
+        buf = getattr(ops, name)
+        if t.data_ptr() == buf.data_ptr() and tuple(t.shape) == (B, buf.shape[1]):
+            return name
+    return "another"
+
+
+@pytest.mark.parametrize("criterion", ["magnitude", "wina"])
+def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
+    # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads,
+    # q|k|v into sums that the RoPE launch rounds, reads and clears: the same logits as GEMVs
+    # that round their own outputs and as the PyTorch path, over batch sizes that change
+    # between steps (rows a larger batch left in the down sums are cleared before the next step
+    # adds). WINA: q, k, v (and gate, up) in launches of their own that round (no contiguous
+    # sums), the down sums cleared by the first of them only.
+    model = model_with_thresholds(seed=5, routers=False, criterion=criterion)
+    ids = ids_of(4, 13, seed=21)
+    fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
+    ref = wide.accelerate(model, backend="torch", mode="fine")
+    assert (fp32.fine_sums, rounded.fine_sums) == ("fp32", "rounded")
+    ops = fp32.decode_ops
+    H, L = model.config.hidden_size, len(fp32.layers)
+    calls = _launches(monkeypatch)
+    for B in (2, 4, 1, 4):
+        for e in (fp32, rounded, ref):
+            e.setup_cache(B, 32)
+            e.prefill(ids[:B, :9])
+        for t in range(9, 11):
+            pos = torch.full((B,), t, dtype=torch.long)
+            calls.clear()
+            got = fp32.decode(ids[:B, t], pos)
+            launches = list(calls)
+            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
+            assert torch.equal(got, want), (B, t)  # the interpreter adds the sums in one order
+            assert rel(got, slow) < 1e-5, (B, t)
+            # between steps: o and q|k|v sums zero, down sums the last layer's (read by the final norm)
+            assert torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
+            assert bool(ops.down_sum[:B].abs().sum() > 0)
+            if criterion == "magnitude":  # q|k|v, o, gate|up, down
+                layer = [("qkv_sum", "down_sum"), ("o_sum", None), (None, "o_sum"), ("down_sum", None)]
+            else:  # q, k, v, o, gate, up, down
+                layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", None), (None, "o_sum"),
+                         (None, None), ("down_sum", None)]
+            assert [(_which(a, ops, B), _which(c, ops, B)) for a, c in launches] == layer * L
+            assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
+    prompt = ids_of(1, 7, seed=8)[0].tolist()
+    assert fp32.generate([prompt], max_new_tokens=5).tokens == rounded.generate([prompt], max_new_tokens=5).tokens \
+        == ref.generate([prompt], max_new_tokens=5).tokens
+    # two [MAX_T, H] fp32 buffers per engine, whatever the model's depth
+    from wide.kernels.fine_gemv import MAX_T
+    assert ops.o_sum.shape == ops.down_sum.shape == (MAX_T, H) and ops.o_sum.dtype == torch.float32
+    assert ops.o_sum.untyped_storage().nbytes() + ops.down_sum.untyped_storage().nbytes() == 2 * MAX_T * H * 4
+    c = model.config
+    assert ops.qkv_sum.shape == (MAX_T, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fp32_sums_in_half_precision(model_type):
+    # fp16 (bf16's rounding, on the interpreter): the norms and the RoPE launch round the fp32
+    # sums to fp16 before the residual add / the q|k|v bias (Qwen2) and q/k norms (Qwen3), which
+    # is what the GEMVs' epilogues did: the same bits.
+    model = model_with_thresholds(model_type, seed=6, routers=False).half()
+    ids = ids_of(2, 12, seed=22)
+    fp32, rounded = (wide.accelerate(model, backend="triton", mode="fine", fine_sums=v) for v in ("fp32", "rounded"))
+    for e in (fp32, rounded):
+        e.setup_cache(2, 32)
+        e.prefill(ids[:, :9])
+    for t in range(9, 12):
+        pos = torch.full((2,), t, dtype=torch.long)
+        got, want = fp32.decode(ids[:, t], pos), rounded.decode(ids[:, t], pos)
+        assert torch.equal(got, want), t
+        ops = fp32.decode_ops
+        assert bool(ops.down_sum[:2].abs().sum() > 0) and torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
+
+
+def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(monkeypatch):
+    # The atomic adds into the sums have no fixed order: deterministic mode keeps the ordered
+    # GEMVs that round their own outputs. Batches above MAX_T run GEMMs, with no sums either.
+    model = model_with_thresholds(seed=7, routers=False)
+    ids = ids_of(5, 12, seed=23)
+    eng = wide.accelerate(model, backend="triton", mode="fine")
+    ref = wide.accelerate(model, backend="torch", mode="fine")
+    calls = _launches(monkeypatch)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for e in (eng, ref):
+            e.setup_cache(2, 32)
+            e.prefill(ids[:2, :9])
+        pos = torch.full((2,), 9, dtype=torch.long)
+        assert rel(eng.decode(ids[:2, 9], pos), ref.decode(ids[:2, 9], pos)) < 1e-5
+        assert calls and not any(a is not None or c is not None for a, c in calls)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.all(t == 0) for t in (eng.decode_ops.o_sum, eng.decode_ops.down_sum, eng.decode_ops.qkv_sum))
+    calls.clear()
+    check_decode(model, eng, "fine", batches=(5,), start=9, end=11)
+    assert not any(a is not None or c is not None for a, c in calls)
+
+
+def test_fine_sums_refused_values():
+    model = model_with_thresholds(seed=2, routers=False)
+    for bad in ("bf16", None, True):
+        with pytest.raises(ValueError, match="fine_sums must be one of"):
+            wide.accelerate(model, backend="triton", mode="fine", fine_sums=bad)

@@ -467,3 +467,70 @@ def test_reductions_leave_their_buffers_clear(ordered, monkeypatch):
     assert rel_err(fine_gemv(x, wt, th, deterministic=ordered), ref) < 1e-5
     with pytest.raises(ValueError, match="deterministic"):
         fine_gemv(x, wt, th, deterministic=True, config=fg._cfg(64, 8, 2, 2, 32, True, atomic=True))
+
+
+# ---------------------------------------------------------------- clear=
+def _same(a, b):
+    # the interpreter runs programs one after another, so the atomic sums add in one order
+    # and a launch with clear= must give the same bits; a GPU may add them in another
+    if DEVICE == "cpu":
+        return torch.equal(a, b)
+    return rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("kind", ["plain", "glu", "acc_out"])
+@pytest.mark.parametrize("size", [1, 5, 129, 3 * N_RAGGED, 1573])
+def test_clear_zeros_the_buffer_and_leaves_the_result(T, kind, size, split):
+    # sizes: fewer elements than programs (most programs clear nothing), ragged ones, and more
+    # than programs x CLEAR_BLOCK (each program loops over its slice)
+    if kind == "acc_out" and torch.are_deterministic_algorithms_enabled():
+        pytest.skip("acc_out adds atomically")
+    x, w, _ = _inputs(T, K_RAGGED, 2 * 45, torch.float32, 5 + T)
+    wt = fine_layout(w)
+    kw = dict(segments=[0, 45, 90], thresholds=[_median_abs(x), 0.5 * _median_abs(x)])
+    if kind == "glu":
+        kw["glu"] = True
+
+    def run(clear=None):
+        if kind == "acc_out":
+            acc = torch.zeros(T, 90, device=DEVICE)
+            fine_gemv(x, wt, acc_out=acc, clear=clear, **kw)
+            return acc
+        return fine_gemv(x, wt, clear=clear, **kw)
+
+    want = run()
+    buf = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(DEVICE) + 3.0
+    assert _same(run(buf), want)
+    assert torch.all(buf == 0)
+    ref = fine_gemv_reference(x, wt, **kw)
+    assert rel_err(want, ref) < 1e-5
+
+
+def test_clear_shapes_edges_and_errors():
+    x, w, _ = _inputs(2, 32, 48, torch.float32, 99)
+    wt = fine_layout(w)
+    buf = torch.ones(4, 48, device=DEVICE)
+    fine_gemv(x, wt, 0.1, clear=buf[1:3])  # a contiguous row slice: only those rows
+    assert torch.all(buf[1:3] == 0) and torch.all(buf[0] == 1) and torch.all(buf[3] == 1)
+    empty = torch.ones(0, device=DEVICE)
+    assert torch.equal(fine_gemv(x, wt, 0.1, clear=empty), fine_gemv(x, wt, 0.1))
+    # no launch (K = 0 or N = 0): zeroed all the same
+    for xx, ww in ((x[:, :0], wt[:0]), (x, wt[:, :0])):
+        buf.fill_(1.0)
+        fine_gemv(xx, ww, 0.1, clear=buf)
+        assert torch.all(buf == 0)
+    out = torch.empty(2, 48, device=DEVICE)
+    acc = torch.zeros(2, 48, device=DEVICE)
+    for bad in (torch.ones(8, device=DEVICE, dtype=torch.float16), torch.ones(8, 4, device=DEVICE).t(), [0.0]):
+        with pytest.raises(ValueError, match="clear must be a contiguous float32"):
+            fine_gemv(x, wt, 0.1, clear=bad)
+    with pytest.raises(ValueError, match="shares memory with out"):
+        fine_gemv(x, wt, 0.1, out=out, clear=out[1])
+    with pytest.raises(ValueError, match="shares memory with acc_out"):
+        fine_gemv(x, wt, 0.1, acc_out=acc, clear=acc.view(-1)[40:60])
+    with pytest.raises(ValueError, match="shares memory with x"):
+        fine_gemv(x, wt, 0.1, clear=x[1])
+    with pytest.raises(ValueError, match="shares memory with thresholds"):
+        th = torch.full((1,), 0.1, device=DEVICE)
+        fine_gemv(x, wt, th, clear=th)

@@ -212,3 +212,38 @@ def test_tile_sums_in_the_norm_launch(dtype, B, H, normed_input, delta):
         norm_route(x, d, w, 1e-5, tile_sums=(acc.half(), done, start))
     with pytest.raises(ValueError, match="start flags"):
         norm_route(x, d, w, 1e-5, tile_sums=(acc, done, start.float()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H", [(1, 64), (3, 320)])
+@pytest.mark.parametrize("router", [False, True])
+def test_fp32_delta_is_rounded_first(dtype, B, H, router):
+    # An fp32 delta (a GEMV's unrounded sums) gives exactly what the same sums rounded to x's
+    # dtype give: the rounding the GEMV's epilogue did before is now the norm's. Deltas with
+    # bits below x's precision make the check fail if the kernel added the fp32 values as they are.
+    x, _, w = _rows(B, H, dtype, seed=6)
+    g = torch.Generator().manual_seed(7)
+    d32 = (torch.randn(B, H, generator=g) * 3 + 1e-3 * torch.rand(B, H, generator=g)).to(DEV)
+    r = _router(H, 5, seed=H) if router else None
+    got = norm_route(x, d32, w, 1e-5, r, chunk=256)
+    want = norm_route(x, d32.to(dtype), w, 1e-5, r, chunk=256)
+    ref = norm_route_reference(x, d32, w, 1e-5, r)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0], ref[0])
+    assert torch.equal(ref[0], norm_route_reference(x, d32.to(dtype), w, 1e-5)[0])
+    if dtype != torch.float32:  # the test's deltas do carry bits the rounding drops
+        assert not torch.equal(ref[0], (x.float() + d32).to(dtype))
+    if router:
+        assert torch.equal(got[2], want[2])
+    # the fused final norm of the engine reads it as well
+    assert torch.equal(norm_route(x, d32, w, 1e-5)[1], norm_route(x, d32.to(dtype), w, 1e-5)[1])
+
+
+def test_delta_errors():
+    x, d, w = _rows(2, 64, torch.float16, seed=8)
+    with pytest.raises(ValueError, match="float32 sums"):
+        norm_route(x, d.double(), w, 1e-5)
+    with pytest.raises(ValueError, match=r"delta must be a \[2, 64\]"):
+        norm_route(x, d[:1], w, 1e-5)
+    with pytest.raises(ValueError, match="unit column stride"):
+        norm_route(x, torch.zeros(64, 2, dtype=torch.float16, device=DEV).t(), w, 1e-5)

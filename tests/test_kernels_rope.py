@@ -88,3 +88,48 @@ def test_rope_decode_matches_reference(dtype, extra, B):
     written = torch.zeros(B, L, dtype=torch.bool, device=DEV)
     written[bi, pos] = True
     assert (kc[~written] == 0).all() and (vc[~written] == 0).all()  # only each sequence's position
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("extra", ["none", "bias", "norm"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_rope_decode_reads_fp32_sums_and_clears_them(dtype, extra, B):
+    # q|k|v as a GEMV's fp32 sums: rounded to the cache's dtype first (the same results as the
+    # rounded projection), q rotated into q_out, and the sums zeroed once read. The sums carry
+    # bits below the model dtype's precision, so a kernel that did not round them first differs.
+    D, Hq, Hkv, L = 64, 4, 2, 12
+    gen = torch.Generator().manual_seed(10 + B)
+    sums = (torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen) + 1e-3 * torch.rand(B, (Hq + 2 * Hkv) * D, generator=gen))
+    sums = sums.to(DEV)
+    big = torch.full((B + 1, sums.shape[1]), 7.0, device=DEV)  # rows [:B] of a larger buffer
+    big[:B] = sums
+    pos = torch.tensor([5, 0, 11][:B], device=DEV)
+    cos, sin = (t.to(dtype).to(DEV) for t in _cos_sin(L, D, gen))
+    bias, qk = _extras(extra, Hq, Hkv, D, gen, dtype)
+
+    def run(qkv, q_out=None, clear=False):
+        kc = torch.zeros(B, L, Hkv, D, dtype=dtype, device=DEV)
+        vc = torch.zeros_like(kc)
+        q, kv = qkv[:, :Hq * D], qkv[:, Hq * D:]
+        rope_decode(q, kv, kv[:, Hkv * D:], cos, sin, pos, kc, vc, bias=bias, qk_norm=qk, eps=1e-6,
+                    q_out=q_out, clear=clear)
+        return (q if q_out is None else q_out), kc, vc
+
+    want = run(sums.to(dtype).clone())
+    q_out = torch.empty(B, Hq * D, dtype=dtype, device=DEV)
+    got = run(big[:B], q_out=q_out, clear=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.all(big[:B] == 0) and torch.all(big[B:] == 7.0)
+    kept = big[:B].clone().copy_(sums)  # without clear the sums stay
+    run(kept, q_out=torch.empty_like(q_out))
+    assert torch.equal(kept, sums)
+    if dtype != torch.float32:
+        with pytest.raises(ValueError, match="need q_out"):
+            run(sums.clone())
+    with pytest.raises(ValueError, match="give q_out"):
+        run(sums.to(dtype), clear=True)
+    with pytest.raises(ValueError, match="q_out must be"):
+        run(sums.clone(), q_out=torch.empty(B, Hq * D, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="float32 sums"):
+        run(sums.double(), q_out=q_out)

@@ -27,6 +27,9 @@ hybrid at target s splits it between routers and thresholds so that the linear M
 1 - s: routers at ``1 - sqrt(1 - s)`` and thresholds dropping as much inside the kept groups, or
 with ``--hybrid-router-sparsity R`` routers at R and thresholds at ``1 - (1 - s) / (1 - R)``; its
 records carry ``router_sparsity`` and ``fine_sparsity``.
+``--fine-sums fp32,rounded`` times the fine engine's decode both ways (``wide.accelerate(fine_sums=...)``:
+q|k|v, o and down adding into fp32 sums that RoPE and the next norm read, or each GEMV rounding its
+own output), one TPOT record each with its ``fine_sums``.
 
 The benchmark only times the engine's public API; its correctness is checked by the tests
 (``tests/test_inference.py``, ``tests/test_engine_fine.py``, ``tests/test_kernels_*.py``, on the
@@ -309,6 +312,11 @@ def main(argv=None) -> int:
     ap.add_argument("--hybrid-router-sparsity", type=float, default=None,
                     help="the hybrid's routers at this group sparsity and its thresholds at what reaches the target "
                          "(default: the two even, 1 - sqrt(1 - target) each)")
+    ap.add_argument("--fine-sums", default="fp32",
+                    help="the fine engine's q|k|v, o and down sums, comma-separated: fp32 (added into fp32 sums "
+                         "that RoPE and the next norm read) and/or rounded (each GEMV rounds its own output); "
+                         "with both, TPOT of each as records of their own (fine_sums in the record); "
+                         "default: %(default)s")
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--decode-ctxs", default=None,
                     help="prompt lengths before the timed decode steps, comma-separated (TPOT at each with every "
@@ -362,6 +370,11 @@ def main(argv=None) -> int:
                 hybrid_split(s, args.hybrid_router_sparsity)
             except ValueError as e:
                 ap.error(str(e))
+    from wide.engine.inference import FINE_SUMS
+
+    args.fine_sums = list(dict.fromkeys(v.strip() for v in args.fine_sums.split(",") if v.strip()))
+    if not args.fine_sums or any(v not in FINE_SUMS for v in args.fine_sums):
+        ap.error(f"--fine-sums takes {', '.join(FINE_SUMS)}, comma-separated, got {args.fine_sums!r}")
     prompt_lens = [int(s) for s in args.prompt_lens.split(",") if s]
     batches = [int(s) for s in args.batches.split(",") if s]
     decode_ctxs = ([int(s) for s in args.decode_ctxs.split(",") if s] if args.decode_ctxs
@@ -391,6 +404,8 @@ def main(argv=None) -> int:
     if set(modes) & {"fine", "hybrid"}:
         meta["thresholds"] = ("per-element thresholds at quantiles of the dense model's |x| on 2 random-token "
                               "batches, the same share of every projection's input (TEAL uniform)")
+    if "fine" in modes:
+        meta["fine_sums"] = args.fine_sums
     if "hybrid" in modes:
         meta["hybrid_split"] = {str(s): dict(zip(("router_sparsity", "fine_sparsity"),
                                                  hybrid_split(s, args.hybrid_router_sparsity))) for s in sparsities}
@@ -514,9 +529,13 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     dense = AcceleratedModel(model, mode="dense")
     engines = {"token": routed}
     by_mode = {"dense": dense, "routed": routed}
+    fine_sums = getattr(args, "fine_sums", ["fp32"])
     for m in ("fine", "hybrid"):
-        if m in modes:  # (the Triton backend's transposed weights: laid out once, shared by both)
-            by_mode[m] = AcceleratedModel(model, mode=m)
+        if m in modes:  # (the Triton backend's transposed weights: laid out once, shared by all)
+            by_mode[m] = AcceleratedModel(model, mode=m, **({"fine_sums": fine_sums[0]} if m == "fine" else {}))
+    if "fine" in modes:  # the other sums: an engine of their own, named fine:<sums> until recorded
+        for v in fine_sums[1:]:
+            by_mode[f"fine:{v}"] = AcceleratedModel(model, mode="fine", fine_sums=v)
     for r in routings:
         if r == "batch_shared":
             engines[r] = AcceleratedModel(model, batch_shared=True)
@@ -654,6 +673,9 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     def add(rec, base_key=None):
         rec["model"] = model_name
+        if rec["engine"].split(":")[0] == "fine":
+            rec["engine"], _, sums = rec["engine"].partition(":")
+            rec["fine_sums"] = sums or fine_sums[0]
         # The routing rule the record measures (docs/routing_structure.md); None: no routing.
         rec["routing"] = None if rec["engine"] not in ("routed", "hybrid") else rec.get("routing") or "token"
         rec["mode"] = {"routed": "coarse", "hf_generate": "dense"}.get(rec["engine"], rec["engine"])
@@ -686,7 +708,10 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     timed = [{"coarse": "routed"}.get(m, m) for m in modes]
 
     def each_mode(kind, x):
-        return [(kind, x, "dense", None)] + [(kind, x, m, s) for m in timed for s in sparsities]
+        # a fine engine's other sums change its decode alone (its prefill is the dense one's)
+        names = [n for m in timed for n in ([m] + [f"fine:{v}" for v in fine_sums[1:]]
+                                            if m == "fine" and kind == "tpot" else [m])]
+        return [(kind, x, "dense", None)] + [(kind, x, m, s) for m in names for s in sparsities]
 
     plan = []
     for j, T in enumerate(prompt_lens):
@@ -720,7 +745,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
         if s is not None:
             r, f = split[s] if eng_name == "hybrid" else (s, s)
             set_offsets(model, offsets[r])
-            if eng_name in ("fine", "hybrid"):  # read by the engine's next setup_cache
+            if eng_name.split(":")[0] in ("fine", "hybrid"):  # read by the engine's next setup_cache
                 fine.log_threshold.data.copy_(thresholds[f])
         eng = engines[eng_name.split("/")[1]] if "/" in eng_name else by_mode[eng_name] if eng_name in by_mode else None
         if kind == "ttft":
@@ -886,10 +911,12 @@ def markdown(meta: dict) -> str:
                   ("|---" if multi else "") + "|---|---|---|---|---|---|---|"
                   + ("---|---|---|" if op == "e2e_tpot" else "")]
         for r in sorted(rows, key=lambda r: (order.get(r.get("model"), 0), r[key], r["engine"],
-                                             r.get("sparsity") or 0, r.get("routing") or "")):
+                                             r.get("sparsity") or 0, r.get("routing") or "", r.get("fine_sums") or "")):
             sp = "-" if r.get("sparsity") is None else f"{r['sparsity']:.2f}"
             if r.get("routing") not in (None, "token"):
                 r = dict(r, engine=f"{r['engine']} ({r['routing']})")
+            if r.get("fine_sums") and len(meta.get("fine_sums") or ()) > 1:
+                r = dict(r, engine=f"{r['engine']} ({r['fine_sums']} sums)")
             line = (f"| {r['B']} | {r['prompt_len']} | {r['engine']} | {sp} | {r['ms']:.3f} | "
                     f"{r.get('dense_ms', r['ms'] if r['engine'] == 'dense' else float('nan')):.3f} | "
                     f"{r['speedup']:.2f}x |" if "speedup" in r else

@@ -31,6 +31,24 @@ engine on the kernels decodes such batches with the dense weights instead, and m
 batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
 fixes the limit).
 
+fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``, the default). A GEMV's split-K
+programs add into fp32 sums; rounding them to the model's dtype takes a ticket per column slice
+and a last program that reads, rounds, stores and clears, which the next norm then reads back.
+In a ``fine`` decode step of up to MAX_T tokens the q|k|v, o and down GEMVs instead add into
+three engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and their consumers round each
+sum to the model's dtype before using it, as the epilogue did: the same values. o's and down's
+consumer is the next fused norm (the FFN norm after o, the next layer's attention norm or the
+final norm after down); q|k|v's is the RoPE + KV-cache launch, which also zeros each head once
+read (``rope_decode(clear=True)``: each head is one program's). The other re-arming zeros ride
+on launches that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears the down sums
+(the attention norm has read them), its gate|up the o sums (the FFN norm has). On an H100
+(Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md, 2026-12-07)
+the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6, down in 23.8
+against 26.2 and q|k|v in 12.5 against 14.0 (read floors 7.3, 20.8 and 10.0). Deterministic
+algorithms keep the ordered, rounding GEMVs (atomic adds have no fixed order); hybrid, the
+torch backend, batches above MAX_T, q|k|v launched per projection (scales that differ) and
+``fine_sums="rounded"`` round in each GEMV as before.
+
 The Triton backend reads the weights in the transposed layout of the kernels
 (:func:`~wide.kernels.fine_gemv.fine_layout`), built when the first fine or hybrid engine of a
 model is made and shared by every later one (:func:`layouts`). A ``fine`` engine keeps that
@@ -55,7 +73,7 @@ from ..method.geometry import PROJECTIONS
 from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:
-    from ..kernels import silu_mul
+    from ..kernels import rope_decode, silu_mul
     from ..kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
 except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
     MAX_T = 4
@@ -256,6 +274,12 @@ class FineTritonOps(_FineDecode, TritonOps):
         # need the token lists.
         return None if mask is None or mask.shape[0] <= MAX_T else super().index(mask)
 
+    def _sums(self, B: int):
+        """``(o sums, down sums, q|k|v sums)``: fp32 ``[B, H]``, ``[B, H]`` and ``[B, (Hq + 2 Hkv) D]``
+        buffers that this step's GEMVs add into, for the next norm or the RoPE launch to read
+        (:class:`FineOnlyTritonOps`), or None: each GEMV rounds its own output."""
+        return None
+
     def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
         f = L.fine
         for j in (Q, K, V):
@@ -264,12 +288,23 @@ class FineTritonOps(_FineDecode, TritonOps):
             q = (self._masked_q(L, h, f, False) if mask is None
                  else self._q_proj(L, _kept(f, Q, h), flat_mask(mask), route))
             return q, self._masked_kv(L, h, f, False)
-        if f.qkv_one_scale:
+        sums = self._sums(h.shape[0])
+        # This layer's attention norm, the down sums' reader, came before in stream order, and
+        # this layer's down GEMV, their next writer, comes after: re-armed here, in a launch
+        # that runs anyway.
+        clear = None if sums is None else sums[1]
+        if f.qkv_one_scale and sums is not None:
+            # fp32 sums (zero: the previous layer's RoPE launch cleared them) that this layer's
+            # RoPE launch rounds, reads and clears (rope_decode below)
+            out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q],
+                            clear=clear, acc_out=sums[2])
+        elif f.qkv_one_scale:
             out = fine_gemv(h, f.wqkv_t, thresholds=f.th[Q:V + 1], segments=f.segs, scale=f.scale[Q])
-        else:
+        else:  # (column slices of one output are no contiguous fp32 sums: these launches round)
             out = torch.empty(h.shape[0], f.segs[-1], dtype=h.dtype, device=h.device)
             for j, (lo, hi) in zip((Q, K, V), zip(f.segs[:-1], f.segs[1:])):
-                fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi])
+                fine_gemv(h, f.wqkv_t[:, lo:hi], f.th[j:j + 1], scale=f.scale[j], out=out[:, lo:hi], clear=clear)
+                clear = None  # zeroed once
         nq = f.segs[1]
         return out[:, :nq], out[:, nq:]
 
@@ -280,6 +315,10 @@ class FineTritonOps(_FineDecode, TritonOps):
         self._note(f, O, att, rows=m, group=gs)
         if att.shape[0] > MAX_T:
             return super().o_proj(L, _kept(f, O, att), mask, route)
+        sums = self._sums(att.shape[0])
+        if sums is not None:  # zero here: the previous layer's gate|up cleared them
+            return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
+                             group_size=None if m is None else gs, acc_out=sums[0])
         return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
                          group_size=None if m is None else gs)
 
@@ -291,6 +330,9 @@ class FineTritonOps(_FineDecode, TritonOps):
             self._note(f, j, h, cols=m)
         large = h.shape[0] > MAX_T
         route = self.index(m) if large and m is not None else None
+        sums = None if large else self._sums(h.shape[0])
+        # this layer's ffn norm has read the o sums: re-armed for the next layer's o GEMV
+        clear = None if sums is None else sums[0]
         if large:
             u = self._ffn_up_large(L, h, f, m, route)
         else:
@@ -299,22 +341,26 @@ class FineTritonOps(_FineDecode, TritonOps):
                 # gate|up in one fine_gemv, silu(gate) * up written by the last program of each
                 # column slice (the same bits as silu_mul after it, one launch fewer per layer)
                 u = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                              scale=f.scale[GATE], glu=True)
+                              scale=f.scale[GATE], glu=True, clear=clear)
             else:
                 if f.gu_one_scale:
                     # gate|up in one fine_gemv (a threshold per segment). It reads the gate/up rows
                     # of skipped FFN groups too; silu_mul zeroes their products.
                     gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
-                                   scale=f.scale[GATE])
+                                   scale=f.scale[GATE], clear=clear)
                 else:
                     gu = torch.empty(h.shape[0], 2 * inter, dtype=h.dtype, device=h.device)
-                    fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter])
+                    fine_gemv(h, f.wgu_t[:, :inter], f.th[GATE:GATE + 1], scale=f.scale[GATE], out=gu[:, :inter],
+                              clear=clear)
                     fine_gemv(h, f.wgu_t[:, inter:], f.th[UP:UP + 1], scale=f.scale[UP], out=gu[:, inter:])
                 u = silu_mul(gu[:, :inter], gu[:, inter:], m, gs)
         self._note(f, DOWN, u, rows=m, group=gs)
         if large:
             ud = _kept(f, DOWN, u)
             return F.linear(ud, L.wd) if m is None else self._reduce_k(ud, L.wd, m, gs, route)
+        if sums is not None:  # zero here: this layer's q|k|v cleared them
+            return fine_gemv(u, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], group_mask=m,
+                             group_size=None if m is None else gs, acc_out=sums[1])
         return fine_gemv(u, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], group_mask=m,
                          group_size=None if m is None else gs)
 
@@ -328,7 +374,42 @@ class FineTritonOps(_FineDecode, TritonOps):
 
 
 class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
-    """``fine`` decode on the kernels: no router runs, every mask is None."""
+    """``fine`` decode on the kernels: no router runs, every mask is None. With
+    ``fine_sums="fp32"`` (the default) and deterministic algorithms off, the q|k|v, o and down
+    GEMVs of a step of up to MAX_T tokens add into fp32 sums that the RoPE launch and the next
+    norm read (module docstring, "fp32 sums")."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        # [MAX_T, H] each (128 KiB for H = 4096), zero from the start; a step of B tokens uses
+        # rows [:B] (contiguous). Invariant between steps: o_sum all zero; down_sum[:B'] holds the
+        # last fine step's last-layer sums, which the next fine step's layer-0 q|k|v clears
+        # (whatever its batch) before any down GEMV adds. A CUDA-graph capture's warm-up runs
+        # whole steps (GraphCapture), which keep this, so the buffers need no restoring there.
+        self.o_sum = torch.zeros(MAX_T, engine.hidden, dtype=torch.float32, device=engine.device)
+        self.down_sum = torch.zeros_like(self.o_sum)
+        # q|k|v (one launch, where q, k and v score with one scale): read and cleared by the same
+        # layer's RoPE launch, so zero between layers and steps
+        width = (engine.num_heads + 2 * engine.num_kv) * engine.head_dim
+        self.qkv_sum = torch.zeros(MAX_T, width, dtype=torch.float32, device=engine.device)
+
+    def _sums(self, B: int):
+        # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
+        # ordered GEMVs round their own outputs as before.
+        if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
+            return None
+        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B]
+
+    def rope_decode(self, i, L, q, kv, pos):
+        if q.data_ptr() != self.qkv_sum.data_ptr():  # rounded q|k|v: rotated in place
+            return super().rope_decode(i, L, q, kv, pos)
+        e = self.e
+        # Each (token, head) program rounds its head of the sums, rotates it and zeros it: no
+        # other program reads those elements, and the next writer is the next layer's q|k|v GEMV.
+        q_out = torch.empty(q.shape, dtype=e.dtype, device=q.device)
+        rope_decode(q, kv, kv[:, e.num_kv * e.head_dim:], e.cos, e.sin, pos, e.k_cache[i], e.v_cache[i],
+                    bias=L.bqkv, qk_norm=L.qk_norm, eps=L.qk_eps, q_out=q_out, clear=True)
+        return q_out.unflatten(-1, (e.num_heads, e.head_dim))
 
 
 def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:

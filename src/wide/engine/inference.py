@@ -77,6 +77,10 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 BACKENDS = ("auto", "triton", "torch")
 MODES = ("coarse", "fine", "hybrid", "dense")
 ALIASES = {"routed": "coarse"}  # the name coarse had before fine and hybrid existed
+# fine decode on the kernels: q|k|v, o and down add into fp32 sums that RoPE and the next norm
+# round and read, or (rounded) each GEMV rounds its own output, as before: wide.engine.fine_engine,
+# "fp32 sums"
+FINE_SUMS = ("fp32", "rounded")
 log = logging.getLogger(__name__)
 
 
@@ -149,7 +153,8 @@ class AcceleratedModel:
     Qwen3). Shares the HF model's weights; see the module docstring."""
 
     def __init__(self, model, backend: str = "auto", mode: str = "coarse",
-                 cuda_graphs: bool = True, batch_shared: bool = False, fine_max_batch: Optional[int] = None):
+                 cuda_graphs: bool = True, batch_shared: bool = False, fine_max_batch: Optional[int] = None,
+                 fine_sums: str = "fp32"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mode not in MODES and mode not in ALIASES:
@@ -188,6 +193,9 @@ class AcceleratedModel:
             raise ValueError(f"fine_max_batch is an int >= 0 for mode fine (None: measured), got {fine_max_batch!r} "
                              f"with mode {mode}")
         self.fine_max_batch = fine_max_batch
+        if fine_sums not in FINE_SUMS:
+            raise ValueError(f"fine_sums must be one of {FINE_SUMS}, got {fine_sums!r}")
+        self.fine_sums = fine_sums  # read by the fine decode ops at every eager step (and capture)
         if batch_shared and not routes:
             raise ValueError(f"batch_shared is a routed-engine option (modes coarse and hybrid), not mode {mode}")
         if self.state is not None and routes:
@@ -596,7 +604,7 @@ class AcceleratedModel:
 
 def accelerate(model, backend: str = "auto", mode: str = "coarse",
                cuda_graphs: bool = True, batch_shared: bool = False,
-               fine_max_batch: Optional[int] = None) -> AcceleratedModel:
+               fine_max_batch: Optional[int] = None, fine_sums: str = "fp32") -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
 
     ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"`` or ``"dense"``. Fine and
@@ -612,7 +620,12 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     ones the dense weights (None: measured per batch size on CUDA, thresholds everywhere on
     other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
     sequences that run the thresholds run GEMMs on the thresholded inputs
-    (:mod:`wide.engine.fine_engine`).
+    (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` on the Triton backend; other
+    modes ignore it): ``"fp32"`` lets the q|k|v, o and down GEMVs of a thresholded step add into
+    fp32 sums that the RoPE launch and the next norm round and read (the same values, no
+    rounding epilogues), except
+    while ``torch.are_deterministic_algorithms_enabled()``; ``"rounded"``: each GEMV writes its
+    own rounded output (the earlier launches, e.g. to time both).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
     batch (:mod:`wide.engine.routing_rules`), so it reads only those groups' weights; a sequence's
@@ -624,7 +637,7 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     :func:`generate`.
     """
     engine = AcceleratedModel(model, backend=backend, mode=mode, cuda_graphs=cuda_graphs,
-                              batch_shared=batch_shared, fine_max_batch=fine_max_batch)
+                              batch_shared=batch_shared, fine_max_batch=fine_max_batch, fine_sums=fine_sums)
     if engine.mode == "routed":
         model.wide_engine = engine
     return engine

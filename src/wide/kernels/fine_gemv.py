@@ -29,6 +29,9 @@ additions, and so the last bits, may vary between runs); ordered tiles (a few lo
 store partials that the last program sums in split order (the same bits on every run;
 ``deterministic=True`` keeps to these). TEAL's own kernel adds into the fp16/bf16 output
 (1-4 % error against fp32, bench/results/h200/fine_gemv.md); neither reduction here does.
+``acc_out`` skips the rounding epilogue for a consumer that rounds the fp32 sums itself (the fine
+engine's norms), and ``clear`` zeros a buffer whose consumer has finished in the same launch, so
+that re-arming it costs no launch of its own.
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ MAX_SPLIT = 64
 # Interpreter default: list the kept rows (CH at a time, small so that ragged K ends mid-chunk)
 # or 0 to walk them under the mask; the tests run both.
 INTERPRET_COMPACT = 16
+# fp32 values one program zeros per store of a ``clear`` buffer (four per thread of a warp)
+CLEAR_BLOCK = 128
 
 
 # ---------------------------------------------------------------- kernels
@@ -194,6 +199,22 @@ def _add_sums(ap, N, y0, y1, y2, y3, n_ok, T: tl.constexpr):
 
 
 @triton.jit
+def _clear_slice(clr_ptr, clr_n, CLR_BLOCK: tl.constexpr):
+    """Zeros this program's share of the fp32 buffer ``clr_ptr[:clr_n]`` (programs flattened
+    over the grid, each a contiguous slice): a consumer-finished sum buffer cleared for its next
+    producer in a launch that runs anyway, instead of a memset launch of its own."""
+    npg = tl.num_programs(0) * tl.num_programs(1)
+    flat = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    per = tl.cdiv(clr_n, npg)
+    lo = flat.to(tl.int64) * per
+    hi = tl.minimum(lo + per, clr_n)
+    offs = tl.arange(0, CLR_BLOCK)
+    for c0 in range(0, per, CLR_BLOCK):
+        o = lo + c0 + offs
+        tl.store(clr_ptr + o, tl.zeros([CLR_BLOCK], dtype=tl.float32), mask=o < hi)
+
+
+@triton.jit
 def _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr,
              NSEG: tl.constexpr, TH_PTR: tl.constexpr, BN: tl.constexpr):
     """Program -> (first column, end of its segment, the segment's threshold). Each segment
@@ -279,14 +300,18 @@ def _step_rows(slot, j, n, k_lo, K, COMPACT: tl.constexpr):
 @triton.jit
 def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, acc_ptr, cnt_ptr, idx_ptr,
                       K, N, stride_xt, stride_wk, stride_yt, stride_gt, GS,
-                      b1, b2, b3, b4, th0, th1, th2, th3,
+                      b1, b2, b3, b4, th0, th1, th2, th3, clr_ptr, clr_n,
                       T: tl.constexpr, NSEG: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_GM: tl.constexpr, TH_PTR: tl.constexpr,
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
                       PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
-                      GLU: tl.constexpr, RS: tl.constexpr, MASKW: tl.constexpr, ACC_ONLY: tl.constexpr):
+                      GLU: tl.constexpr, RS: tl.constexpr, MASKW: tl.constexpr, ACC_ONLY: tl.constexpr,
+                      CLEAR: tl.constexpr, CLR_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
+    if CLEAR:
+        # first: the stores leave before the loads they would otherwise queue behind
+        _clear_slice(clr_ptr, clr_n, CLR_BLOCK)
     c0, hi, th = _segment(pid, b1, b2, b3, b4, th0, th1, th2, th3, th_ptr, NSEG, TH_PTR, BN)
     cols = c0 + tl.arange(0, BN)
     n_ok = cols < hi
@@ -669,6 +694,27 @@ def _check_acc_out(acc_out, T, N, x, glu, out, deterministic, config):
         raise ValueError(f"acc_out must be a contiguous float32 [{T}, {N}] tensor on {x.device}")
 
 
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """[first, last) byte addresses a strided tensor may touch."""
+    n = 1 + sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + n * t.element_size()
+
+
+def _check_clear(clear, x, others: dict) -> None:
+    if clear is None:
+        return
+    if not isinstance(clear, torch.Tensor) or clear.dtype != torch.float32 or not clear.is_contiguous() \
+            or clear.device != x.device:
+        raise ValueError(f"clear must be a contiguous float32 tensor on {x.device}")
+    lo, hi = _span(clear)
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and t.numel() and clear.numel():
+            a, b = _span(t)
+            if a < hi and lo < b:
+                # the zeros would race with this launch's own reads or writes of it
+                raise ValueError(f"clear shares memory with {name}: it must be a buffer of its own")
+
+
 def _check_segments(segments, N) -> List[int]:
     if segments is None:
         return [0, N]
@@ -711,7 +757,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
               thresholds: Union[Sequence[float], torch.Tensor, None] = None,
               out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None,
               deterministic: Optional[bool] = None, glu: bool = False,
-              acc_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              acc_out: Optional[torch.Tensor] = None, clear: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
 
     Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
@@ -739,6 +785,11 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     ticket, no last program), and it is returned. The kernel's tail is then one atomic add: a
     consumer that reads the fp32 sums (a norm or RoPE after the projection) rounds them and
     writes the zeros back for the next launch. Not with ``glu``, ``out`` or ``deterministic``.
+
+    ``clear`` (a contiguous fp32 tensor of any shape, sharing no memory with the launch's other
+    tensors): besides its own work, the launch zeros it, each program a slice. The engine clears
+    an ``acc_out`` buffer whose consumer has finished (earlier in stream order) in the next
+    launch that runs anyway, so that no launch of its own re-arms it.
     """
     T, K = _check_x(x, w_t)
     N = w_t.shape[1]
@@ -758,6 +809,11 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
         y = acc_out
     else:
         y = _check_out(out, T, N // 2 if glu else N, x)
+    _check_clear(clear, x, {"x": x, "w_t": w_t, "acc_out" if acc_only else "out": y, "scale": scale,
+                            "group_mask": group_mask,
+                            "thresholds": thresholds if isinstance(thresholds, torch.Tensor) else threshold})
+    if clear is not None and (N == 0 or K == 0):  # no launch to clear it in
+        clear.zero_()
     if N == 0 or (K == 0 and acc_only):
         return y
     if K == 0:  # silu(0) * 0 = 0 too
@@ -784,9 +840,11 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
         return (tiles, _plan(K, tiles, _bk(meta), meta["PPS"], sms, meta["ATOMIC"]))
 
     args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets, idx,
-            K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th)
+            K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th,
+            clear if clear is not None else x, 0 if clear is None else clear.numel())
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
-                 TH_PTR=th_t is not None, GLU=glu, ACC_ONLY=acc_only)
+                 TH_PTR=th_t is not None, GLU=glu, ACC_ONLY=acc_only,
+                 CLEAR=clear is not None and clear.numel() > 0, CLR_BLOCK=CLEAR_BLOCK)
     if acc_only and config is None and autotune_enabled() and _ACC_TUNE:
         _tuned_acc[grid](*args, **flags)
     elif config is None and autotune_enabled() and not acc_only:

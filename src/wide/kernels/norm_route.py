@@ -53,7 +53,7 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         if HAS_DELTA:
             d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
         xf = x.to(tl.float32)
         ss += xf * xf
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
@@ -61,8 +61,10 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
     ok = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_DELTA:
+        # an fp32 delta (a GEMV's unrounded sums) is rounded to x's dtype first, as the GEMV's
+        # own epilogue would have rounded it: the same bits as a rounded delta
         d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) + d.to(x.dtype).to(tl.float32)).to(x.dtype)
         tl.store(res_ptr + row * stride_res + cols, x, mask=ok)
     nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
     n = (x.to(tl.float32) * rstd).to(x.dtype)
@@ -137,8 +139,13 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     ``tile_sums`` ``(acc, done, start)``: fp32 ``[B, H]`` running sums of the router input (the
     residual, or the normed row with ``normed_input``) and a bool ``[B]`` or ``[B, 1]``; in the same
     launch ``done`` gets ``acc`` and ``acc`` becomes the row where ``start``, else ``acc`` + the row
-    (the previous-tile rule's decode, :class:`wide.engine.routing_rules.PreviousTileRule`)."""
+    (the previous-tile rule's decode, :class:`wide.engine.routing_rules.PreviousTileRule`).
+
+    ``delta`` is ``[B, H]`` in x's dtype or, for a half-precision ``x``, fp32 (a GEMV's unrounded
+    sums, ``fine_gemv(acc_out=...)``): it is rounded to x's dtype before the add, so the result
+    is the same as for the GEMV's rounded output. The kernel only reads it."""
     B, H = x.shape
+    _check_delta(delta, x)
     if defer and B != 1:
         raise ValueError(f"a deferred router needs one token, got {B}")
     if defer and margins:
@@ -184,6 +191,18 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
     return resid, normed, mask, None
 
 
+def _check_delta(delta, x: torch.Tensor) -> None:
+    if delta is None:
+        return
+    if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != tuple(x.shape) or delta.device != x.device:
+        raise ValueError(f"delta must be a {list(x.shape)} tensor on {x.device}, got "
+                         f"{list(getattr(delta, 'shape', ()))} on {getattr(delta, 'device', None)}")
+    if delta.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"delta must be {x.dtype} (x's dtype) or float32 sums, got {delta.dtype}")
+    if delta.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError("delta needs unit column stride")
+
+
 def _sums_args(tile_sums, x: torch.Tensor) -> dict:
     if tile_sums is None:  # unused pointers: any tensor
         return dict(acc_ptr=x, done_ptr=x, st_ptr=x, stride_acc=0, ACC=False)
@@ -202,7 +221,8 @@ def _sums_args(tile_sums, x: torch.Tensor) -> dict:
 def norm_route_reference(x, delta, weight, eps, router=None, *, normed_input: bool = False):
     """PyTorch reference of :func:`norm_route` (fp32 statistics, the same rounding points):
     ``(resid, normed, mask or None)``; the mask is the router module's own decision."""
-    resid = x if delta is None else (x.float() + delta.float()).to(x.dtype)
+    # an fp32 delta is rounded to x's dtype first, as the kernel does
+    resid = x if delta is None else (x.float() + delta.to(x.dtype).float()).to(x.dtype)
     normed = rms_norm_reference(resid, weight, eps)
     mask = None
     if router is not None:

@@ -106,12 +106,31 @@ def _rope_prefill_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, 
 
 
 @triton.jit
+def _take(p, HALF: tl.constexpr, dt, CLEAR: tl.constexpr):
+    """The two halves of one head at ``p`` in the model dtype ``dt`` (fp32 sums rounded, as the
+    GEMV's epilogue would have rounded them); ``CLEAR``: zeroed after every thread's load, for
+    the sums' next producer. Each head of the sums is this program's alone."""
+    d = tl.arange(0, HALF)
+    r1 = tl.load(p + d)
+    r2 = tl.load(p + HALF + d)
+    if CLEAR:
+        # a [HALF] tensor is replicated over the warps: no zero lands before every replica's load
+        tl.debug_barrier()
+        tl.store(p + d, tl.zeros_like(r1))
+        tl.store(p + HALF + d, tl.zeros_like(r2))
+    return r1.to(dt), r2.to(dt)
+
+
+@triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
                        Hq, stride_q, stride_k, stride_v, stride_cb, stride_ct, stride_ch,
-                       b_ptr, n_ptr, eps,
-                       HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    # Program (b, h): h < Hq rotates q head h in place; otherwise KV head h - Hq is rotated
-    # and written, with v, to the cache at the sequence's position.
+                       b_ptr, n_ptr, eps, qo_ptr, stride_qo,
+                       HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                       CLEAR: tl.constexpr):
+    # Program (b, h): h < Hq rotates q head h (into qo, q itself unless given another);
+    # otherwise KV head h - Hq is rotated and written, with v, to the cache at the sequence's
+    # position.
+    dt = kc_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -124,20 +143,20 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
         base = q_ptr + b * stride_q + h * 2 * HALF
     else:
         base = k_ptr + b * stride_k + (h - Hq) * 2 * HALF
-    x1, x2 = _bias_norm(tl.load(base + d), tl.load(base + HALF + d), h, (h >= Hq).to(tl.int32),
-                        b_ptr, n_ptr, eps, d, HALF, 0, HAS_BIAS, QK_NORM)
+    xa, xb = _take(base, HALF, dt, CLEAR)
+    x1, x2 = _bias_norm(xa, xb, h, (h >= Hq).to(tl.int32), b_ptr, n_ptr, eps, d, HALF, 0, HAS_BIAS, QK_NORM)
     o1, o2 = _rotate(x1, x2, c1, c2, s1, s2)
     if h < Hq:
-        tl.store(base + d, o1)
-        tl.store(base + HALF + d, o2)
+        qo = qo_ptr + b * stride_qo + h * 2 * HALF
+        tl.store(qo + d, o1)
+        tl.store(qo + HALF + d, o2)
     else:
         kh = h - Hq
         dst = b * stride_cb + pos * stride_ct + kh * stride_ch
         tl.store(kc_ptr + dst + d, o1)
         tl.store(kc_ptr + dst + HALF + d, o2)
-        vb = v_ptr + b * stride_v + kh * 2 * HALF
-        v1, v2 = _bias_norm(tl.load(vb + d), tl.load(vb + HALF + d), h + tl.num_programs(1) - Hq, 1,
-                            b_ptr, n_ptr, eps, d, HALF, 0, HAS_BIAS, False)
+        va, vb = _take(v_ptr + b * stride_v + kh * 2 * HALF, HALF, dt, CLEAR)
+        v1, v2 = _bias_norm(va, vb, h + tl.num_programs(1) - Hq, 1, b_ptr, n_ptr, eps, d, HALF, 0, HAS_BIAS, False)
         tl.store(vc_ptr + dst + d, v1)
         tl.store(vc_ptr + dst + HALF + d, v2)
 
@@ -171,16 +190,43 @@ def rope_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
 def rope_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 *, bias: Optional[torch.Tensor] = None, qk_norm: Optional[torch.Tensor] = None,
-                eps: float = 0.0) -> None:
+                eps: float = 0.0, q_out: Optional[torch.Tensor] = None, clear: bool = False) -> None:
     """One new token per sequence at cache position ``pos [B]``: ``q [B, Hq*D]`` rotated in
-    place, ``k``/``v`` ``[B, Hkv*D]`` rotated / copied into the caches; as :func:`rope_prefill`."""
+    place, ``k``/``v`` ``[B, Hkv*D]`` rotated / copied into the caches; as :func:`rope_prefill`.
+
+    ``q``, ``k`` and ``v`` may be fp32 sums (``fine_gemv(acc_out=...)``) where the cache holds a
+    half-precision dtype: each value is rounded to the cache's dtype first, as the GEMV's own
+    rounding would have, so the results are the same. ``q_out`` ``[B, Hq*D]`` in the cache's
+    dtype: the rotated q goes there instead (needed for fp32 sums). ``clear``: the launch zeros
+    ``q``, ``k`` and ``v`` once read (each head is one program's), re-armed for the next sums."""
     B = q.shape[0]
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     Hq = q.shape[1] // D
+    _check_decode_io(q, k, v, k_cache, q_out, clear)
     args, flags = _extras(q, bias, qk_norm, eps)
+    qo = q if q_out is None else q_out
     _rope_cache_kernel[(B, Hq + Hkv)](
         q, k, v, cos, sin, pos, k_cache, v_cache, Hq, q.stride(0), k.stride(0), v.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *args, HALF=D // 2, **flags)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *args, qo, qo.stride(0), HALF=D // 2,
+        CLEAR=clear, **flags)
+
+
+def _check_decode_io(q, k, v, k_cache, q_out, clear) -> None:
+    dt = k_cache.dtype
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (dt, torch.float32):
+            raise ValueError(f"{name} must be {dt} (the cache's dtype) or float32 sums, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit column stride")
+    if q_out is None:
+        if q.dtype != dt:
+            raise ValueError(f"fp32 sums need q_out: q is rotated into a {dt} tensor of its own")
+        if clear:
+            raise ValueError("clear zeros q once read: give q_out for the rotated q")
+        return
+    if tuple(q_out.shape) != tuple(q.shape) or q_out.dtype != dt or q_out.device != q.device \
+            or q_out.stride(-1) != 1:
+        raise ValueError(f"q_out must be a {list(q.shape)} {dt} tensor on {q.device} with unit column stride")
 
 
 def rope_reference(q, k, v, cos, sin, *, bias=None, qk_norm=None, eps=0.0):
