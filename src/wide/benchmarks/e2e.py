@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hybrid-router-sparsity", type=float, default=None,
                     help="the hybrid's routers at this group sparsity and its thresholds at what reaches the target "
                          "(default: the two even, 1 - sqrt(1 - target) each)")
-    ap.add_argument("--fine-sums", default="fp32",
+    ap.add_argument("--fine-sums", default="rounded",
                     help="the fine engine's q|k|v, o and down sums, comma-separated: fp32 (added into fp32 sums "
                          "that RoPE and the next norm read) and/or rounded (each GEMV rounds its own output); "
                          "with both, TPOT of each as records of their own (fine_sums in the record); "
@@ -529,7 +529,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     dense = AcceleratedModel(model, mode="dense")
     engines = {"token": routed}
     by_mode = {"dense": dense, "routed": routed}
-    fine_sums = getattr(args, "fine_sums", ["fp32"])
+    fine_sums = getattr(args, "fine_sums", ["rounded"])
     for m in ("fine", "hybrid"):
         if m in modes:  # (the Triton backend's transposed weights: laid out once, shared by all)
             by_mode[m] = AcceleratedModel(model, mode=m, **({"fine_sums": fine_sums[0]} if m == "fine" else {}))

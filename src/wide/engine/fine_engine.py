@@ -31,7 +31,8 @@ engine on the kernels decodes such batches with the dense weights instead, and m
 batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
 fixes the limit).
 
-fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``, the default). A GEMV's split-K
+fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``; the default stays ``"rounded"`` until a
+GPU smoke and an e2e run have checked and timed it). A GEMV's split-K
 programs add into fp32 sums; rounding them to the model's dtype takes a ticket per column slice
 and a last program that reads, rounds, stores and clears, which the next norm then reads back.
 In a ``fine`` decode step of up to MAX_T tokens the q|k|v, o and down GEMVs instead add into
@@ -375,7 +376,7 @@ class FineTritonOps(_FineDecode, TritonOps):
 
 class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
     """``fine`` decode on the kernels: no router runs, every mask is None. With
-    ``fine_sums="fp32"`` (the default) and deterministic algorithms off, the q|k|v, o and down
+    ``fine_sums="fp32"`` and deterministic algorithms off, the q|k|v, o and down
     GEMVs of a step of up to MAX_T tokens add into fp32 sums that the RoPE launch and the next
     norm read (module docstring, "fp32 sums")."""
 
