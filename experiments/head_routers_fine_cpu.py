@@ -950,6 +950,15 @@ def reshift(mine, args) -> dict:
 
 
 @torch.no_grad()
+def fold_input_choice(router) -> None:
+    """Each group's exec-skip bias difference set to the groups' mean: the router's plain margin is
+    then :func:`choice_margin` with ``input_only`` (what the routers were trained and evaluated with)."""
+    bias = router.up.bias.view(router.num_groups, 2)
+    d = bias[:, 0] - bias[:, 1]
+    bias[:, 0] -= d - d.mean()
+
+
+@torch.no_grad()
 def to_library(mine, args) -> dict:
     """--to-library: the same routers and thresholds as a library set (``WideConfig.attn_rule``,
     ``attn_dense_layers``): layer 0's zeroed router dropped, the input-only choice folded into the
@@ -978,9 +987,7 @@ def to_library(mine, args) -> dict:
             continue
         b.attn.load_state_dict(a.attn.state_dict())
         if mine.input_choice:
-            bias = b.attn.up.bias.view(b.attn.num_groups, 2)
-            d = bias[:, 0] - bias[:, 1]
-            bias[:, 0] -= d - d.mean()
+            fold_input_choice(b.attn)
         b.attn.offset.zero_()
     del src
     batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)

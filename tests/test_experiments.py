@@ -698,6 +698,20 @@ def test_head_routers_skip_share_calibrates_the_rate():
     assert bool(((1 - state.masks[(1, "attn")]).sum(-1) == 1).all())  # S = 1: every token skips one
 
 
+def test_head_routers_fold_input_choice_keeps_the_choice_margin():
+    # --to-library: the folded router's plain margin is the input-only choice margin it was trained with
+    trial = _script("head_routers_fine_cpu")
+    model = _heads_model(trial)
+    r = model.wide_routers[1].attn
+    with torch.no_grad():
+        r.up.bias.copy_(torch.randn(r.up.bias.shape, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(4))
+    want = trial.choice_margin(r, x, input_only=True)
+    assert not torch.allclose(r.margin(x), want)
+    trial.fold_input_choice(r)
+    assert torch.allclose(r.margin(x), want, atol=1e-6)
+
+
 def test_head_routers_oracle_ce_and_input_choice():
     """The head-router trial's third rule (``--skip-one --oracle-ce W --input-choice``): in a routed
     training forward the label of every routed layer is the group of smallest contribution norm
