@@ -31,6 +31,9 @@
 #   export WIDE_CACHE_DIR=/root/wide_cache; STEPS=150 BATCH=64 BUDGET_S=540 bash experiments/head_routers_gpu.sh
 #   # a second call for what did not fit, e.g. seed 2 alone:
 #   SEEDS=2 DENSE=0 ORACLE=0 STEPS=150 BATCH=64 BUDGET_S=540 bash experiments/head_routers_gpu.sh
+#   # at 25 % attention-core sparsity (one group for ~78 % of the tokens), each seed also as a library
+#   # skip_upto set evaluated by `wide eval` alone (experiments/results/head_routers_share_cpu):
+#   TARGET=0.26 LIBRARY=0.25 ORACLE=0 STEPS=150 BATCH=64 BUDGET_S=540 bash experiments/head_routers_gpu.sh
 # CPU dry run (tiny): DEVICE=cpu STEPS=2 BATCH=2 EVAL_SEQS=2 BUDGET_S=1500 OUT=/tmp/hgpu \
 #   PY=/path/to/venv/bin/python bash experiments/head_routers_gpu.sh   (2 min on 1 core; records in /tmp/heads_gpu)
 #
@@ -53,6 +56,9 @@ BATCH=${BATCH:-64}
 ACCUM=${ACCUM:-1}
 LR=${LR:-1e-2}
 W=${W:-3.0}
+TARGET=${TARGET:-0.3333}  # per routed layer (--budget layer): 1/3 = one group for every token; 0.26 = ~78 %
+LIBRARY=${LIBRARY:-}  # e.g. 0.25: each seed also converted (--to-library, skip_upto at that attention-core
+                      # rate) and evaluated by `wide eval` alone (eval_lib_s*)
 SEEDS=${SEEDS-"0 1 2"}  # "" for none (e.g. DENSE=1 ORACLE=1 alone)
 DENSE=${DENSE:-1}
 ORACLE=${ORACLE:-1}
@@ -130,6 +136,12 @@ for f in sorted(res.glob("eval_s*.json")):
     if recs:
         add(f"design (a), seed {f.stem[6:]}", recs[0])
         seeds.append(recs[0]["ppl"])
+lib = []
+for f in sorted(res.glob("eval_lib_s*.json")):
+    recs = [r for r in json.loads(f.read_text())["records"] if r.get("method") != "dense"]
+    if recs:
+        add(f"seed {f.stem[10:]} as a library set ({recs[0].get('routing')})", recs[0])
+        lib.append(recs[0]["ppl"])
 fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"
 print("| model | ppl | x dense | linear sparsity | attention-core sparsity |\n|---|---|---|---|---|")
 for name, ppl, lin, core in rows:
@@ -138,6 +150,10 @@ if seeds:
     mean = sum(seeds) / len(seeds)
     print(f"\n{len(seeds)} seed(s): mean ppl {mean:.2f}" + (f" = {mean / dense:.3f}x dense" if dense else "")
           + f", range {min(seeds):.2f}-{max(seeds):.2f}")
+if lib:
+    mean = sum(lib) / len(lib)
+    print(f"{len(lib)} library set(s): mean ppl {mean:.2f}" + (f" = {mean / dense:.3f}x dense" if dense else "")
+          + f", range {min(lib):.2f}-{max(lib):.2f}")
 for f in sorted(res.glob("s*/run.json")):
     r = json.loads(f.read_text())
     print(f"{f.parent.name}: {r['tokens']} tokens, training {r['wall_s']:.0f} s, {r['tokens_per_s']:.0f} tokens/s, "
@@ -159,7 +175,7 @@ SEED_S=  # the first seed's measured train + eval time: what a later seed needs
 train_run() {  # train_run SEED NEED_S: the CPU recipe at STEPS x BATCH (BATCH / ACCUM per micro-batch)
     stage "train_s$1" "$2" $(( $(left) - EVAL_S )) "$PY" $EXP --skip-one --oracle-ce "$W" --input-choice --lr "$LR" \
         --out "$RES/s$1" --overwrite "${dev[@]}" --steps "$STEPS" --batch-size $(( BATCH / ACCUM )) --grad-accum "$ACCUM" \
-        --amp "$AMP" --eval-every 0 --save-every "$SAVE_EVERY" --seed "$1" --budget layer --target 0.3333 --offsets none
+        --amp "$AMP" --eval-every 0 --save-every "$SAVE_EVERY" --seed "$1" --budget layer --target "$TARGET" --offsets none
 }
 train_seed() {
     local s=$1 t=$SECONDS need
@@ -175,6 +191,13 @@ train_seed() {
     stage "eval_s$s" "$EVAL_S" 600 "$PY" $EXP --skip-one --input-choice --eval "${dev[@]}" --routers "$RES/s$s/routers" \
         --max-eval-sequences "$EVAL_SEQS" "${tasks[@]}" --out "$RES/eval_s$s" --overwrite
     [ "$RC" = 0 ] && [ -z "$SEED_S" ] && SEED_S=$(( (SECONDS - t) * 21 / 20 + 10 ))
+    if [ -n "$LIBRARY" ]; then
+        stage "lib_s$s" "$EVAL_S" 600 "$PY" $EXP --skip-one --input-choice --to-library "$RES/s$s/routers" \
+            --library-target "$LIBRARY" --out "$RES/lib_s$s" --overwrite "${dev[@]}"
+        [ "$RC" = 0 ] && stage "eval_lib_s$s" "$EVAL_S" 600 "$PY" -m wide.cli eval "${dev[@]}" \
+            --routers "$RES/lib_s$s/routers" --max-eval-sequences "$EVAL_SEQS" "${tasks[@]}" --out "$RES/eval_lib_s$s" \
+            --overwrite
+    fi
 }
 
 first=1
