@@ -1068,7 +1068,7 @@ def test_fine_gemv_race_check_runs_and_counts(tmp_path):
     # the GPU race check's own CPU mode: every case of one tile, right, and written down
     out = tmp_path / "race.json"
     assert _script("fine_gemv_race_gpu").main(["--cpu", "--out", str(out), "--launches", "2", "--repeats", "2",
-                                               "--match", "BN512-BR1-BU8-P8-pf-w1-s1-atomic-compact128"]) == 0
+                                               "--match", "BN256-BR1-BU8-P16-pf-w1-s1-atomic-compact64"]) == 0
     import json
 
     rows = json.loads(out.read_text())["rows"]
