@@ -135,9 +135,16 @@ def cases() -> dict:
         # engine's launch); T = 4: q|k|v
         const = lambda c, T=T: dict(T=T, NSEG=2 if T == 1 else 3, HAS_SCALE=True, HAS_GM=T > 1,  # noqa: E731
                                     TH_PTR=True, GLU=T == 1, RS=fg._rs(c.kwargs["BN"]), ACC_ONLY=False,
-                                    CLEAR=T == 1, CLR_BLOCK=fg.CLEAR_BLOCK)
+                                    CLEAR=T == 1, CLR_BLOCK=fg.CLEAR_BLOCK, GLU_IN=False)
         out[f"fine_gemv-bf16-T{T}"] = dict(need="all", sizes=_sizes(
             fg._fine_gemv_kernel, "bf16", const, fg._CONFIGS, ptrs, float_args=("th0", "th1", "th2", "th3")))
+    # the fp32-sums down launch: silu(gate) * up from fp32 gate|up sums, adding into fp32 sums
+    const = lambda c: dict(T=1, NSEG=1, HAS_SCALE=True, HAS_GM=False, TH_PTR=True, GLU=False,  # noqa: E731
+                           RS=fg._rs(c.kwargs["BN"]), ACC_ONLY=True, CLEAR=False, CLR_BLOCK=fg.CLEAR_BLOCK,
+                           GLU_IN=True)
+    out["fine_gemv-bf16-glu-in"] = dict(need="all", sizes=_sizes(
+        fg._fine_gemv_kernel, "bf16", const, fg._ATOMIC + fg._COMPACT, {**ptrs, "x_ptr": "*fp32"},
+        float_args=("th0", "th1", "th2", "th3")))
     return out
 
 

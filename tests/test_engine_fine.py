@@ -362,7 +362,7 @@ def _which(t, ops, B):
     """The engine buffer whose rows [:B] ``t`` is (its name), or None."""
     if t is None:
         return None
-    for name in ("o_sum", "down_sum", "qkv_sum"):
+    for name in ("o_sum", "down_sum", "qkv_sum", "gu_sum"):
         buf = getattr(ops, name)
         if t.data_ptr() == buf.data_ptr() and tuple(t.shape) == (B, buf.shape[1]):
             return name
@@ -372,7 +372,8 @@ def _which(t, ops, B):
 @pytest.mark.parametrize("criterion", ["magnitude", "wina"])
 def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
     # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads,
-    # q|k|v into sums that the RoPE launch rounds, reads and clears: the same logits as GEMVs
+    # q|k|v into sums that the RoPE launch rounds, reads and clears, gate|up into sums that down
+    # reads silu(gate) * up from (cleared by the next o): the same logits as GEMVs
     # that round their own outputs and as the PyTorch path, over batch sizes that change
     # between steps (rows a larger batch left in the down sums are cleared before the next step
     # adds). WINA: q, k, v (and gate, up) in launches of their own that round (no contiguous
@@ -400,11 +401,14 @@ def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
             # between steps: o and q|k|v sums zero, down sums the last layer's (read by the final norm)
             assert torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
             assert bool(ops.down_sum[:B].abs().sum() > 0)
-            if criterion == "magnitude":  # q|k|v, o, gate|up, down
-                layer = [("qkv_sum", "down_sum"), ("o_sum", None), (None, "o_sum"), ("down_sum", None)]
+            if criterion == "magnitude":  # q|k|v, o, gate|up, down (reading the gate|up sums)
+                layer = [("qkv_sum", "down_sum"), ("o_sum", "gu_sum"), ("gu_sum", "o_sum"), ("down_sum", None)]
+                # the last layer's gate|up sums stay until the next step's first o GEMV clears them
+                assert bool(ops.gu_sum[:B].abs().sum() > 0)
             else:  # q, k, v, o, gate, up, down
-                layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", None), (None, "o_sum"),
+                layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", "gu_sum"), (None, "o_sum"),
                          (None, None), ("down_sum", None)]
+                assert torch.all(ops.gu_sum == 0)
             assert [(_which(a, ops, B), _which(c, ops, B)) for a, c in launches] == layer * L
             assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
     prompt = ids_of(1, 7, seed=8)[0].tolist()

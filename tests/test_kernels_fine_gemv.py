@@ -15,6 +15,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import wide.kernels.fine_gemv as fg  # noqa: E402
+from wide.kernels.silu_mul import silu_mul_reference  # noqa: E402
 from wide.kernels.fine_gemv import (fine_gemv, fine_gemv_reference, fine_layout, fine_segments,  # noqa: E402
                                     keep_mask_reference)
 
@@ -534,3 +535,57 @@ def test_clear_shapes_edges_and_errors():
     with pytest.raises(ValueError, match="shares memory with thresholds"):
         th = torch.full((1,), 0.1, device=DEVICE)
         fine_gemv(x, wt, th, clear=th)
+
+
+# ---------------------------------------------------------------- glu_input
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", TOKENS)
+def test_glu_input_reads_silu_mul_of_the_sums(T, dtype, split):
+    # x: fp32 gate and up sums [T, 2K]; the input is silu(gate) * up rounded to the weight's dtype
+    gen = torch.Generator().manual_seed(60 + T)
+    sums = torch.randn(T, 2 * K_RAGGED, generator=gen).to(DEVICE)
+    w = (torch.randn(N_RAGGED, K_RAGGED, generator=gen) / K_RAGGED ** 0.5).to(dtype).to(DEVICE)
+    wt = fine_layout(w)
+    u = fine_gemv_reference(sums, wt, 0.0, glu_input=True)  # every input kept: the dense product
+    xin = silu_mul_reference(sums[:, :K_RAGGED].to(dtype), sums[:, K_RAGGED:].to(dtype)).to(dtype)
+    assert rel_err(u, xin.float() @ wt.float()) < 1e-6
+    v = xin.float().abs().flatten().sort().values  # a threshold midway between two inputs: the
+    th = float(v[v.numel() // 2: v.numel() // 2 + 2].mean())  # kernel's silu may differ by an ulp
+    y = fine_gemv(sums, wt, th, glu_input=True)
+    assert y.dtype == dtype and y.shape == (T, N_RAGGED)
+    assert rel_err(y, fine_gemv_reference(sums, wt, th, glu_input=True)) < tol(dtype)
+    if not torch.are_deterministic_algorithms_enabled():
+        acc = torch.zeros(T, N_RAGGED, device=DEVICE)
+        fine_gemv(sums, wt, th, glu_input=True, acc_out=acc)
+        assert rel_err(acc, fine_gemv_reference(sums, wt, th, glu_input=True)) < 1e-5
+
+
+def test_glu_input_chains_a_gate_up_launch_into_down():
+    # the engine's fp32-sums FFN: gate|up adds into sums, down reads silu(gate) * up from them; the
+    # same bits as gate|up with its silu epilogue (glu=True), then down on that output
+    dtype = torch.float16
+    T, K, I = 2, 40, 24
+    gen = torch.Generator().manual_seed(61)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
+    wg, wu = ((torch.randn(I, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE) for _ in range(2))
+    wd = (torch.randn(K, I, generator=gen) / I ** 0.5).to(dtype).to(DEVICE)
+    wgu, wdt = fine_layout(wg, wu), fine_layout(wd)
+    seg, ths = [0, I, 2 * I], [0.3, 0.5]
+    sums = torch.zeros(T, 2 * I, device=DEVICE)
+    fine_gemv(x, wgu, segments=seg, thresholds=ths, acc_out=sums)
+    u = fine_gemv(x, wgu, segments=seg, thresholds=ths, glu=True)
+    assert torch.equal(fine_gemv(sums, wdt, 0.05, glu_input=True), fine_gemv(u, wdt, 0.05))
+
+
+def test_glu_input_errors():
+    w = torch.randn(16, 8, device=DEVICE)
+    wt = fine_layout(w)  # K = 8
+    with pytest.raises(ValueError, match=r"\[T, 2K\] = \[T, 16\]"):
+        fine_gemv(torch.zeros(1, 8, device=DEVICE), wt, 0.1, glu_input=True)
+    with pytest.raises(ValueError, match="float32 gate and up sums"):
+        fine_gemv(torch.zeros(1, 16, device=DEVICE, dtype=torch.float16), wt, 0.1, glu_input=True)
+    with pytest.raises(ValueError, match="1..4 decode tokens"):
+        fine_gemv(torch.zeros(5, 16, device=DEVICE), wt, 0.1, glu_input=True)
+    with pytest.raises(ValueError, match="not both"):
+        fine_gemv(torch.zeros(1, 16, device=DEVICE), fine_layout(w, w), segments=[0, 16, 32],
+                  thresholds=[0.1, 0.1], glu=True, glu_input=True)

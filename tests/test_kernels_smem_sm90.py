@@ -37,7 +37,7 @@ def sizes():
 def test_every_kernel_family_is_covered(sizes):
     fams = {k.split("-")[0] for k in sizes}
     assert fams == {"prefill_attention", "decode_attention", "gemm_k", "gemm_mn", "fine_gemv"}
-    assert len(sizes) == 2 + 4 + 3 + 6 + 2
+    assert len(sizes) == 2 + 4 + 3 + 6 + 3  # fine_gemv: gate|up, q|k|v, down reading gate|up sums
 
 
 def test_autotuned_attention_has_a_config_that_fits(sizes):

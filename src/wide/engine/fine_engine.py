@@ -40,9 +40,12 @@ three engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and their consumers
 sum to the model's dtype before using it, as the epilogue did: the same values. o's and down's
 consumer is the next fused norm (the FFN norm after o, the next layer's attention norm or the
 final norm after down); q|k|v's is the RoPE + KV-cache launch, which also zeros each head once
-read (``rope_decode(clear=True)``: each head is one program's). The other re-arming zeros ride
-on launches that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears the down sums
-(the attention norm has read them), its gate|up the o sums (the FFN norm has). On an H100
+read (``rope_decode(clear=True)``: each head is one program's). gate|up (one launch) adds into
+a fourth buffer, and down computes silu(gate) * up from it where it loads each row, rounded as
+silu_mul rounds it (``fine_gemv(glu_input=True)``). The other re-arming zeros ride on launches
+that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears the down sums (the attention
+norm has read them), its o the gate|up sums (the previous layer's down has), its gate|up the o
+sums (the FFN norm has). On an H100
 (Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md, 2026-12-07)
 the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6, down in 23.8
 against 26.2 and q|k|v in 12.5 against 14.0 (read floors 7.3, 20.8 and 10.0). Deterministic
@@ -75,6 +78,7 @@ from .ops import TorchOps, TritonOps, UnroutedOps, flat_mask
 
 try:
     from ..kernels import rope_decode, silu_mul
+    from ..kernels.silu_mul import silu_mul_reference
     from ..kernels.fine_gemv import MAX_T, fine_gemv, fine_layout, fine_segments
 except Exception:  # pragma: no cover - depends on the install (the torch backend needs none of it)
     MAX_T = 4
@@ -276,9 +280,10 @@ class FineTritonOps(_FineDecode, TritonOps):
         return None if mask is None or mask.shape[0] <= MAX_T else super().index(mask)
 
     def _sums(self, B: int):
-        """``(o sums, down sums, q|k|v sums)``: fp32 ``[B, H]``, ``[B, H]`` and ``[B, (Hq + 2 Hkv) D]``
-        buffers that this step's GEMVs add into, for the next norm or the RoPE launch to read
-        (:class:`FineOnlyTritonOps`), or None: each GEMV rounds its own output."""
+        """``(o sums, down sums, q|k|v sums, gate|up sums)``: fp32 ``[B, H]``, ``[B, H]``,
+        ``[B, (Hq + 2 Hkv) D]`` and ``[B, 2 I]`` buffers that this step's GEMVs add into, for the
+        next norm, the RoPE launch or the down GEMV to read (:class:`FineOnlyTritonOps`), or None:
+        each GEMV rounds its own output."""
         return None
 
     def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
@@ -318,8 +323,10 @@ class FineTritonOps(_FineDecode, TritonOps):
             return super().o_proj(L, _kept(f, O, att), mask, route)
         sums = self._sums(att.shape[0])
         if sums is not None:  # zero here: the previous layer's gate|up cleared them
+            # The gate|up sums' reader, the previous layer's down GEMV, came before, and their next
+            # writer, this layer's gate|up, comes after: re-armed here.
             return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
-                             group_size=None if m is None else gs, acc_out=sums[0])
+                             group_size=None if m is None else gs, acc_out=sums[0], clear=sums[3])
         return fine_gemv(att, f.wo_t, f.th[O:O + 1], scale=f.scale[O], group_mask=m,
                          group_size=None if m is None else gs)
 
@@ -336,6 +343,15 @@ class FineTritonOps(_FineDecode, TritonOps):
         clear = None if sums is None else sums[0]
         if large:
             u = self._ffn_up_large(L, h, f, m, route)
+        elif sums is not None and f.gu_one_scale and m is None:
+            # gate|up adds into fp32 sums (zero: this layer's o GEMV cleared them) and down reads
+            # silu(gate) * up from them, rounded as silu_mul rounds it, where it loads each row
+            inter = f.wgu_t.shape[1] // 2
+            gu = fine_gemv(h, f.wgu_t, thresholds=f.th[GATE:UP + 1], segments=[0, inter, 2 * inter],
+                           scale=f.scale[GATE], acc_out=sums[3], clear=clear)
+            if self.record is not None:
+                self._note(f, DOWN, silu_mul_reference(gu[:, :inter].to(h.dtype), gu[:, inter:].to(h.dtype)))
+            return fine_gemv(gu, f.wd_t, f.th[DOWN:DOWN + 1], scale=f.scale[DOWN], glu_input=True, acc_out=sums[1])
         else:
             inter = f.wgu_t.shape[1] // 2
             if f.gu_one_scale and m is None:
@@ -393,13 +409,17 @@ class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
         # layer's RoPE launch, so zero between layers and steps
         width = (engine.num_heads + 2 * engine.num_kv) * engine.head_dim
         self.qkv_sum = torch.zeros(MAX_T, width, dtype=torch.float32, device=engine.device)
+        # gate|up (one launch): read by the same layer's down GEMV (silu(gate) * up where it loads
+        # each row), cleared by the next layer's o GEMV (or the next step's first), before the next
+        # gate|up adds
+        self.gu_sum = torch.zeros(MAX_T, 2 * engine.inter, dtype=torch.float32, device=engine.device)
 
     def _sums(self, B: int):
         # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
         # ordered GEMVs round their own outputs as before.
         if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
             return None
-        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B]
+        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B], self.gu_sum[:B]
 
     def rope_decode(self, i, L, q, kv, pos):
         if q.data_ptr() != self.qkv_sum.data_ptr():  # rounded q|k|v: rotated in place

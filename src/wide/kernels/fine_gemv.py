@@ -69,11 +69,18 @@ CLEAR_BLOCK = 128
 # ---------------------------------------------------------------- kernels
 @triton.jit
 def _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS,
-         HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr):
+         HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, K, GLU_IN: tl.constexpr, XT: tl.constexpr):
     """Token t at rows k: its inputs in fp32, the magnitude compared with the threshold, and
-    whether the row may be kept at all (inside the split, its routed group on)."""
-    xv = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0,
-                 eviction_policy="evict_last").to(tl.float32)
+    whether the row may be kept at all (inside the split, its routed group on). ``GLU_IN``: the
+    input is silu(gate) * up, rounded to XT as silu_mul rounds it, from fp32 gate and up sums
+    (row t: K gate sums, then K up sums)."""
+    if GLU_IN:
+        g = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        u = tl.load(x_ptr + t * stride_xt + K + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        xv = silu_mul_rounded(g, u, XT).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0,
+                     eviction_policy="evict_last").to(tl.float32)
     mag = tl.abs(xv)
     if HAS_SCALE:
         mag = mag * s
@@ -85,7 +92,8 @@ def _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS,
 
 @triton.jit
 def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stride_wk, stride_gt, GS,
-           T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, MASKW: tl.constexpr):
+           T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, MASKW: tl.constexpr,
+           K, GLU_IN: tl.constexpr, XT: tl.constexpr):
     """One step of BU x BR rows: the weight rows any token keeps (the rest masked off: no
     memory traffic) and each token's kept inputs (zeros where it does not keep the row).
     ``MASKW`` False: every row in range is kept by some token (a list of kept rows), so the
@@ -94,7 +102,7 @@ def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stri
     s = 1.0
     if HAS_SCALE:
         s = tl.load(scale_ptr + k, mask=k_ok, other=0.0, eviction_policy="evict_last")
-    x0, m0, o0 = _tok(x_ptr, 0, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+    x0, m0, o0 = _tok(x_ptr, 0, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM, K, GLU_IN, XT)
     keep0 = (m0 >= th) & o0
     row = keep0
     a0 = tl.where(keep0, x0, 0.0)
@@ -102,17 +110,17 @@ def _block(x_ptr, w_base, scale_ptr, gm_ptr, k, k_hi, n_ok3, th, stride_xt, stri
     a2 = a0
     a3 = a0
     if T > 1:
-        x1, m1, o1 = _tok(x_ptr, 1, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        x1, m1, o1 = _tok(x_ptr, 1, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM, K, GLU_IN, XT)
         keep1 = (m1 >= th) & o1
         row = row | keep1
         a1 = tl.where(keep1, x1, 0.0)
     if T > 2:
-        x2, m2, o2 = _tok(x_ptr, 2, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        x2, m2, o2 = _tok(x_ptr, 2, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM, K, GLU_IN, XT)
         keep2 = (m2 >= th) & o2
         row = row | keep2
         a2 = tl.where(keep2, x2, 0.0)
     if T > 3:
-        x3, m3, o3 = _tok(x_ptr, 3, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+        x3, m3, o3 = _tok(x_ptr, 3, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM, K, GLU_IN, XT)
         keep3 = (m3 >= th) & o3
         row = row | keep3
         a3 = tl.where(keep3, x3, 0.0)
@@ -266,7 +274,8 @@ def _split_rows(K, BK: tl.constexpr):
 
 @triton.jit
 def _compact_rows(x_ptr, scale_ptr, gm_ptr, slot_ptr, k_lo, k_hi, th, stride_xt, stride_gt, GS,
-                  T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, CH: tl.constexpr):
+                  T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GM: tl.constexpr, CH: tl.constexpr,
+                  K, GLU_IN: tl.constexpr, XT: tl.constexpr):
     """Writes the rows of [k_lo, k_hi) that any token keeps, in order, to ``slot_ptr`` and
     returns how many: the weight loop then reads only kept rows, every lane of every load a
     useful byte, where a masked tile spends half its load slots (and so half the bytes it
@@ -280,7 +289,7 @@ def _compact_rows(x_ptr, scale_ptr, gm_ptr, slot_ptr, k_lo, k_hi, th, stride_xt,
             s = tl.load(scale_ptr + k, mask=k_ok, other=0.0)
         row = k_ok & (k < 0)
         for t in tl.static_range(T):
-            _, mag, ok = _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM)
+            _, mag, ok = _tok(x_ptr, t, stride_xt, k, k_ok, s, gm_ptr, stride_gt, GS, HAS_SCALE, HAS_GM, K, GLU_IN, XT)
             row = row | ((mag >= th) & ok)
         ki = row.to(tl.int32)
         tl.store(slot_ptr + cnt + tl.cumsum(ki, axis=0) - 1, k, mask=row)
@@ -306,9 +315,11 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
                       BN: tl.constexpr, BR: tl.constexpr, BU: tl.constexpr, PPS: tl.constexpr,
                       PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
                       GLU: tl.constexpr, RS: tl.constexpr, MASKW: tl.constexpr, ACC_ONLY: tl.constexpr,
+                      GLU_IN: tl.constexpr,
                       CLEAR: tl.constexpr, CLR_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     n_s = tl.num_programs(1)
+    XT = w_ptr.dtype.element_ty  # GLU_IN: the dtype silu(gate) * up is rounded to, the weight's
     if CLEAR:
         # first: the stores leave before the loads they would otherwise queue behind
         _clear_slice(clr_ptr, clr_n, CLR_BLOCK)
@@ -327,7 +338,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         # this program's own list (no other program writes it), as long as its rows
         slot = idx_ptr + (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + pid) * (tl.cdiv(tl.cdiv(K, n_s), CH) * CH)
         n = _compact_rows(x_ptr, scale_ptr, gm_ptr, slot, k_lo, k_hi, th, stride_xt, stride_gt, GS,
-                          T, HAS_SCALE, HAS_GM, CH)
+                          T, HAS_SCALE, HAS_GM, CH, K, GLU_IN, XT)
         tl.debug_barrier()  # the list's stores, by every thread, before any thread reads it
         lim = K
     else:
@@ -340,12 +351,13 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         # are issued before this step's products wait on its weights, so a load is always in
         # flight behind the (list ->) input -> threshold -> weight dependency.
         w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, _step_rows(slot, kk, n, k_lo, K, COMPACT),
-                                   lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM, MASKW)
+                                   lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM, MASKW,
+                                   K, GLU_IN, XT)
         for j0 in range(0, n, BR * BU):
             wn, b0, b1_, b2_, b3_ = _block(x_ptr, w_base, scale_ptr, gm_ptr,
                                            _step_rows(slot, j0 + BR * BU + kk, n, k_lo, K, COMPACT), lim,
                                            n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM,
-                                           MASKW)
+                                           MASKW, K, GLU_IN, XT)
             acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
             w = wn
             a0 = b0
@@ -357,7 +369,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
         for j0 in range(0, n, BR * BU):
             w, a0, a1, a2, a3 = _block(x_ptr, w_base, scale_ptr, gm_ptr, _step_rows(slot, j0 + kk, n, k_lo, K, COMPACT),
                                        lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM,
-                                       MASKW)
+                                       MASKW, K, GLU_IN, XT)
             acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
     y0 = tl.sum(acc0, axis=0)
     y1 = tl.sum(acc1, axis=0)
@@ -541,7 +553,7 @@ with warnings.catch_warnings():
     _BENCH = {}
     if "warmup" in inspect.signature(triton.autotune).parameters:
         _BENCH = {"warmup": 5, "rep": 25}
-    _KEY = ["K", "N", "b1", "b2", "b3", "T", "NSEG", "GLU"]
+    _KEY = ["K", "N", "b1", "b2", "b3", "T", "NSEG", "GLU", "GLU_IN"]
     _tuned_gemv = triton.autotune(configs=_CONFIGS, key=_KEY, **_BENCH)(_plain_gemv)
     # deterministic=True: the ordered reduction only (the same bits on every run)
     _tuned_ordered = triton.autotune(configs=_ORDERED, key=_KEY, **_BENCH)(_plain_gemv)
@@ -643,6 +655,27 @@ def _check_x(x, w_t, what="w_t"):
     if w_t.stride(1) != 1 and w_t.shape[1] > 1:
         raise ValueError(f"{what} must have unit column stride (fine_layout makes it contiguous)")
     return T, K
+
+
+def _check_glu_input(x, w_t, glu):
+    """``glu_input``: x holds fp32 gate and up sums [T, 2K] (a gate|up launch's ``acc_out``)."""
+    if glu:
+        raise ValueError("glu_input reads silu(gate) * up from sums; glu writes it: not both in one launch")
+    if not isinstance(w_t, torch.Tensor) or w_t.dim() != 2:
+        raise ValueError("w_t must be a 2-D tensor [K, N] (see fine_layout)")
+    K = w_t.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != 2 * K:
+        raise ValueError(f"glu_input takes float32 gate and up sums [T, 2K] = [T, {2 * K}] for w_t of {K} rows, got "
+                         + (f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+    if not 1 <= x.shape[0] <= MAX_T:
+        raise ValueError(f"fine GEMVs take 1..{MAX_T} decode tokens, got T={x.shape[0]}")
+    if w_t.dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {w_t.dtype}; use bfloat16, float16 or float32")
+    if w_t.device != x.device:
+        raise ValueError(f"x is on {x.device} but w_t on {w_t.device}")
+    if w_t.stride(1) != 1 and w_t.shape[1] > 1:
+        raise ValueError("w_t must have unit column stride (fine_layout makes it contiguous)")
+    return x.shape[0], K
 
 
 def _check_scale(scale, K, device):
@@ -757,7 +790,8 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
               thresholds: Union[Sequence[float], torch.Tensor, None] = None,
               out: Optional[torch.Tensor] = None, config: Optional[triton.Config] = None,
               deterministic: Optional[bool] = None, glu: bool = False,
-              acc_out: Optional[torch.Tensor] = None, clear: Optional[torch.Tensor] = None) -> torch.Tensor:
+              acc_out: Optional[torch.Tensor] = None, clear: Optional[torch.Tensor] = None,
+              glu_input: bool = False) -> torch.Tensor:
     """Activation-sparse ``x [T, K] @ w_t [K, N]`` -> ``[T, N]`` (T = 1..4, fp32 accumulation).
 
     Input column k counts for token t iff ``|x[t, k]| * scale[k] >= threshold`` (``scale``:
@@ -775,6 +809,12 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     fp32 sums and rounded exactly as :func:`wide.kernels.silu_mul.silu_mul` on the rounded
     gate and up outputs (one launch and one round trip of ``[T, 2I]`` fewer).
 
+    ``glu_input``: ``x`` is fp32 ``[T, 2K]``, the gate sums then the up sums that a gate|up launch
+    added into its ``acc_out``; the input is ``silu(gate) * up`` in w_t's dtype, rounded as
+    :func:`wide.kernels.silu_mul.silu_mul` rounds the rounded gate and up outputs, computed where
+    each row is loaded (the down projection of a decode step, reading the gate|up sums without
+    their ticket and rounding pass). The output is in w_t's dtype (or ``acc_out``). Not with ``glu``.
+
     Split-K sums are fp32 either way. By default the splits may add into one fp32 sum
     atomically (the order, and so the last bits, can differ between runs); ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) keeps to the reduction that
@@ -791,7 +831,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     an ``acc_out`` buffer whose consumer has finished (earlier in stream order) in the next
     launch that runs anyway, so that no launch of its own re-arms it.
     """
-    T, K = _check_x(x, w_t)
+    T, K = _check_glu_input(x, w_t, glu) if glu_input else _check_x(x, w_t)
     N = w_t.shape[1]
     bounds = _check_segments(segments, N)
     if segments is None and thresholds is not None:
@@ -808,7 +848,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
         deterministic = False
         y = acc_out
     else:
-        y = _check_out(out, T, N // 2 if glu else N, x)
+        y = _check_out(out, T, N // 2 if glu else N, w_t if glu_input else x)
     _check_clear(clear, x, {"x": x, "w_t": w_t, "acc_out" if acc_only else "out": y, "scale": scale,
                             "group_mask": group_mask,
                             "thresholds": thresholds if isinstance(thresholds, torch.Tensor) else threshold})
@@ -842,7 +882,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
     args = (x, w_t, y, scale if scale is not None else x, gm, th_t if th_t is not None else x, ws, acc, tickets, idx,
             K, N, x.stride(0), w_t.stride(0), y.stride(0), gm_stride, gs, *b, *th,
             clear if clear is not None else x, 0 if clear is None else clear.numel())
-    flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None,
+    flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None, GLU_IN=glu_input,
                  TH_PTR=th_t is not None, GLU=glu, ACC_ONLY=acc_only,
                  CLEAR=clear is not None and clear.numel() > 0, CLR_BLOCK=CLEAR_BLOCK)
     if acc_only and config is None and autotune_enabled() and _ACC_TUNE:
@@ -876,9 +916,14 @@ def keep_mask_reference(x: torch.Tensor, threshold, scale: Optional[torch.Tensor
 
 
 def fine_gemv_reference(x, w_t, threshold=None, *, scale=None, group_mask=None, group_size=None,
-                        segments=None, thresholds=None, glu: bool = False) -> torch.Tensor:
+                        segments=None, thresholds=None, glu: bool = False, glu_input: bool = False) -> torch.Tensor:
     """float32 reference of :func:`fine_gemv` (with ``glu``: HF's ``act(gate) * up`` on the
-    gate and up outputs rounded to x's dtype, in x's dtype, returned as float32)."""
+    gate and up outputs rounded to x's dtype, in x's dtype, returned as float32; with
+    ``glu_input``: x's gate and up sums rounded to w_t's dtype, HF's ``act(gate) * up`` on them
+    as the input)."""
+    if glu_input:
+        k = x.shape[1] // 2
+        x = silu_mul_reference(x[:, :k].to(w_t.dtype), x[:, k:].to(w_t.dtype)).to(w_t.dtype)
     if glu:
         y = fine_gemv_reference(x, w_t, threshold, scale=scale, group_mask=group_mask, group_size=group_size,
                                 segments=segments, thresholds=thresholds).to(x.dtype)
