@@ -46,9 +46,9 @@ run fine_gemv "${FINE_GEMV_S:-330}" bash -c "python3 -m wide.benchmarks.fine_gem
     --kept 0.5 --out '$OUT/fine_gemv_batches'"
 # (TTFT and TPOT in turns with the dense engine: ~1.3x the time of separate blocks; a device call
 # of its own, ~7 min; fine_gemv with fine_sweep fits another)
-run e2e_fine "${E2E_FINE_S:-450}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine --fine-sums fp32,rounded \
+run e2e_fine "${E2E_FINE_S:-560}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name e2e_fine --modes fine --fine-sums fp32,rounded \
     --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 --batches 1,2,4,8,32 --reps 3 \
-    --decode-steps 16 --no-hf --memory --budget-s 420
+    --decode-steps 16 --no-hf --memory --budget-s 500
 # The GEMV tiles one by one (T = 1, 50 %, bf16, each also adding into caller-held fp32 sums):
 # the compacting tiles the autotuner kept on the H100 (2026-12-07) beside their twins whose weight
 # loads wait on the list alone (-nomask) and those walked under the compiler's pipeline (-nopf-sN)
