@@ -159,6 +159,26 @@ def test_e2e_group_sizes(tmp_path, once):
     assert routed and 0.2 < routed[0]["active_frac_per_token"] < 0.8
 
 
+def test_e2e_heads_beside_thresholds(tmp_path):
+    # --heads R (issue 48): attention-only routers under skip_upto (layer 0 dense) at R per routed
+    # layer, the hybrid's thresholds at the target itself; the records say so
+    argv = ["--tiny", "--modes", "hybrid", "--heads", "0.25", "--sparsities", "0.5", "--prompt-lens", "16",
+            "--batches", "1", "--decode-ctxs", "12", "--decode-steps", "1", "--reps", "1", "--no-hf",
+            "--out-dir", str(tmp_path), "--name", "heads"]
+    assert e2e.main(argv) == 0
+    meta = json.loads((tmp_path / "heads.json").read_text())
+    assert meta["errors"] == [] and meta["heads"]["attn_rule"] == "skip_upto"
+    assert meta["hybrid_split"] == {"0.5": {"router_sparsity": 0.25, "fine_sparsity": 0.5}}
+    rates = meta["realised_sparsity"]["0.5"]
+    assert rates["ffn_rate"] is None and 0 < rates["attn_core_rate"] < 0.25
+    hyb = [r for r in meta["records"] if r["mode"] == "hybrid"]
+    assert len(hyb) == 2 and all(r["routing"].startswith("skip_upto") and r["router_sparsity"] == 0.25
+                                 and r["fine_sparsity"] == 0.5 for r in hyb)
+    assert "attention core" in (tmp_path / "heads.md").read_text()
+    with pytest.raises(SystemExit):
+        e2e.main(argv + ["--hybrid-router-sparsity", "0.2"])
+
+
 def test_e2e_modes_carry_mode_and_split(tmp_path, once):
     # Fine and hybrid beside coarse, against the dense engine at each decode context; thresholds
     # from a calibration pass on random tokens (no trained weights); every record names its mode.

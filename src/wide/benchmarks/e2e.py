@@ -27,6 +27,9 @@ hybrid at target s splits it between routers and thresholds so that the linear M
 1 - s: routers at ``1 - sqrt(1 - s)`` and thresholds dropping as much inside the kept groups, or
 with ``--hybrid-router-sparsity R`` routers at R and thresholds at ``1 - (1 - s) / (1 - R)``; its
 records carry ``router_sparsity`` and ``fine_sparsity``.
+``--heads R`` (issue 48): the routers route attention only, under ``attn_rule="skip_upto"`` with
+layer 0 dense, each routed layer skipping R of its groups, and ``hybrid`` runs them beside
+thresholds at the target itself (fine GEMVs at small batch, routed decode attention everywhere).
 ``--fine-sums fp32,rounded`` times the fine engine's decode both ways (``wide.accelerate(fine_sums=...)``:
 q|k|v, o and down adding into fp32 sums that RoPE and the next norm read, or each GEMV rounding its
 own output), one TPOT record each with its ``fine_sums``.
@@ -196,6 +199,30 @@ def hybrid_split(target: float, router_sparsity=None) -> tuple:
     return router_sparsity, 1 - (1 - target) / (1 - router_sparsity)
 
 
+def _split(target: float, args) -> tuple:
+    """(router sparsity, threshold share) of the hybrid: :func:`hybrid_split`, or with ``--heads R``
+    attention routers at R and the thresholds at the target itself."""
+    heads = getattr(args, "heads", None)
+    return (heads, target) if heads is not None else hybrid_split(target, args.hybrid_router_sparsity)
+
+
+def _wide_config(model, args):
+    """The benchmark's routers: random (a dense start's masks do not depend on the input until
+    trained, so no offset could spread them); with ``--heads``, attention only under skip_upto,
+    layer 0 dense, up to 1.5 R of each layer's groups per token (offsets then set R)."""
+    import wide
+
+    kw = dict(ffn_group_size=_ffn_group_size(args), attn_group_size=args.attn_group_size, router_init="random")
+    if getattr(args, "heads", None) is None:
+        return wide.WideConfig(**kw)
+    c = model.config
+    per_group = args.attn_group_size or c.num_attention_heads // (getattr(c, "num_key_value_heads", None)
+                                                                   or c.num_attention_heads)
+    groups = c.num_attention_heads // per_group
+    k = max(1, min(groups - 1, math.ceil(1.5 * args.heads * groups)))
+    return wide.WideConfig(**kw, sparse_target="attention", attn_rule="skip_upto", attn_skip=k, attn_dense_layers=[0])
+
+
 def fine_thresholds(model, batches, shares) -> dict:
     """share -> log thresholds [L, 7] that drop that share of every projection's input scores
     (TEAL's uniform allocation) on ``batches``, scored on the dense model (routers off). The
@@ -312,6 +339,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hybrid-router-sparsity", type=float, default=None,
                     help="the hybrid's routers at this group sparsity and its thresholds at what reaches the target "
                          "(default: the two even, 1 - sqrt(1 - target) each)")
+    ap.add_argument("--heads", type=float, default=None, metavar="R",
+                    help="issue 48's heads beside thresholds: the routers route attention only, under "
+                         "attn_rule skip_upto (layer 0 dense), each routed layer skipping R of its groups; hybrid "
+                         "then runs them with thresholds at the target itself (fine decode, routed attention)")
     ap.add_argument("--fine-sums", default="rounded",
                     help="the fine engine's q|k|v, o and down sums, comma-separated: fp32 (added into fp32 sums "
                          "that RoPE and the next norm read) and/or rounded (each GEMV rounds its own output); "
@@ -364,7 +395,9 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes takes {', '.join(MODES)} (dense is always timed), got {args.modes!r}")
-    if "hybrid" in modes:
+    if args.heads is not None and not (0 < args.heads < 1 and args.hybrid_router_sparsity is None):
+        ap.error("--heads R takes 0 < R < 1, without --hybrid-router-sparsity (the thresholds sit at the target)")
+    if "hybrid" in modes and args.heads is None:
         for s in sparsities:
             try:
                 hybrid_split(s, args.hybrid_router_sparsity)
@@ -407,8 +440,10 @@ def main(argv=None) -> int:
     if "fine" in modes:
         meta["fine_sums"] = args.fine_sums
     if "hybrid" in modes:
-        meta["hybrid_split"] = {str(s): dict(zip(("router_sparsity", "fine_sparsity"),
-                                                 hybrid_split(s, args.hybrid_router_sparsity))) for s in sparsities}
+        meta["hybrid_split"] = {str(s): dict(zip(("router_sparsity", "fine_sparsity"), _split(s, args)))
+                                for s in sparsities}
+    if args.heads is not None:
+        meta["heads"] = {"rate_per_routed_layer": args.heads, "attn_rule": "skip_upto", "attn_dense_layers": [0]}
 
     def save():
         (out_dir / f"{args.name}.json").write_text(json.dumps(meta, indent=1))
@@ -477,10 +512,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     records = meta["records"]
     model = build_model(model_name, args.tiny, device, dtype)
     print(f"[e2e] {model_name} built in {_now() - t_start:.1f}s", flush=True)
-    # Random routers: a dense start's masks do not depend on the input until trained, so no
-    # offset could spread them to 50 % per token.
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=_ffn_group_size(args), attn_group_size=args.attn_group_size,
-                                             router_init="random"))
+    model = wide.wrap(model, _wide_config(model, args))
     vocab = model.config.vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -489,15 +521,16 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
 
     calib = rand_ids(1, 512 if not args.tiny else 48)
     offsets, realised = {}, {}
-    for s in sparsities:
-        offsets[s] = wide.calibrate_offsets(model, [calib], target=s, mode="per_module", rounds=2)
+    for s in sparsities:  # (--heads: the routers sit at R whatever the target; the thresholds carry it)
+        offsets[s] = wide.calibrate_offsets(model, [calib], target=s if args.heads is None else args.heads,
+                                            mode="per_module", rounds=2)
         with torch.no_grad(), wide.track_sparsity(model) as tr:
             model(input_ids=rand_ids(1, calib.shape[1]))
         realised[s] = tr.summary().as_dict()
         realised[s].pop("per_layer")
     realised = {str(k): v for k, v in realised.items()}
     # The hybrid's routers at their share of each target, and the thresholds of fine and hybrid.
-    split = {s: hybrid_split(s, args.hybrid_router_sparsity) for s in sparsities} if "hybrid" in modes else {}
+    split = {s: _split(s, args) for s in sparsities} if "hybrid" in modes else {}
     for r, _ in split.values():
         if r not in offsets:
             offsets[r] = wide.calibrate_offsets(model, [calib], target=r, mode="per_module", rounds=2)
@@ -677,7 +710,8 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
             rec["engine"], _, sums = rec["engine"].partition(":")
             rec["fine_sums"] = sums or fine_sums[0]
         # The routing rule the record measures (docs/routing_structure.md); None: no routing.
-        rec["routing"] = None if rec["engine"] not in ("routed", "hybrid") else rec.get("routing") or "token"
+        rec["routing"] = None if rec["engine"] not in ("routed", "hybrid") else (
+            rec.get("routing") or getattr(by_mode.get(rec["engine"]), "routing", None) or "token")
         rec["mode"] = {"routed": "coarse", "hf_generate": "dense"}.get(rec["engine"], rec["engine"])
         if rec["engine"] in ("fine", "hybrid"):
             r, f = split[rec["sparsity"]] if rec["engine"] == "hybrid" else (0.0, rec["sparsity"])
@@ -889,8 +923,11 @@ def markdown(meta: dict) -> str:
         lines += ["Realised sparsity on a fresh random prompt (group rate; attention / FFN):", ""]
         for name, rates in (by_model.items() if multi else [(None, meta["realised_sparsity"])]):
             for s, v in rates.items():
-                lines.append(f"- {name + ', ' if name else ''}target {s}: attn {v['attn_rate']:.3f}, "
-                             f"ffn {v['ffn_rate']:.3f}, FLOP-weighted {v['flop_rate']:.3f}")
+                f3 = {k: "-" if v.get(k) is None else f"{v[k]:.3f}" for k in ("attn_rate", "ffn_rate", "flop_rate")}
+                lines.append(f"- {name + ', ' if name else ''}target {s}: attn {f3['attn_rate']}, "
+                             f"ffn {f3['ffn_rate']}, FLOP-weighted {f3['flop_rate']}"
+                             + ("" if v.get("attn_core_rate") is None else
+                                f", attention core {v['attn_core_rate']:.3f}"))
         lines.append("")
     recs = meta["records"]
     order = {m: i for i, m in enumerate(by_model)}
