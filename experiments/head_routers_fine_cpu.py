@@ -323,11 +323,15 @@ def choice_margin(router, x: torch.Tensor, input_only: bool = False) -> torch.Te
     the input alone (the shared level, which sets how likely skipping nothing is in training, stays;
     the gradient reaches the biases only through it, equally for every group)."""
     margin = router.margin(x)
-    if input_only:
-        b = router.up.bias.view(router.num_groups, 2)
-        d = b[:, 0] - b[:, 1]
-        margin = margin - (d - d.mean())
-    return margin
+    return margin - bias_spread(router) if input_only else margin
+
+
+def bias_spread(router) -> torch.Tensor:
+    """[G]: each group's exec-skip bias difference less the groups' mean (what --input-choice
+    takes out of the choice)."""
+    b = router.up.bias.view(router.num_groups, 2)
+    d = b[:, 0] - b[:, 1]
+    return d - d.mean()
 
 
 class SkipOne:
@@ -918,32 +922,45 @@ def main(argv=None) -> dict:
     return run
 
 
+def saved_set(args, rdir):
+    """(calibration ids, the model with the routers and thresholds of ``rdir``, tokenizer, the
+    offset-calibration batches): what --reshift and --to-library start from."""
+    from wide.training.recovery import load_recovered
+
+    tok, _ = runs.load_tokenizer(args)
+    train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
+    model, tok, _ = runs.load_model(args, tok)
+    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+    return load_recovered(model, rdir), tok, batches
+
+
+def save_derived(model, args, rdir, key: str, run: dict) -> None:
+    """Save a set derived from ``rdir`` to --out/routers, ``run`` under its run record's ``key``
+    and in --out/<key>.json."""
+    meta = json.loads((Path(rdir) / CONFIG_FILE).read_text())
+    save_routers(model, Path(args.out) / FINAL_DIR,
+                 extra={"run": {**(meta.get("run") or {}), key: run}, "method": meta.get("method", "wide")})
+    atomic_write_text(Path(args.out) / f"{key}.json", json.dumps(run, indent=2))
+
+
 def reshift(mine, args) -> dict:
     """--reshift: a saved set's thresholds moved by one shift onto --linear-target under the
     --skip-one rule (a control: the same linear sparsity for sets trained at different ones)."""
     from wide.method.fine import measured_linear_sparsity, shift_to_target
-    from wide.training.recovery import load_recovered
 
     if not mine.skip_one:
         raise SystemExit("--reshift measures the linear sparsity under the --skip-one rule: add --skip-one")
     t0 = time.perf_counter()
-    tok, _ = runs.load_tokenizer(args)
-    train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
-    model, tok, _ = runs.load_model(args, tok)
-    model = load_recovered(model, mine.reshift)
+    model, _, batches = saved_set(args, mine.reshift)
     install_skip_one(model, mine.dense_layers, mine.input_choice)
-    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
     before = measured_linear_sparsity(model, batches)
     shift = shift_to_target(model, batches, mine.linear_target)
     after = measured_linear_sparsity(model, batches)
-    meta = json.loads((Path(mine.reshift) / CONFIG_FILE).read_text())
     run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]), "source": mine.reshift,
            "linear_target": mine.linear_target, "linear_before_shift": before, "threshold_shift": shift,
            "linear_after_shift": after, "sequences": sum(len(b) for b in batches),
            "total_s": time.perf_counter() - t0, "machine": runs.machine(), "date": datetime.date.today().isoformat()}
-    save_routers(model, Path(args.out) / FINAL_DIR,
-                 extra={"run": {**(meta.get("run") or {}), "reshift": run}, "method": meta.get("method", "wide")})
-    atomic_write_text(Path(args.out) / "reshift.json", json.dumps(run, indent=2))
+    save_derived(model, args, mine.reshift, "reshift", run)
     print(f"{mine.reshift}: linear sparsity {before:.4f}, thresholds shifted by {shift:+.4f} to {after:.4f}; saved "
           f"{Path(args.out) / FINAL_DIR} ({run['total_s']:.0f}s)", flush=True)
     return run
@@ -953,9 +970,7 @@ def reshift(mine, args) -> dict:
 def fold_input_choice(router) -> None:
     """Each group's exec-skip bias difference set to the groups' mean: the router's plain margin is
     then :func:`choice_margin` with ``input_only`` (what the routers were trained and evaluated with)."""
-    bias = router.up.bias.view(router.num_groups, 2)
-    d = bias[:, 0] - bias[:, 1]
-    bias[:, 0] -= d - d.mean()
+    router.up.bias.view(router.num_groups, 2)[:, 0] -= bias_spread(router)
 
 
 @torch.no_grad()
@@ -967,22 +982,18 @@ def to_library(mine, args) -> dict:
     import dataclasses
 
     import wide
-    from wide.training.recovery import load_recovered
 
     if not mine.skip_one:
         raise SystemExit("--to-library converts --skip-one routers: add --skip-one")
     t0 = time.perf_counter()
-    tok, _ = runs.load_tokenizer(args)
-    train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
-    src, tok, _ = runs.load_model(args, tok)
-    src = load_recovered(src, mine.to_library)
+    src, tok, batches = saved_set(args, mine.to_library)
     old = modeling.get_state(src).config
     cfg = dataclasses.replace(old, attn_rule=mine.library_rule, attn_skip=1,
                               attn_dense_layers=sorted(set(mine.dense_layers)))
     model, tok, _ = runs.load_model(args, tok)
     modeling.wrap(model, cfg)
     frozen_thresholds(model, mine.to_library)
-    for i, (a, b) in enumerate(zip(src.wide_routers, model.wide_routers)):
+    for a, b in zip(src.wide_routers, model.wide_routers):
         if b.attn is None:
             continue
         b.attn.load_state_dict(a.attn.state_dict())
@@ -990,7 +1001,6 @@ def to_library(mine, args) -> dict:
             fold_input_choice(b.attn)
         b.attn.offset.zero_()
     del src
-    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
     offsets = {}
     if mine.library_rule == "skip_upto":
         n = len(model.wide_routers)
@@ -998,11 +1008,10 @@ def to_library(mine, args) -> dict:
         # per_module: every routed layer skips the same share (the dense ones count 0 in the rate)
         target = mine.library_target * n / routed if mine.library_offsets == "per_module" else mine.library_target
         offsets = wide.calibrate_offsets(model, batches, target=target, mode=mine.library_offsets)
-    with torch.no_grad(), wide.track_sparsity(model) as tracker:
+    with wide.track_sparsity(model) as tracker:  # (no_grad: the function's)
         for b in batches:
             model(input_ids=b.to(next(model.parameters()).device))
     sp = tracker.summary()
-    meta = json.loads((Path(mine.to_library) / CONFIG_FILE).read_text())
     run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]),
            "source": mine.to_library, "rule": mine.library_rule, "dense_layers": cfg.attn_dense_layers,
            "input_choice_folded": bool(mine.input_choice), "target": mine.library_target,
@@ -1011,9 +1020,7 @@ def to_library(mine, args) -> dict:
            "calibration_linear": None if sp.linear_rate is None else float(sp.linear_rate),
            "sequences": sum(len(b) for b in batches), "total_s": time.perf_counter() - t0,
            "machine": runs.machine(), "date": datetime.date.today().isoformat()}
-    save_routers(model, Path(args.out) / FINAL_DIR,
-                 extra={"run": {**(meta.get("run") or {}), "to_library": run}, "method": meta.get("method", "wide")})
-    atomic_write_text(Path(args.out) / "to_library.json", json.dumps(run, indent=2))
+    save_derived(model, args, mine.to_library, "to_library", run)
     print(f"{mine.to_library} -> {Path(args.out) / FINAL_DIR}: attn_rule={mine.library_rule}, dense layers "
           f"{cfg.attn_dense_layers}, attention rate on calibration text {float(sp.attn_rate):.4f} "
           f"({run['total_s']:.0f}s)", flush=True)

@@ -130,30 +130,25 @@ log = res / "oracle.log"
 if log.exists():
     for m in re.finditer(r"^oracle (\w+)\S*.*?: ppl ([0-9.]+)", log.read_text(), re.M):
         rows.append((f"fine-50 + oracle ({m[1]})", float(m[2]), None, None))
-seeds = []
-for f in sorted(res.glob("eval_s*.json")):
-    recs = [r for r in json.loads(f.read_text())["records"] if r.get("method") != "dense"]
-    if recs:
-        add(f"design (a), seed {f.stem[6:]}", recs[0])
-        seeds.append(recs[0]["ppl"])
-lib = []
-for f in sorted(res.glob("eval_lib_s*.json")):
-    recs = [r for r in json.loads(f.read_text())["records"] if r.get("method") != "dense"]
-    if recs:
-        add(f"seed {f.stem[10:]} as a library set ({recs[0].get('routing')})", recs[0])
-        lib.append(recs[0]["ppl"])
+def sets(prefix, name):  # the trained sets' records (eval_<prefix><seed>.json), each a row; their ppls
+    ppls = []
+    for f in sorted(res.glob(f"eval_{prefix}*.json")):
+        recs = [r for r in json.loads(f.read_text())["records"] if r.get("method") != "dense"]
+        if recs:
+            add(name(f.stem[len(prefix) + 5:], recs[0]), recs[0])
+            ppls.append(recs[0]["ppl"])
+    return ppls
+seeds = sets("s", lambda s, r: f"design (a), seed {s}")
+lib = sets("lib_s", lambda s, r: f"seed {s} as a library set ({r.get('routing')})")
 fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"
 print("| model | ppl | x dense | linear sparsity | attention-core sparsity |\n|---|---|---|---|---|")
 for name, ppl, lin, core in rows:
     print(f"| {name} | {fmt(ppl, 2)} | {fmt(ppl / dense if dense and ppl else None, 2)} | {fmt(lin)} | {fmt(core)} |")
-if seeds:
-    mean = sum(seeds) / len(seeds)
-    print(f"\n{len(seeds)} seed(s): mean ppl {mean:.2f}" + (f" = {mean / dense:.3f}x dense" if dense else "")
-          + f", range {min(seeds):.2f}-{max(seeds):.2f}")
-if lib:
-    mean = sum(lib) / len(lib)
-    print(f"{len(lib)} library set(s): mean ppl {mean:.2f}" + (f" = {mean / dense:.3f}x dense" if dense else "")
-          + f", range {min(lib):.2f}-{max(lib):.2f}")
+for lead, ppls, what in (("\n", seeds, "seed(s)"), ("", lib, "library set(s)")):
+    if ppls:
+        mean = sum(ppls) / len(ppls)
+        print(f"{lead}{len(ppls)} {what}: mean ppl {mean:.2f}" + (f" = {mean / dense:.3f}x dense" if dense else "")
+              + f", range {min(ppls):.2f}-{max(ppls):.2f}")
 for f in sorted(res.glob("s*/run.json")):
     r = json.loads(f.read_text())
     print(f"{f.parent.name}: {r['tokens']} tokens, training {r['wall_s']:.0f} s, {r['tokens_per_s']:.0f} tokens/s, "

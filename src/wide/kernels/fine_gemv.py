@@ -641,12 +641,21 @@ def _check_x(x, w_t, what="w_t"):
     if not isinstance(w_t, torch.Tensor) or w_t.dim() != 2:
         raise ValueError(f"{what} must be a 2-D tensor [K, N] (see fine_layout)")
     T, K = x.shape
-    if not 1 <= T <= MAX_T:
-        raise ValueError(f"fine GEMVs take 1..{MAX_T} decode tokens, got T={T}; prefill uses the dense weight")
+    _check_tokens(T)
     if x.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {x.dtype}; use bfloat16, float16 or float32")
     if w_t.dtype != x.dtype:
         raise ValueError(f"{what} dtype {w_t.dtype} differs from x dtype {x.dtype}")
+    _check_weight(w_t, K, x, what)
+    return T, K
+
+
+def _check_tokens(T):
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"fine GEMVs take 1..{MAX_T} decode tokens, got T={T}; prefill uses the dense weight")
+
+
+def _check_weight(w_t, K, x, what):
     if w_t.shape[0] != K:
         raise ValueError(f"{what} must be [K, N] with K={K} rows matching x, got {list(w_t.shape)} "
                          f"(a [N, K] weight needs fine_layout)")
@@ -654,7 +663,6 @@ def _check_x(x, w_t, what="w_t"):
         raise ValueError(f"x is on {x.device} but {what} on {w_t.device}")
     if w_t.stride(1) != 1 and w_t.shape[1] > 1:
         raise ValueError(f"{what} must have unit column stride (fine_layout makes it contiguous)")
-    return T, K
 
 
 def _check_glu_input(x, w_t, glu):
@@ -667,14 +675,10 @@ def _check_glu_input(x, w_t, glu):
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != 2 * K:
         raise ValueError(f"glu_input takes float32 gate and up sums [T, 2K] = [T, {2 * K}] for w_t of {K} rows, got "
                          + (f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
-    if not 1 <= x.shape[0] <= MAX_T:
-        raise ValueError(f"fine GEMVs take 1..{MAX_T} decode tokens, got T={x.shape[0]}")
+    _check_tokens(x.shape[0])
     if w_t.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {w_t.dtype}; use bfloat16, float16 or float32")
-    if w_t.device != x.device:
-        raise ValueError(f"x is on {x.device} but w_t on {w_t.device}")
-    if w_t.stride(1) != 1 and w_t.shape[1] > 1:
-        raise ValueError("w_t must have unit column stride (fine_layout makes it contiguous)")
+    _check_weight(w_t, K, x, "w_t")
     return x.shape[0], K
 
 
