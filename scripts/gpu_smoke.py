@@ -27,9 +27,10 @@ path's (``backend="torch"``, which the CPU tests hold equal to the masked HF pat
 ``wide generate --mode hybrid`` on a tiny checkpoint saved with thresholds prints the same text on
 the kernels as on the PyTorch path, and, where the default model is in wide's cache (the device
 assets), so does ``wide generate --mode fine`` with the shipped smollm2-135m-fine-50 / -25 in fp32
-(``--shipped-only`` runs that check alone). Exit 1 on a failure.
+(``--shipped-only`` runs that check alone, ``--skip-shipped`` all but it; ``--fine-only`` the fine and
+hybrid decode checks and the counters). Exit 1 on a failure.
 
-    PYTHONPATH=src python3 scripts/gpu_smoke.py [--shipped-only]
+    PYTHONPATH=src python3 scripts/gpu_smoke.py [--shipped-only | --skip-shipped | --fine-only]
 """
 import contextlib
 import io
@@ -268,11 +269,11 @@ def fine_modes_ok(model_type: str) -> bool:
     ok = True
     model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
-    for mode in ("fine", "hybrid"):
+    for mode, extra in (("fine", {}), ("fine", {"fine_sums": "fp32"}), ("hybrid", {})):
         # thresholds at every batch (fine_max_batch), as the PyTorch path runs them; the default
         # engine's dense steps are checked by dense_steps_match below
-        eng = wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode])
-        print(f"  {mode} (bf16): backend {eng.backend}")
+        eng = wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode], **extra)
+        print(f"  {mode}{' with fp32 sums' if extra else ''} (bf16): backend {eng.backend}")
         with fixed_order_sums():
             ok &= graphs_equal_eager(eng, ids, batches=(2, 1, 5))
             ok &= thresholds_reach_graphs(model, eng, ids)
@@ -440,6 +441,17 @@ def main() -> int:
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
     ok = True
+    if "--fine-only" in sys.argv[1:]:  # the fine and hybrid decode checks and the counters alone (a short call)
+        for model_type in MODELS:
+            print(f"{model_type}:")
+            ok &= fine_modes_ok(model_type)
+            torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        raised = routing.raised_counters()
+        print(f"split-K tickets and atomic sums left raised: {raised}")
+        ok &= raised == 0
+        print("OK" if ok else "FAILED")
+        return 0 if ok else 1
     for model_type in MODELS:
         model, ids = build(model_type)
         eng = wide.accelerate(model)
@@ -457,8 +469,9 @@ def main() -> int:
         torch.cuda.empty_cache()
     print("wide generate --mode hybrid, kernels vs the PyTorch path:")
     ok &= cli_hybrid_matches_torch()
-    print("wide generate --mode fine with the shipped sets on the default model, kernels vs the PyTorch path:")
-    ok &= shipped_fine_matches_torch()
+    if "--skip-shipped" not in sys.argv[1:]:  # a call without the assets runs the rest; --shipped-only then
+        print("wide generate --mode fine with the shipped sets on the default model, kernels vs the PyTorch path:")
+        ok &= shipped_fine_matches_torch()
     print("kernel tests on the GPU (pytest -k on_gpu):")
     ok &= gpu_kernel_tests()
     torch.cuda.synchronize()
