@@ -7,7 +7,7 @@
 # hybrid against dense at 50 %, B = 1/8/32, prompts and decode contexts of 4k and 16k; B = 32 x 16k
 # is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine,e2e_heads25,e2e_heads50}.{json,md,png,log},
 # OUT/fine_gemv{,_prefill,_batches,_sweep}.{json,md},
-# OUT/read_floors.{json,md} and OUT/bounds.{json,md}. ~20 min on one H100: more than one device
+# OUT/read_floors.{json,md}, OUT/bounds.{json,md} and OUT/calib_8b.{json,md,log}. ~25 min on one H100: more than one device
 # call allows (10 min), so run it in parts, e.g. ONLY=smoke, then ONLY=e2e_modes, then the rest.
 #   OUT=bench/results bash bench/gpu_all.sh
 # ONLY="kernels e2e" runs a subset. The device tool returns at most 8 files, so a device call
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine fine_sweep e2e_heads25 e2e_heads50 bounds}
+ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine fine_sweep e2e_heads25 e2e_heads50 bounds calib_8b}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -66,3 +66,9 @@ done
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \
     && python3 -m wide.benchmarks.bounds --results '$OUT'"
+# Issue 48 at a user's scale: stage 1 of design (a) on a Llama-3.1-8B-shaped model (random bf16
+# weights), learned thresholds then head routers on them frozen, kd, bf16 autocast: tokens/s, peak
+# memory and trained parameters per phase beside `wide calibrate --dry-run`'s estimate, at 2k-token
+# sequences, 1 to 4 a step (4 is past 80 GB by the estimate: the out-of-memory side; ~2 min)
+run calib_8b "${CALIB_8B_S:-300}" python3 -m wide.benchmarks.train_speed --design heads --model llama-3.1-8b \
+    --dtype bfloat16 --seq-len 2048 --batch-size 1 2 3 4 --steps 6 --warmup 2 --out "$OUT/calib_8b"

@@ -168,6 +168,46 @@ def test_estimate_llama_8b():
     ac = estimate(cfg, wc, world_size=4, seq_len=4096, batch_size=4, activation_checkpointing=True)
     assert ac.peak_gib < four.peak_gib and ac.step_s > four.step_s
     assert "estimated peak" in ac.table()
+    # the figure checked against the H200's measured 48.7 GiB (bench/results/fsdp_h200.md)
+    assert one.peak_gib == pytest.approx(47.76, abs=0.01)
+
+
+def test_estimate_counts_kd_thresholds_and_dense_attention_layers():
+    from wide.commands.estimate import FINE_BACKWARD_BYTES, LOGIT_BYTES
+    from wide.method.fine import FineConfig
+
+    cfg = arch.hf_config("llama-3.1-8b")
+    H, L, I, V = 4096, 32, 14336, 128256
+    ce = estimate(cfg, WideConfig(), seq_len=2048, batch_size=2)
+    kd = estimate(cfg, WideConfig(), seq_len=2048, batch_size=2, loss="kd")
+    rows = lambda e: {name: gib for name, gib, _ in e.rows}  # noqa: E731
+    assert rows(kd)["logits and loss"] == pytest.approx(rows(ce)["logits and loss"] * LOGIT_BYTES["kd"] / 14)
+    assert kd.step_s == pytest.approx(ce.step_s * 3 / 2)  # the teacher's forward
+    assert kd.detail["loss"] == "kd" and ce.detail["loss"] == "ce"
+    with pytest.raises(ValueError, match="loss 'lm'"):
+        estimate(cfg, WideConfig(), loss="lm")
+    # attention routers only, none in layer 0: 31 routers of 8 GQA groups, one fp32 input saved each
+    heads = WideConfig(sparse_target="attention", attn_rule="skip_upto", attn_skip=3, attn_dense_layers=[0])
+    est = estimate(cfg, heads, seq_len=2048, batch_size=2)
+    assert est.detail["router_params"] == 31 * (H * 16 + 16 + 16 * 16 + 16)
+    assert rows(ce)["activations"] - rows(est)["activations"] == pytest.approx((2 * L - 31) * 4 * H * 4096 / 2 ** 30)
+    # learned thresholds with per-channel scales: 7 per layer, and a scale per input channel of
+    # every projection (q, k, v, gate, up read H; o reads the 32 x 128 heads; down reads I)
+    fine = FineConfig(allocation="learned", per_channel=True)
+    n = L * 7 + L * (6 * H + I)
+    none = WideConfig(sparse_target="none", loss_mode="linear")
+    learned = estimate(cfg, none, seq_len=2048, batch_size=2, loss="kd", fine=fine)
+    assert learned.detail["threshold_params"] == learned.detail["trainable_params"] == n
+    assert learned.detail["router_params"] == 0 and learned.detail["fixed_threshold_params"] == 0
+    assert rows(learned)["backward workspace"] == pytest.approx(FINE_BACKWARD_BYTES * I * 4096 / 2 ** 30)
+    plain = estimate(cfg, none, seq_len=2048, batch_size=2, loss="kd")
+    assert rows(learned)["activations"] - rows(plain)["activations"] == pytest.approx(L * 2 * 2 * H * 4096 / 2 ** 30)
+    frozen = estimate(cfg, heads, seq_len=2048, batch_size=2, loss="kd", fine=fine, fine_trained=False)
+    assert frozen.detail["threshold_params"] == 0 and frozen.detail["fixed_threshold_params"] == n
+    assert frozen.detail["trainable_params"] == est.detail["router_params"]
+    assert rows(frozen)["trainable state (replicated)"] == pytest.approx(
+        (est.detail["router_params"] * 16 + n * 4) / 2 ** 30)
+    assert "fixed threshold params" in frozen.table()
 
 
 def test_cli_dry_run(capsys):
@@ -177,3 +217,14 @@ def test_cli_dry_run(capsys):
                  "--batch-size", "8", "--out", "/nonexistent/unused"]) == 0
     out = capsys.readouterr().out
     assert "backbone parameters (sharded)" in out and "estimated peak" in out and "8 x h200" in out
+
+
+def test_cli_dry_run_of_learned_thresholds_and_kd(capsys):
+    from wide.cli import main
+
+    assert main(["calibrate", "--dry-run", "--model", "llama-3.1-8b", "--dtype", "bfloat16", "--seq-len", "2048",
+                 "--batch-size", "2", "--hybrid", "--sparse-target", "none", "--fine-per-channel", "--loss", "kd",
+                 "--out", "/nonexistent/unused"]) == 0
+    out = capsys.readouterr().out
+    assert "loss kd, learned thresholds (--hybrid)" in out and "28 B per token (kd)" in out
+    assert "1.25M params x 16 B" in out and "the thresholds' backward" in out

@@ -208,18 +208,26 @@ def _split(target: float, args) -> tuple:
 
 def _wide_config(model, args):
     """The benchmark's routers: random (a dense start's masks do not depend on the input until
-    trained, so no offset could spread them); with ``--heads``, attention only under skip_upto,
-    layer 0 dense, up to 1.5 R of each layer's groups per token (offsets then set R)."""
+    trained, so no offset could spread them); with ``--heads``, :func:`heads_config`'s."""
     import wide
 
     kw = dict(ffn_group_size=_ffn_group_size(args), attn_group_size=args.attn_group_size, router_init="random")
     if getattr(args, "heads", None) is None:
         return wide.WideConfig(**kw)
-    c = model.config
-    per_group = args.attn_group_size or c.num_attention_heads // (getattr(c, "num_key_value_heads", None)
-                                                                   or c.num_attention_heads)
+    return heads_config(model.config, args.heads, **kw)
+
+
+def heads_config(hf_config, rate: float, **kw):
+    """Issue 48's head routers at ``rate`` of each routed layer's groups: attention only under
+    skip_upto, layer 0 dense, up to 1.5 ``rate`` of a layer's groups per token, so that offsets
+    (or the training target) set the rate below that cap. ``kw``: the other WideConfig fields."""
+    import wide
+
+    c = hf_config
+    per_group = kw.get("attn_group_size") or c.num_attention_heads // (getattr(c, "num_key_value_heads", None)
+                                                                       or c.num_attention_heads)
     groups = c.num_attention_heads // per_group
-    k = max(1, min(groups - 1, math.ceil(1.5 * args.heads * groups)))
+    k = max(1, min(groups - 1, math.ceil(1.5 * rate * groups)))
     return wide.WideConfig(**kw, sparse_target="attention", attn_rule="skip_upto", attn_skip=k, attn_dense_layers=[0])
 
 
