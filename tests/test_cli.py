@@ -358,7 +358,8 @@ def test_generate_batch_shared_needs_routers_and_runs_with_them(tiny_run, capsys
     assert main(["generate", *common[:2], "--routers", str(tmp / "r" / "routers"), "--prompt", "the cat sat",
                  "--prompt", "a mat", "--max-new-tokens", "4", "--backend", "torch", "--batch-shared"]) == 0
     out = capsys.readouterr().out
-    assert out.count("--- ") == 2 and "[routed, batch_shared, backend torch]" in out
+    # --mode auto, the default: a set of routers alone runs coarse
+    assert out.count("--- ") == 2 and "[auto -> coarse, batch_shared, backend torch]" in out
 
 
 def test_eval_prints_the_decode_mode_perplexity_it_computes(tiny_run, capsys):

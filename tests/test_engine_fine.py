@@ -197,12 +197,44 @@ def test_modes_named_and_refused():
     for name in ("coarse", "routed"):
         eng = wide.accelerate(routed_only, backend="torch", mode=name)
         assert (eng.mode, eng.mode_name, eng.decode_ops is eng.ops) == ("routed", "coarse", True)
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with pytest.raises(ValueError, match="mode must be one of auto, coarse, fine, hybrid, dense .*got 'teal'"):
         wide.accelerate(routed_only, mode="teal")
     model = model_with_thresholds(seed=2)
     with pytest.raises(ValueError, match="routed-engine option"):
         wide.accelerate(model, backend="torch", mode="fine", batch_shared=True)
     assert wide.accelerate(model, backend="torch", mode="hybrid", batch_shared=True).routing == "batch_shared"
+
+
+# attention-only routers under skip_upto, layer 0 dense: the e2e benchmark's --heads sets (issue 48)
+HEADS = dict(sparse_target="attention", attn_rule="skip_upto", attn_skip=1, attn_dense_layers=[0])
+
+
+def model_carrying(what: str):
+    """A tiny model with what ``what`` names: routers and/or thresholds, head routers, or neither."""
+    if what in ("thresholds", "both", "heads"):
+        return model_with_thresholds(seed=14, routers=what != "thresholds", **(HEADS if what == "heads" else {}))
+    model = tiny_model("llama", seed=14, **TINY)
+    if what == "neither":
+        return model
+    cfg = dict(ffn_group_size=32, router_init="random", **(HEADS if what == "heads_alone" else {}))
+    return wide.wrap(model, wide.WideConfig(**cfg), seed=14)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("what, mode", [("thresholds", "fine"), ("both", "hybrid"), ("heads", "hybrid"),
+                                        ("routers", "coarse"), ("heads_alone", "coarse"), ("neither", "dense")])
+def test_auto_runs_what_the_model_carries(what, mode, backend, caplog):
+    # mode="auto" (issue 48): the one mode that serves any set, chosen once at construction,
+    # giving the tokens of the engine asked for that mode by name
+    model = model_carrying(what)
+    with caplog.at_level("INFO", logger="wide.engine.inference"):
+        auto = wide.accelerate(model, backend=backend, mode="auto")
+    assert (auto.requested_mode, auto.mode_name, auto.backend) == ("auto", mode, backend)
+    assert f"mode auto: {mode}" in caplog.text
+    named = wide.accelerate(model, backend=backend, mode=mode)
+    assert (named.mode, named.routing) == (auto.mode, auto.routing)
+    prompts = [ids_of(1, 7, seed=8)[0].tolist(), ids_of(1, 5, seed=9)[0].tolist()]
+    assert auto.generate(prompts, max_new_tokens=4).tokens == named.generate(prompts, max_new_tokens=4).tokens
 
 
 def test_threshold_changes_reach_the_engine_in_place():
@@ -264,6 +296,11 @@ def test_cli_generate_modes(tmp_path, capsys):
     wf.attach(plain, wf.FineConfig(target=0.5))
     wf.calibrate(plain, [calib], progress=False)
     wide.save_routers(plain, tmp_path / "hybrid")
+    for name, cfg in (("fine", dict(sparse_target="none")), ("heads", dict(ffn_group_size=32, **HEADS))):
+        other = wide.wrap(AutoModelForCausalLM.from_pretrained(opts[1], dtype=torch.float32), wide.WideConfig(**cfg))
+        wf.attach(other, wf.FineConfig(target=0.5))
+        wf.calibrate(other, [calib], progress=False)
+        wide.save_routers(other, tmp_path / name)
 
     def generate(*extra):
         assert main(["generate", *common, "--prompt", "the cat sat", "--max-new-tokens", "5", *extra]) == 0
@@ -279,9 +316,16 @@ def test_cli_generate_modes(tmp_path, capsys):
     res = wide.accelerate(again, backend="torch", mode="hybrid").generate([tok.encode("the cat sat")], max_new_tokens=5)
     assert text == tok.decode(res.tokens[0], skip_special_tokens=True)
     assert "[fine, backend torch]" in generate("--routers", str(tmp_path / "hybrid"), "--mode", "fine")[1]
-    assert "[routed, backend torch]" in generate("--routers", str(tmp_path / "hybrid"))[1]  # coarse: the default
+    assert "[coarse, backend torch]" in generate("--routers", str(tmp_path / "hybrid"), "--mode", "coarse")[1]
     assert "[dense, backend torch]" in generate("--routers", str(tmp_path / "hybrid"), "--mode", "dense")[1]
-    assert "[dense, backend torch]" in generate()[1]  # no routers, coarse: the dense engine, as before
+    assert "[dense, backend torch]" in generate("--mode", "coarse")[1]  # no routers: the dense engine, as before
+    # --mode auto, the default: the mode that runs what the set carries, named in the result line
+    auto_text, out, _ = generate("--routers", str(tmp_path / "hybrid"))
+    assert "[auto -> hybrid, backend torch]" in out and auto_text == text
+    assert "[auto -> coarse, backend torch]" in generate("--routers", str(tmp_path / "coarse"))[1]
+    assert "[auto -> dense, backend torch]" in generate()[1]
+    assert "[auto -> fine, backend torch]" in generate("--routers", str(tmp_path / "fine"))[1]
+    assert "[auto -> hybrid, skip_upto1, backend torch]" in generate("--routers", str(tmp_path / "heads"))[1]
     for argv in (["--routers", str(tmp_path / "coarse"), "--mode", "hybrid"], ["--mode", "fine"]):
         assert main(["generate", *common, "--prompt", "a", *argv]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

@@ -26,6 +26,7 @@ from .commands import compare, runs
 from .base.cliargs import add_fields, bounded, dest, from_args, options
 from .method.config import WideConfig
 from .commands.estimate import DryRunArgs
+from .engine.inference import AUTO, MODES
 from .method.fine import FineConfig
 from .training.recovery import RECOVERY_DEFAULTS, LoraArgs
 from .commands.sampling_data import SampleArgs
@@ -387,9 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(gn, runs.ModelArgs)
     gn.add_argument("--routers", default=None,
                     help="routers directory (stage 1 or 2) or shipped name (e.g. smollm2-135m-50); omit for the dense engine")
-    gn.add_argument("--mode", default="coarse", choices=["coarse", "fine", "hybrid", "dense"],
-                    help="coarse: the routers' groups in prefill and decode; fine: dense prefill, decode skips the "
-                         "input elements under the checkpoint's per-element thresholds (routers not run); hybrid: "
+    gn.add_argument("--mode", default=AUTO, choices=[AUTO, *MODES],
+                    help="auto: the mode that runs what --routers carries (routers and thresholds: hybrid; "
+                         "thresholds alone: fine; routers alone: coarse; no --routers: dense), printed with the "
+                         "result; coarse: the routers' groups in prefill and decode; fine: dense prefill, decode "
+                         "skips the input elements under the checkpoint's per-element thresholds (routers not run); hybrid: "
                          "routed prefill, decode skips both routed groups and elements under the thresholds (fine "
                          "and hybrid need routers saved with thresholds: wide calibrate --hybrid, or a shipped fine set for "
                          "fine; coarse and hybrid need routers, which the fine sets do not have); dense: no sparsity. "
@@ -510,7 +513,8 @@ def cmd_generate(args):
                    top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_token_id, seed=args.seed)
     for prompt, out in zip(args.prompt, res.tokens):
         print(f"--- {_shown(prompt)!r}\n{tok.decode(out, skip_special_tokens=True)}")
-    print(f"[{engine.mode}{', ' + engine.routing if engine.routing not in (None, 'token') else ''}, "
+    chosen = f"{AUTO} -> " if engine.requested_mode == AUTO else ""
+    print(f"[{chosen}{engine.mode_name}{', ' + engine.routing if engine.routing not in (None, 'token') else ''}, "
           f"backend {engine.backend}] time to first token {res.ttft_s * 1e3:.1f} ms, "
           f"{res.tpot_s * 1e3:.2f} ms per output token")
     return 0

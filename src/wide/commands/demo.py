@@ -185,14 +185,13 @@ def _finished_set(d: Path) -> bool:
 
 
 def engine_mode(directory) -> str:
-    """How the engine runs a set: thresholds without routers decode per element (fine), routers
-    route (coarse)."""
+    """How the engine runs a set: what ``wide.accelerate(mode="auto")`` would pick once it is
+    loaded, read from its files, since the mode is part of the cache key checked before any load."""
+    from ..engine.inference import carried_mode
     from ..io.serialization import read_meta
+    from . import runs
 
-    meta = read_meta(directory)
-    if meta.get("wide_config", {}).get("sparse_target") == "none":
-        return "fine"
-    return "hybrid" if meta.get("fine") else "coarse"
+    return carried_mode(*runs.checkpoint_contents(directory, read_meta(directory)))
 
 
 class Results:

@@ -33,6 +33,10 @@ baseline the end-to-end benchmark divides by. Modes:
 * ``"hybrid"``: routed prefill exactly as ``"coarse"``, and decode steps that skip the routed
   groups and, inside the kept ones, the input elements under their thresholds.
 * ``"dense"``: the baseline above.
+* ``"auto"``: one of the above, chosen once at construction from what the model carries
+  (:func:`auto_mode`): routers and per-element thresholds run hybrid, thresholds alone fine,
+  routers alone coarse, neither dense; ``engine.mode`` is the chosen mode and
+  ``engine.requested_mode`` ``"auto"``.
 
 The fine and hybrid decode ops are :mod:`wide.engine.fine_engine`'s (which says how the router mask
 and the thresholds compose, and what batches above 4 tokens a step run). The routing rule (per
@@ -61,6 +65,7 @@ from ..base import arch
 from ..base.timing import replay_times_ms
 from .fine_engine import MAX_T, NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
+from ..method.fine import get_fine
 from ..method.geometry import Geometry
 from ..method.state import get_state
 from .ops import make_ops, pick_backend
@@ -68,7 +73,7 @@ from .routing_rules import make_rule
 from .sampling import GenerationResult, check_sampling, cut_at_eos, eos_tensor, sample_logits
 
 __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sample_logits",
-           "PREFILL_GRAPH_MAX_TOKENS", "prefill_graphs_enabled"]
+           "PREFILL_GRAPH_MAX_TOKENS", "prefill_graphs_enabled", "AUTO", "auto_mode", "carried_mode"]
 
 # Prompts up to this many tokens (batch x length, rounded up to 128 per sequence) prefill by
 # CUDA-graph replay; longer ones are GPU-bound and run eagerly (see AcceleratedModel.prefill).
@@ -77,11 +82,30 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 BACKENDS = ("auto", "triton", "torch")
 MODES = ("coarse", "fine", "hybrid", "dense")
 ALIASES = {"routed": "coarse"}  # the name coarse had before fine and hybrid existed
+AUTO = "auto"  # the mode that runs whatever the checkpoint carries (carried_mode)
 # fine decode on the kernels: q|k|v, o and down add into fp32 sums that RoPE and the next norm
 # round and read, or (rounded) each GEMV rounds its own output, as before: wide.engine.fine_engine,
 # "fp32 sums"
 FINE_SUMS = ("fp32", "rounded")
 log = logging.getLogger(__name__)
+
+
+def carried_mode(routers: bool, thresholds: bool) -> str:
+    """The mode that runs everything a checkpoint carries, so that a set of routers and
+    thresholds is served as it was evaluated: both (hybrid), thresholds alone (fine), routers
+    alone (coarse), or neither (dense: what `wide generate` and the harness already run for
+    coarse on a model without routers)."""
+    if thresholds:
+        return "hybrid" if routers else "fine"
+    return "coarse" if routers else "dense"
+
+
+def auto_mode(model) -> str:
+    """:func:`carried_mode` of a loaded model: routers are those of any routed module (a set
+    wrapped with ``sparse_target="none"`` carries thresholds only), thresholds ``model.wide_fine``."""
+    state = getattr(model, "wide_state", None)
+    routers = state is not None and (state.config.routes_attention or state.config.routes_ffn)
+    return carried_mode(routers, get_fine(model) is not None)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -157,11 +181,16 @@ class AcceleratedModel:
                  fine_sums: str = "rounded"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if mode not in MODES and mode not in ALIASES:
-            raise ValueError(f"mode must be one of {MODES} (or routed, coarse's earlier name), got {mode!r}")
+        if mode != AUTO and mode not in MODES and mode not in ALIASES:
+            raise ValueError(f"mode must be one of {', '.join((AUTO, *MODES))} (or routed, coarse's earlier name), "
+                             f"got {mode!r}")
+        self.requested_mode = mode
+        if mode == AUTO:
+            mode = auto_mode(model)
+            log.info("mode auto: %s, from what the model carries", mode)
         mode = "routed" if ALIASES.get(mode, mode) == "coarse" else mode
         routes = mode in ("routed", "hybrid")
-        if mode in ("fine", "hybrid") and getattr(model, "wide_fine", None) is None:
+        if mode in ("fine", "hybrid") and get_fine(model) is None:
             raise ValueError(NO_THRESHOLDS.format(mode=mode))
         cfg = model.config
         spec = arch.spec_for(model)
@@ -607,7 +636,8 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
                fine_max_batch: Optional[int] = None, fine_sums: str = "rounded") -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
 
-    ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"`` or ``"dense"``. Fine and
+    ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"``, ``"dense"`` or ``"auto"``
+    (the one that runs what the model carries: :func:`auto_mode`). Fine and
     hybrid decode with the model's per-element thresholds (``model.wide_fine``: a router
     checkpoint's thresholds.safetensors, or :mod:`wide.fine`); a model without them is refused.
     Their thresholds are read at construction and by every :meth:`AcceleratedModel.setup_cache`
