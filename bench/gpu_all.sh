@@ -5,7 +5,7 @@
 # GPU-only kernel tests), then routed GEMMs and routed attention (each kernel checked against its
 # fp32 reference before it is timed), the end-to-end engine, and the engine's modes (coarse, fine,
 # hybrid against dense at 50 %, B = 1/8/32, prompts and decode contexts of 4k and 16k; B = 32 x 16k
-# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine,e2e_heads25,e2e_heads50}.{json,md,png,log},
+# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine,e2e_fine_pdl0,e2e_fine_pdl1,e2e_heads25,e2e_heads50}.{json,md,png,log},
 # OUT/fine_gemv{,_prefill,_batches,_sweep}.{json,md},
 # OUT/read_floors.{json,md}, OUT/bounds.{json,md} and OUT/calib_8b.{json,md,log}. ~25 min on one H100: more than one device
 # call allows (10 min), so run it in parts, e.g. ONLY=smoke, then ONLY=e2e_modes, then the rest.
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine fine_sweep e2e_heads25 e2e_heads50 bounds calib_8b}
+ONLY=${ONLY:-smoke kernels attention e2e e2e_modes fine_gemv e2e_fine fine_sweep e2e_pdl e2e_heads25 e2e_heads50 bounds calib_8b}
 run() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
@@ -55,6 +55,13 @@ run e2e_fine "${E2E_FINE_S:-560}" python3 -m wide.benchmarks.e2e --out-dir "$OUT
 run fine_sweep "${FINE_SWEEP_S:-240}" python3 -m wide.benchmarks.fine_gemv --models llama-3.1-8b \
     --shapes o qkv up down --tokens 1 --kept 0.5 --sweep --acc-out --sweep-match nomask nopf-w1 \
     BN256-BR1-BU8-P16-pf-w1-s1-atomic-compact64 BN512-BR1-BU8-P8-pf-w1-s1-atomic-compact128 --out "$OUT/fine_gemv_sweep"
+# Programmatic dependent launch (wide.kernels.pdl, off by default until this says): the fine and
+# hybrid checks with it on (Llama, the default tile: no autotuning compiles), then fine decode at
+# B = 1 and 2 with it off and on, each against the dense engine in the same process; a call of its own
+run e2e_pdl "${E2E_PDL_S:-560}" bash -c "WIDE_AUTOTUNE=0 WIDE_PDL=1 timeout 200 python3 scripts/gpu_smoke.py --fine-only --models=llama \
+    && for p in 0 1; do WIDE_PDL=\$p python3 -m wide.benchmarks.e2e --out-dir '$OUT' --name e2e_fine_pdl\$p --modes fine \
+    --sparsities 0.5 --prompt-lens 4096 --decode-ctxs 4096,16384 --batches 1,2 --reps 3 --decode-steps 16 --no-hf \
+    --budget-s 150; done"
 # Issue 48: attention heads beside the thresholds (hybrid with attention-only skip_upto routers at
 # 25 % / 50 % of each routed layer's groups, layer 0 dense, thresholds at 50 %: fine GEMVs at small
 # batch, routed decode attention at every batch), against the dense engine; a call each

@@ -30,7 +30,7 @@ assets), so does ``wide generate --mode fine`` with the shipped smollm2-135m-fin
 (``--shipped-only`` runs that check alone, ``--skip-shipped`` all but it; ``--fine-only`` the fine and
 hybrid decode checks and the counters). Exit 1 on a failure.
 
-    PYTHONPATH=src python3 scripts/gpu_smoke.py [--shipped-only | --skip-shipped | --fine-only]
+    PYTHONPATH=src python3 scripts/gpu_smoke.py [--shipped-only | --skip-shipped | --fine-only] [--models=llama,...]
 """
 import contextlib
 import io
@@ -226,23 +226,29 @@ def thresholds_reach_graphs(model, eng, ids) -> bool:
 
 # A fine engine on the kernels decodes dense where that measured faster (AcceleratedModel.decode_path);
 # the checks against the PyTorch path keep the thresholds at every batch they use.
-FINE_EVERY_BATCH = {"fine": {"fine_max_batch": 8}, "hybrid": {}}
+FINE_EVERY_BATCH = {"fine": {"fine_max_batch": 8}, "hybrid": {"fine_max_batch": 8}}
 
 
 def dense_steps_match(model_type: str) -> bool:
-    """A fine engine's default decode: at batch 5 (past the GEMVs' 4) it runs the dense weights, the
-    same step as the dense engine (bf16; both on the fine engine's single transposed copy)."""
+    """Fine and hybrid engines' default decode: at batch 5 (past the GEMVs' 4) a fine engine runs
+    the dense weights, the same step as the dense engine (bf16; both on the fine engine's single
+    transposed copy), and a hybrid engine its routers alone, the coarse engine's step."""
     model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
-    fine, dense = wide.accelerate(model, mode="fine"), wide.AcceleratedModel(model, mode="dense")
-    outs = []
-    for e in (fine, dense):
-        e.setup_cache(5, 128)
-        e.prefill(ids[:, :32])
-        outs.append(e.decode(ids[:, 32], torch.full((5,), 32, dtype=torch.long, device=DEVICE)))
-    err = rel(*outs)
-    print(f"  fine engine at batch 5: path {fine.decode_path(5)}, logits vs the dense engine rel err {err:.1e}")
-    return fine.decode_path(5) == "dense" and err < 1e-2
+    ok = True
+    for mode, other, path in (("fine", "dense", "dense"), ("hybrid", "coarse", "routed")):
+        eng = wide.accelerate(model, mode=mode)
+        ref = wide.AcceleratedModel(model, mode=other) if other == "dense" else wide.accelerate(model, mode=other)
+        outs = []
+        for e in (eng, ref):
+            e.setup_cache(5, 128)
+            e.prefill(ids[:, :32])
+            outs.append(e.decode(ids[:, 32], torch.full((5,), 32, dtype=torch.long, device=DEVICE)).float().clone())
+            e.free_cache()
+        err = rel(*outs)
+        print(f"  {mode} engine at batch 5: path {eng.decode_path(5)}, logits vs the {other} engine rel err {err:.1e}")
+        ok &= eng.decode_path(5) == path and err < 1e-2
+    return ok
 
 
 @contextlib.contextmanager
@@ -269,11 +275,11 @@ def fine_modes_ok(model_type: str) -> bool:
     ok = True
     model, ids = build(model_type, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
-    for mode, extra in (("fine", {}), ("fine", {"fine_sums": "fp32"}), ("hybrid", {})):
+    for mode, extra in (("fine", {}), ("fine", {"fine_sums": "rounded"}), ("hybrid", {})):
         # thresholds at every batch (fine_max_batch), as the PyTorch path runs them; the default
         # engine's dense steps are checked by dense_steps_match below
         eng = wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode], **extra)
-        print(f"  {mode}{' with fp32 sums' if extra else ''} (bf16): backend {eng.backend}")
+        print(f"  {mode}{' with rounded sums' if extra else ''} (bf16): backend {eng.backend}")
         with fixed_order_sums():
             ok &= graphs_equal_eager(eng, ids, batches=(2, 1, 5))
             ok &= thresholds_reach_graphs(model, eng, ids)
@@ -281,9 +287,9 @@ def fine_modes_ok(model_type: str) -> bool:
     del model, eng
     model, ids = build(model_type, torch.float32, target=HYBRID_SHARE, batch=5)
     with_thresholds(model, ids)
-    # fine twice: each GEMV rounding its output, and q|k|v, o, down adding into fp32 sums that
-    # RoPE and the next norm round (fine_sums="fp32", not the default until checked here)
-    for mode, extra in (("fine", {}), ("fine", {"fine_sums": "fp32"}), ("hybrid", {})):
+    # fine twice: q|k|v, o, down adding into fp32 sums that RoPE and the next norm round (the
+    # default, fine_sums="fp32"), and each GEMV rounding its own output (fine_sums="rounded")
+    for mode, extra in (("fine", {}), ("fine", {"fine_sums": "rounded"}), ("hybrid", {})):
         kern, ref = (wide.accelerate(model, mode=mode, **FINE_EVERY_BATCH[mode], **extra),
                      wide.accelerate(model, mode=mode, backend="torch"))
         prompt = ids[0, :16].tolist()
@@ -298,7 +304,7 @@ def fine_modes_ok(model_type: str) -> bool:
                 outs.append(e.decode(ids[:B, 32], torch.full((B,), 32, dtype=torch.long, device=DEVICE), record=[]))
             rows += [rel(a, b) for a, b in zip(*outs)]
         med = sorted(rows)[len(rows) // 2]
-        print(f"  {mode}{' with fp32 sums' if extra else ''} (fp32): greedy tokens kernels {got}, PyTorch path "
+        print(f"  {mode}{' with rounded sums' if extra else ''} (fp32): greedy tokens kernels {got}, PyTorch path "
               f"{want} ({agree}/16 equal); decode "
               f"logits rel err per sequence (batch 2, then 5): {' '.join(f'{r:.1e}' for r in rows)}")
         # Exact fp32 sums in another order still flip an input that sits within ~1e-6 of its
@@ -331,7 +337,7 @@ def cli_hybrid_matches_torch() -> bool:
         model.save_pretrained(Path(tmp) / "model")
         tok.save_pretrained(Path(tmp) / "model")
         return cli_texts_match(["--model", str(Path(tmp) / "model"), "--routers", str(Path(tmp) / "routers"),
-                                "--mode", "hybrid", "--max-new-tokens", "8",
+                                "--mode", "hybrid", "--fine-max-batch", "8", "--max-new-tokens", "8",
                                 "--prompt", "the cat sat on a mat and then the dog"])
 
 
@@ -379,7 +385,8 @@ def shipped_fine_matches_torch(n: int = 32) -> bool:
     ok = True
     for name in ("smollm2-135m-fine-50", "smollm2-135m-fine-25"):
         print(f"  {name}:")
-        if cli_texts_match(["--model", str(path), "--routers", name, "--mode", "fine", "--max-new-tokens", str(n),
+        if cli_texts_match(["--model", str(path), "--routers", name, "--mode", "fine", "--fine-max-batch", "8",
+                            "--max-new-tokens", str(n),
                             "--prompt", prompt]):
             continue
         ids = AutoTokenizer.from_pretrained(path).encode(prompt)
@@ -432,6 +439,18 @@ def gpu_kernel_tests() -> bool:
     return r.returncode == 0
 
 
+def _models() -> list:
+    """``--models=llama,qwen3``: the architectures to check (default: all of MODELS)."""
+    for a in sys.argv[1:]:
+        if a.startswith("--models="):
+            names = a.split("=", 1)[1].split(",")
+            unknown = [n for n in names if n not in MODELS]
+            if unknown:
+                sys.exit(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
+            return names
+    return list(MODELS)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -442,7 +461,7 @@ def main() -> int:
         return 0 if ok else 1
     ok = True
     if "--fine-only" in sys.argv[1:]:  # the fine and hybrid decode checks and the counters alone (a short call)
-        for model_type in MODELS:
+        for model_type in _models():
             print(f"{model_type}:")
             ok &= fine_modes_ok(model_type)
             torch.cuda.empty_cache()
@@ -452,7 +471,7 @@ def main() -> int:
         ok &= raised == 0
         print("OK" if ok else "FAILED")
         return 0 if ok else 1
-    for model_type in MODELS:
+    for model_type in _models():
         model, ids = build(model_type)
         eng = wide.accelerate(model)
         print(f"{model_type}: backend {eng.backend}, routed q and k/v fused at decode: "

@@ -9,6 +9,7 @@ Compiling needs the kernels as JIT functions, which the Triton interpreter (TRIT
 the test suite's setting) replaces, so the sizes are measured in a child process without it:
 
     python tests/sm90.py      # prints {case: {config: bytes}} as JSON
+    python tests/sm90.py --pdl    # the decode launches with programmatic dependent launch
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def shared_bytes(fn, dtype: str, const: dict, num_warps: int, num_stages: int, p
     """Shared memory (bytes) ``fn`` compiled for sm_90 asks for. Pointers named in
     ``ptr_types`` get that type, the others ``dtype``; scalar args are i32 unless in
     ``float_args``; ``const`` gives every constexpr without a default."""
+    return int(compile_sm90(fn, dtype, const, num_warps, num_stages, ptr_types, float_args).metadata.shared)
+
+
+def compile_sm90(fn, dtype: str, const: dict, num_warps: int, num_stages: int, ptr_types=(),
+                 float_args=("qk_scale",), **options):
+    """``fn`` compiled for sm_90 (see :func:`shared_bytes`); ``options`` join the compile options."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -61,9 +68,40 @@ def shared_bytes(fn, dtype: str, const: dict, num_warps: int, num_stages: int, p
         raise ValueError(f"constexprs without a value: {missing}")
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    return int(kernel.metadata.shared)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+def pdl_cases() -> dict:
+    """The decode launches that take programmatic dependent launch (wide.kernels.pdl), compiled
+    for sm_90 with PDL on: {kernel: [the PTX waits, the PTX lets dependents in, launch_pdl set]}."""
+    fg = importlib.import_module("wide.kernels.fine_gemv")
+    nr = importlib.import_module("wide.kernels.norm_route")
+    rope = importlib.import_module("wide.kernels.rope")
+    c = fg._default_config()
+    cases = {
+        "fine_gemv": (fg._fine_gemv_kernel, {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "acc_ptr": "*fp32",
+                                             "cnt_ptr": _I32, "idx_ptr": _I32, "scale_ptr": "*fp32", "clr_ptr": "*fp32"},
+                      dict(T=1, NSEG=1, HAS_SCALE=False, HAS_GM=False, TH_PTR=False, GLU=False, RS=fg._rs(c.kwargs["BN"]),
+                           ACC_ONLY=True, CLEAR=True, CLR_BLOCK=fg.CLEAR_BLOCK, GLU_IN=False, **c.kwargs),
+                      ("th0", "th1", "th2", "th3"), c.num_warps),
+        "norm_route": (nr._norm_route_kernel, {"cnt_ptr": _I32, "m_ptr": "*u8", "hp_ptr": "*fp32", "acc_ptr": "*fp32",
+                                               "done_ptr": "*fp32", "st_ptr": "*u8", "rdw_ptr": "*fp32",
+                                               "rdb_ptr": "*fp32", "ruw_ptr": "*fp32", "rub_ptr": "*fp32",
+                                               "off_ptr": "*fp32", "d_ptr": "*fp32"},
+                       dict(HAS_DELTA=True, ROUTE=False, NORMED_IN=False, R=16, BLOCK=4096, CHUNK=1024, NC_PAD=4,
+                            G_PAD=16, FINAL=True, MARGIN=False, ACC=False), ("eps",), 8),
+        "rope_decode": (rope._rope_cache_kernel, {"pos_ptr": "*i64", "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32",
+                                                  "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+                        dict(HALF=64, HAS_BIAS=False, QK_NORM=False, CLEAR=True), ("eps",), 4),
+    }
+    out = {}
+    for name, (fn, ptrs, const, floats, warps) in cases.items():
+        k = compile_sm90(fn, "bf16", {**const, "PDL": True}, warps, 1, ptrs, floats, launch_pdl=True)
+        ptx = k.asm["ptx"]
+        out[name] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+                     bool(getattr(k.metadata, "launch_pdl", False))]
+    return out
 
 
 def _sizes(fn, dtype, const, configs, ptrs, first_fit=False, **kw) -> dict:
@@ -197,4 +235,4 @@ if __name__ == "__main__":
         json.dump({"unsupported": f"{type(e).__name__}: {e}"[:500]}, sys.stdout)
         sys.exit(0)
     _no_cubins_over_the_limit()
-    json.dump(cases(), sys.stdout, indent=1)
+    json.dump(pdl_cases() if "--pdl" in sys.argv[1:] else cases(), sys.stdout, indent=1)

@@ -382,7 +382,29 @@ def test_fine_max_batch_decodes_dense_above_it():
         with pytest.raises(ValueError, match="fine_max_batch"):
             wide.accelerate(model, backend="torch", mode="fine", fine_max_batch=bad)
     with pytest.raises(ValueError, match="fine_max_batch"):
-        wide.accelerate(model, backend="torch", mode="hybrid", fine_max_batch=2)
+        wide.accelerate(model, backend="torch", mode="coarse", fine_max_batch=2)
+
+
+def test_hybrid_decodes_with_the_routers_alone_above_fine_max_batch():
+    # Above the limit a hybrid batch runs its prefill ops, the routers without the thresholds:
+    # the coarse engine's step (a batch's kept inputs cover about every weight row, while its
+    # skipped head groups still skip their K/V reads); at or under it, the thresholds too.
+    model = model_with_thresholds(seed=7)
+    ids = ids_of(2, 12, seed=9)
+    coarse = wide.accelerate(model, backend="triton", mode="coarse")
+    eng = wide.accelerate(model, backend="triton", mode="hybrid", fine_max_batch=1)
+    assert (eng.decode_path(1), eng.decode_path(2), coarse.decode_path(2)) == ("fine", "routed", "main")
+    assert wide.accelerate(model, backend="triton", mode="hybrid").decode_path(8) == "fine"  # off CUDA: never measured
+    assert wide.accelerate(model, backend="torch", mode="hybrid", fine_max_batch=1).decode_path(2) == "fine"
+    for e in (coarse, eng):
+        e.setup_cache(2, 32)
+        e.prefill(ids[:, :9])
+    for t in range(9, 12):
+        pos = torch.full((2,), t, dtype=torch.long)
+        rec_c, rec_h = [], []
+        assert rel(eng.decode(ids[:, t], pos, record=rec_h), coarse.decode(ids[:, t], pos, record=rec_c)) < 1e-5, t
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(rec_h, rec_c) if a[2] is not None), t  # same group masks
+    check_decode(model, eng, "hybrid", batches=(1,), end=11)  # batch 1: the thresholds
 
 
 # ---------------------------------------------------------------- fp32 sums (fine_sums)

@@ -409,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the last tokens of a prompt longer than the model's positions leave beside "
                          "--max-new-tokens (with a warning) instead of refusing it")
     gn.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    gn.add_argument("--fine-max-batch", type=bounded(int, min=0), default=None, metavar="N",
+                    help="fine and hybrid on the kernels: decode batches of up to N prompts run the thresholds, "
+                         "larger ones the dense weights (fine) or the routers alone (hybrid); default: measured per "
+                         "batch size on the first decode (batches of more than 4 always run the other path)")
     gn.add_argument("--batch-shared", action="store_true",
                     help="decode the prompts with one group set per step for the whole batch: reads half the "
                          "weights at batch 8 (1.20x there on an H200), at a quality cost, and each output then "
@@ -505,7 +509,8 @@ def cmd_generate(args):
     if args.mode == "dense" or (args.mode == "coarse" and not args.routers):
         engine = AcceleratedModel(model, backend=args.backend, mode="dense", batch_shared=args.batch_shared)
     else:
-        engine = accelerate(model, backend=args.backend, mode=args.mode, batch_shared=args.batch_shared)
+        engine = accelerate(model, backend=args.backend, mode=args.mode, batch_shared=args.batch_shared,
+                            fine_max_batch=args.fine_max_batch)
     if engine.backend == "torch" and engine.device.type == "cpu":
         print("note: the Triton kernels need a CUDA GPU; this runs the PyTorch path (the same tokens, "
               "without their speed)", file=sys.stderr)

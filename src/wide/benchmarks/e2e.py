@@ -351,7 +351,7 @@ def main(argv=None) -> int:
                     help="issue 48's heads beside thresholds: the routers route attention only, under "
                          "attn_rule skip_upto (layer 0 dense), each routed layer skipping R of its groups; hybrid "
                          "then runs them with thresholds at the target itself (fine decode, routed attention)")
-    ap.add_argument("--fine-sums", default="rounded",
+    ap.add_argument("--fine-sums", default="fp32",
                     help="the fine engine's q|k|v, o and down sums, comma-separated: fp32 (added into fp32 sums "
                          "that RoPE and the next norm read) and/or rounded (each GEMV rounds its own output); "
                          "with both, TPOT of each as records of their own (fine_sums in the record); "
@@ -432,6 +432,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     import triton
 
+    from wide.kernels import pdl
+
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -441,7 +443,9 @@ def main(argv=None) -> int:
             "routers": "random rank-16 routers, offsets calibrated per module (calibrate_offsets per_module)"
                        + _groups_note(args),
             "ffn_group_size": _ffn_group_size(args), "attn_group_size": args.attn_group_size,
-            "modes": ["dense"] + modes, "decode_ctxs": decode_ctxs, "records": [], "errors": []}
+            "modes": ["dense"] + modes, "decode_ctxs": decode_ctxs, "records": [], "errors": [],
+            # the decode launches that take it start early (wide.kernels.pdl): part of what is timed
+            "pdl": pdl.enabled(device)}
     if set(modes) & {"fine", "hybrid"}:
         meta["thresholds"] = ("per-element thresholds at quantiles of the dense model's |x| on 2 random-token "
                               "batches, the same share of every projection's input (TEAL uniform)")
@@ -570,7 +574,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
     dense = AcceleratedModel(model, mode="dense")
     engines = {"token": routed}
     by_mode = {"dense": dense, "routed": routed}
-    fine_sums = getattr(args, "fine_sums", ["rounded"])
+    fine_sums = getattr(args, "fine_sums", ["fp32"])
     for m in ("fine", "hybrid"):
         if m in modes:  # (the Triton backend's transposed weights: laid out once, shared by all)
             by_mode[m] = AcceleratedModel(model, mode=m, **({"fine_sums": fine_sums[0]} if m == "fine" else {}))
@@ -686,7 +690,7 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
                     tok = engine.decode(tok, record=rec_list).argmax(-1)  # eager, masks recorded
                     engine.pos += 1
                     masks += [(step, layer, kind, m) for layer, kind, m in rec_list]
-            if engine.fine is not None:
+            if engine.fine is not None and rec["decode_path"] == "fine":
                 rec.update(fine_bytes_fraction(model, masks, B, engine.mode))
             else:
                 rec.update(bytes_fraction(model, masks, B, shared=routing == "batch_shared"))
@@ -917,6 +921,9 @@ def markdown(meta: dict) -> str:
     lines = [f"# End-to-end TTFT / TPOT ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
              f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
+    if meta.get("pdl"):
+        lines += ["Programmatic dependent launch on (WIDE_PDL=1): the norm, RoPE and fine GEMV launches start "
+                  "while the launch before them drains (wide.kernels.pdl).", ""]
     if meta.get("thresholds"):
         split = meta.get("hybrid_split", {})
         lines += [f"Modes {', '.join(meta.get('modes', []))}; {meta['thresholds']}."
@@ -992,6 +999,10 @@ def markdown(meta: dict) -> str:
     if any(r.get("decode_path") == "dense" for r in recs if r.get("engine") == "fine"):
         lines += ["Fine rows whose weight bytes read 1.000 decoded dense: the engine measured its dense step faster "
                   "at that batch size, or the batch exceeds the GEMVs' 4 tokens (AcceleratedModel.decode_path).", ""]
+    if any(r.get("decode_path") == "routed" for r in recs):
+        lines += ["Hybrid rows at batches past the GEMVs' 4 tokens (or where it measured faster) decoded with the "
+                  "routers alone, the thresholds off: routed attention and the routers' GEMMs "
+                  "(AcceleratedModel.decode_path).", ""]
     for key, pr in (meta.get("profile") or {}).items():
         if not pr:
             continue

@@ -178,7 +178,7 @@ class AcceleratedModel:
 
     def __init__(self, model, backend: str = "auto", mode: str = "coarse",
                  cuda_graphs: bool = True, batch_shared: bool = False, fine_max_batch: Optional[int] = None,
-                 fine_sums: str = "rounded"):
+                 fine_sums: str = "fp32"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if mode != AUTO and mode not in MODES and mode not in ALIASES:
@@ -217,10 +217,10 @@ class AcceleratedModel:
         self.hidden = cfg.hidden_size
         self.inter = cfg.intermediate_size
         self.window = _sliding_window(cfg)
-        if fine_max_batch is not None and (mode != "fine" or isinstance(fine_max_batch, bool)
+        if fine_max_batch is not None and (mode not in ("fine", "hybrid") or isinstance(fine_max_batch, bool)
                                            or not isinstance(fine_max_batch, int) or fine_max_batch < 0):
-            raise ValueError(f"fine_max_batch is an int >= 0 for mode fine (None: measured), got {fine_max_batch!r} "
-                             f"with mode {mode}")
+            raise ValueError(f"fine_max_batch is an int >= 0 for modes fine and hybrid (None: measured), got "
+                             f"{fine_max_batch!r} with mode {mode}")
         self.fine_max_batch = fine_max_batch
         if fine_sums not in FINE_SUMS:
             raise ValueError(f"fine_sums must be one of {FINE_SUMS}, got {fine_sums!r}")
@@ -247,8 +247,9 @@ class AcceleratedModel:
         # Decode's ops: the same object except where decode applies per-element thresholds.
         self.fine = None  # wide.engine.fine_engine.FineThresholds of a fine or hybrid engine
         self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
-        # Fine on the kernels: a decode batch runs the thresholds or the dense weights (the
-        # prefill ops, on the same single copy), per batch size (decode_path).
+        # Fine and hybrid on the kernels: a decode batch runs the thresholds or the prefill ops
+        # (fine: the dense weights, on the same single copy; hybrid: the routers alone), per
+        # batch size (decode_path).
         self._paths = {}
         if mode in ("fine", "hybrid") and self.backend == "torch" and self.device.type == "cpu":
             log.info("the Triton kernels need a CUDA GPU: this %s engine runs the PyTorch path", mode)
@@ -460,27 +461,32 @@ class AcceleratedModel:
 
     def decode_path(self, B: int) -> str:
         """What a decode step of ``B`` sequences runs: ``"fine"`` (the per-element thresholds;
-        hybrid's routers too) or ``"dense"`` (a fine engine's dense weights, as the dense
-        engine runs them), ``"main"`` for the other modes. A fine engine on the kernels runs
-        the thresholds up to ``fine_max_batch`` sequences, or, with None, wherever they were
-        measured faster: each batch of up to 4 (the GEMVs' limit) times both captured steps
-        on its first decode; larger batches decode dense (the union of a batch's kept inputs
-        nears every weight row: README, "fine decode in batches")."""
+        hybrid's routers too), ``"dense"`` (a fine engine's dense weights, as the dense engine
+        runs them) or ``"routed"`` (a hybrid engine's routers alone, as its prefill runs them:
+        routed attention, routed or cuBLAS GEMMs, no thresholds), ``"main"`` for the other
+        modes. Fine and hybrid engines on the kernels run the thresholds up to
+        ``fine_max_batch`` sequences, or, with None, wherever they were measured faster: each
+        batch of up to 4 (the GEMVs' limit) times both captured steps on its first decode;
+        larger batches run the other path, since the union of a batch's kept inputs nears every
+        weight row (README, "fine decode in batches") while skipped head groups still skip
+        their K/V reads (issue 48: at B = 8 and 32 hybrid decode on thresholded GEMMs ran
+        0.72-0.84x the dense engine on an H100, bench/results/h100/e2e_heads25.md)."""
         if self.fine is None:
             return "main"
-        if self.mode != "fine" or self.backend != "triton":
+        if self.backend != "triton":
             return "fine"
+        other = "dense" if self.mode == "fine" else "routed"
         if self.fine_max_batch is not None:
-            return "fine" if B <= self.fine_max_batch else "dense"
+            return "fine" if B <= self.fine_max_batch else other
         if self.device.type != "cuda":
             return "fine"
-        return "dense" if B > MAX_T else self._paths.get(B, "fine")
+        return other if B > MAX_T else self._paths.get(B, "fine")
 
     def _decode_eager(self, tok: torch.Tensor, pos: torch.Tensor, record: Optional[list] = None,
                       reuse: bool = False):
         """One new token per sequence at cache position ``pos`` [B]; returns logits [B, V].
         ``reuse``: the rule holds every mask of this step (``rule.reuses``): no router runs."""
-        ops = self.ops if self.decode_path(tok.shape[0]) == "dense" else self.decode_ops
+        ops = self.decode_ops if self.decode_path(tok.shape[0]) in ("fine", "main") else self.ops
         ops.record = record
         x = self.embed(tok)
         delta = None
@@ -529,7 +535,7 @@ class AcceleratedModel:
                 or getattr(self.state, "mask_fn", None) is not None):  # (a Python mask_fn is not captured)
             return self._decode_eager(self.tok, self.pos, record, reuse)
         B = tok.shape[0]
-        if (self.mode == "fine" and self.backend == "triton" and self.fine_max_batch is None
+        if (self.fine is not None and self.backend == "triton" and self.fine_max_batch is None
                 and B <= MAX_T and B not in self._paths):
             self._measure_paths(B, reuse)
         g = self._graphs.get((B, reuse, self.decode_path(B)))
@@ -546,17 +552,18 @@ class AcceleratedModel:
         return g
 
     def _measure_paths(self, B: int, reuse: bool, replays: int = 20) -> None:
-        """Capture the fine and the dense step of ``B`` sequences and keep the faster (median
-        of ``replays`` replays each, after two). Both write this step's k/v at the same
-        positions; the step that follows rewrites them with the kept path's."""
+        """Capture the thresholded step of ``B`` sequences and the other one (dense weights in
+        fine, routers alone in hybrid) and keep the faster (median of ``replays`` replays each,
+        after two). Both write this step's k/v at the same positions; the step that follows
+        rewrites them with the kept path's."""
         times = {}
-        for path in ("fine", "dense"):
+        for path in ("fine", "dense" if self.mode == "fine" else "routed"):
             self._paths[B] = path
             graph, _ = self._capture_decode(B, reuse)
             times[path] = statistics.median(replay_times_ms(graph, replays))
         self._paths[B] = min(times, key=times.get)
-        log.info("fine engine, decode batch %d: fine %.3f ms, dense %.3f ms: runs %s",
-                 B, times["fine"], times["dense"], self._paths[B])
+        log.info("%s engine, decode batch %d: %s: runs %s", self.mode, B,
+                 ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()), self._paths[B])
 
     # -------------------------------------------------------------- generation
 
@@ -633,7 +640,7 @@ class AcceleratedModel:
 
 def accelerate(model, backend: str = "auto", mode: str = "coarse",
                cuda_graphs: bool = True, batch_shared: bool = False,
-               fine_max_batch: Optional[int] = None, fine_sums: str = "rounded") -> AcceleratedModel:
+               fine_max_batch: Optional[int] = None, fine_sums: str = "fp32") -> AcceleratedModel:
     """Build the static-cache engine for a wrapped model (see the module docstring).
 
     ``mode``: ``"coarse"`` (``"routed"``), ``"fine"``, ``"hybrid"``, ``"dense"`` or ``"auto"``
@@ -647,16 +654,15 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     dense steps run cuBLAS on it), so it holds one copy of the weights, as the dense engine
     does; a ``hybrid`` engine keeps it beside the row-major weights its routed prefill reads.
     ``fine_max_batch``: decode batches of up to this many sequences run the thresholds, larger
-    ones the dense weights (None: measured per batch size on CUDA, thresholds everywhere on
-    other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
+    ones the dense weights (fine) or the routers alone (hybrid) (None: measured per batch size
+    on CUDA, thresholds everywhere on other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
     sequences that run the thresholds run GEMMs on the thresholded inputs
     (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` on the Triton backend; other
-    modes ignore it): ``"fp32"`` lets the q|k|v, o and down GEMVs of a thresholded step add into
-    fp32 sums that the RoPE launch and the next norm round and read (the same values, no
-    rounding epilogues), except
-    while ``torch.are_deterministic_algorithms_enabled()``; ``"rounded"`` (the default until a
-    GPU run has checked and timed ``"fp32"`` end to end; its GEMVs alone were 1.4-3.0 us faster
-    each on an H100): each GEMV writes its own rounded output.
+    modes ignore it): ``"fp32"`` (the default) lets the q|k|v, o and down GEMVs of a thresholded
+    step add into fp32 sums that the RoPE launch and the next norm round and read (the same
+    values, no rounding epilogues), except while ``torch.are_deterministic_algorithms_enabled()``;
+    ``"rounded"``: each GEMV writes its own rounded output (TPOT at batch 1, Llama-3.1-8B shapes,
+    50 %, one H100: 1.62x the dense engine with fp32 sums, 1.54x rounded; bench/results/h100/e2e_fine.md).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
     batch (:mod:`wide.engine.routing_rules`), so it reads only those groups' weights; a sequence's

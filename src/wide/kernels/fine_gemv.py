@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .env import autotune_enabled, interpret_mode, num_sms
 from .routing import row_lists, split_tickets, zeroed_accumulator
 from .silu_mul import silu_mul_reference, silu_mul_rounded
@@ -316,8 +317,9 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
                       PF: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr, CH: tl.constexpr,
                       GLU: tl.constexpr, RS: tl.constexpr, MASKW: tl.constexpr, ACC_ONLY: tl.constexpr,
                       GLU_IN: tl.constexpr,
-                      CLEAR: tl.constexpr, CLR_BLOCK: tl.constexpr):
+                      CLEAR: tl.constexpr, CLR_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    pdl.wait(PDL)  # before CLEAR too: the previous kernel may still read what it zeros
     n_s = tl.num_programs(1)
     XT = w_ptr.dtype.element_ty  # GLU_IN: the dtype silu(gate) * up is rounded to, the weight's
     if CLEAR:
@@ -371,6 +373,7 @@ def _fine_gemv_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, gm_ptr, th_ptr, ws_ptr, ac
                                        lim, n_ok3, th, stride_xt, stride_wk, stride_gt, GS, T, HAS_SCALE, HAS_GM,
                                        MASKW, K, GLU_IN, XT)
             acc0, acc1, acc2, acc3 = _fma_tokens(acc0, acc1, acc2, acc3, w, a0, a1, a2, a3, T)
+    pdl.release(PDL)  # (the tail left: the sums, a ticket, a last program's epilogue)
     y0 = tl.sum(acc0, axis=0)
     y1 = tl.sum(acc1, axis=0)
     y2 = tl.sum(acc2, axis=0)
@@ -888,7 +891,7 @@ def fine_gemv(x: torch.Tensor, w_t: torch.Tensor, threshold=None, *, scale: Opti
             clear if clear is not None else x, 0 if clear is None else clear.numel())
     flags = dict(T=T, NSEG=nseg, HAS_SCALE=scale is not None, HAS_GM=group_mask is not None, GLU_IN=glu_input,
                  TH_PTR=th_t is not None, GLU=glu, ACC_ONLY=acc_only,
-                 CLEAR=clear is not None and clear.numel() > 0, CLR_BLOCK=CLEAR_BLOCK)
+                 CLEAR=clear is not None and clear.numel() > 0, CLR_BLOCK=CLEAR_BLOCK, **pdl.launch_kwargs(x.device))
     if acc_only and config is None and autotune_enabled() and _ACC_TUNE:
         _tuned_acc[grid](*args, **flags)
     elif config is None and autotune_enabled() and not acc_only:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .reference import rms_norm_reference
 from .routing import RouterPartials, group_runs
 
@@ -34,7 +35,8 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
                        HAS_DELTA: tl.constexpr, ROUTE: tl.constexpr, NORMED_IN: tl.constexpr,
                        R: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                        NC_PAD: tl.constexpr, G_PAD: tl.constexpr, FINAL: tl.constexpr,
-                       MARGIN: tl.constexpr, acc_ptr, done_ptr, st_ptr, stride_acc, ACC: tl.constexpr):
+                       MARGIN: tl.constexpr, acc_ptr, done_ptr, st_ptr, stride_acc, ACC: tl.constexpr,
+                       PDL: tl.constexpr = False):
     # Program (token, chunk): residual add, RMSNorm (HF rounding) and the router's first
     # linear on its CHUNK columns; the last chunk program of a token to finish adds the
     # partial router sums in chunk order and writes the mask. One program per token was
@@ -45,6 +47,7 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
+    pdl.wait(PDL)
     # Every chunk program needs the whole row's sum of squares; the row is a few KB (L2).
     ss = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, H, BLOCK):
@@ -57,6 +60,7 @@ def _norm_route_kernel(x_ptr, d_ptr, res_ptr, y_ptr, nw_ptr, eps,
         xf = x.to(tl.float32)
         ss += xf * xf
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+    pdl.release(PDL)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     ok = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -184,7 +188,7 @@ def norm_route(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Ten
         HAS_DELTA=delta is not None, ROUTE=router is not None, NORMED_IN=normed_input,
         R=R, BLOCK=block, CHUNK=chunk, NC_PAD=max(2, triton.next_power_of_2(nchunk)),
         G_PAD=max(16, triton.next_power_of_2(G)), FINAL=not defer, MARGIN=margins,
-        num_warps=8 if block >= 4096 else 4, **_sums_args(tile_sums, x))
+        num_warps=8 if block >= 4096 else 4, **_sums_args(tile_sums, x), **pdl.launch_kwargs(x.device))
     if defer and router is not None:
         rp = RouterPartials(hp[0], router.down.bias, router.up.weight, router.up.bias, router.offset)
         return resid, normed, mask, rp

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .reference import apply_rope, rms_norm_reference
 
 __all__ = ["rope_prefill", "rope_decode", "rope_reference"]
@@ -126,13 +127,14 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
                        Hq, stride_q, stride_k, stride_v, stride_cb, stride_ct, stride_ch,
                        b_ptr, n_ptr, eps, qo_ptr, stride_qo,
                        HALF: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                       CLEAR: tl.constexpr):
+                       CLEAR: tl.constexpr, PDL: tl.constexpr = False):
     # Program (b, h): h < Hq rotates q head h (into qo, q itself unless given another);
     # otherwise KV head h - Hq is rotated and written, with v, to the cache at the sequence's
     # position.
     dt = kc_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    pdl.wait(PDL)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     d = tl.arange(0, HALF)
     c1 = tl.load(cos_ptr + pos * 2 * HALF + d).to(tl.float32)
@@ -144,6 +146,7 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, v
     else:
         base = k_ptr + b * stride_k + (h - Hq) * 2 * HALF
     xa, xb = _take(base, HALF, dt, CLEAR)
+    pdl.release(PDL)
     x1, x2 = _bias_norm(xa, xb, h, (h >= Hq).to(tl.int32), b_ptr, n_ptr, eps, d, HALF, 0, HAS_BIAS, QK_NORM)
     o1, o2 = _rotate(x1, x2, c1, c2, s1, s2)
     if h < Hq:
@@ -208,7 +211,7 @@ def rope_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     _rope_cache_kernel[(B, Hq + Hkv)](
         q, k, v, cos, sin, pos, k_cache, v_cache, Hq, q.stride(0), k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *args, qo, qo.stride(0), HALF=D // 2,
-        CLEAR=clear, **flags)
+        CLEAR=clear, **flags, **pdl.launch_kwargs(q.device))
 
 
 def _check_decode_io(q, k, v, k_cache, q_out, clear) -> None:

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (wide.kernels.pdl) for the decode launches: off unless asked
+for, never on the CPU or under the interpreter, and, compiled for sm_90 offline (tests/sm90.py,
+a child process without the interpreter), each kernel that takes it waits on the previous
+kernel and lets the next one in, with Triton's launch_pdl option set."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sm90
+from wide.kernels import pdl
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_off_unless_asked_and_never_off_cuda(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("WIDE_PDL", raising=False)
+    assert pdl.launch_kwargs(cpu) == {} and not pdl.enabled(cpu)
+    monkeypatch.setenv("WIDE_PDL", "1")
+    assert pdl.launch_kwargs(cpu) == {}  # asked for, but no CUDA device (and the interpreter on)
+    if torch.cuda.is_available():
+        monkeypatch.setenv("WIDE_PDL", "0")
+        assert pdl.launch_kwargs(torch.device("cuda")) == {}
+
+
+@pytest.mark.skipif(not sm90.ptxas_available(), reason="Triton's NVIDIA backend / ptxas missing")
+@pytest.mark.timeout(1800)
+def test_decode_launches_compile_with_pdl_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(HERE / "sm90.py"), "--pdl"], env=env, capture_output=True, text=True,
+                       timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    if "unsupported" in out:
+        pytest.skip(f"this Triton's offline compile API is not the one tests/sm90.py speaks: {out['unsupported']}")
+    assert out == {k: [True, True, True] for k in ("fine_gemv", "norm_route", "rope_decode")}, out
