@@ -78,8 +78,15 @@ def pdl_cases() -> dict:
     fg = importlib.import_module("wide.kernels.fine_gemv")
     nr = importlib.import_module("wide.kernels.norm_route")
     rope = importlib.import_module("wide.kernels.rope")
+    att = importlib.import_module("wide.kernels.attention")
     c = fg._default_config()
+    aptrs = {"mask_ptr": "*u8", "lens_ptr": _I32, "table_ptr": _I32, "po_ptr": "*fp32", "plse_ptr": "*fp32"}
     cases = {
+        "decode_attention_split": (att._decode_split_kernel, aptrs,
+                                   dict(NUM_SPLITS=8, HEADS_PER_KV=4, HEADS_PER_G=4, PAGED=False, HEAD_DIM=128,
+                                        BLOCK_H=16, BLOCK_N=64), ("qk_scale",), 4),
+        "decode_attention_combine": (att._decode_combine_kernel, aptrs,
+                                     dict(NUM_SPLITS=8, HEADS_PER_G=4, HEAD_DIM=128, BLOCK_D=64, BLOCK_S=8), (), 4),
         "fine_gemv": (fg._fine_gemv_kernel, {"gm_ptr": "*u8", "th_ptr": "*fp32", "ws_ptr": "*fp32", "acc_ptr": "*fp32",
                                              "cnt_ptr": _I32, "idx_ptr": _I32, "scale_ptr": "*fp32", "clr_ptr": "*fp32"},
                       dict(T=1, NSEG=1, HAS_SCALE=False, HAS_GM=False, TH_PTR=False, GLU=False, RS=fg._rs(c.kwargs["BN"]),
@@ -99,7 +106,8 @@ def pdl_cases() -> dict:
     for name, (fn, ptrs, const, floats, warps) in cases.items():
         k = compile_sm90(fn, "bf16", {**const, "PDL": True}, warps, 1, ptrs, floats, launch_pdl=True)
         ptx = k.asm["ptx"]
-        out[name] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+        # (the combine lets the next launch in when it ends, as a kernel without the call does)
+        out[name] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx or name.endswith("combine"),
                      bool(getattr(k.metadata, "launch_pdl", False))]
     return out
 

@@ -507,6 +507,32 @@ def test_fp32_sums_in_half_precision(model_type):
         assert bool(ops.down_sum[:2].abs().sum() > 0) and torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
 
 
+@pytest.mark.parametrize("what", ["both", "heads"])
+def test_hybrid_fp32_sums_match_the_rounded_path_and_torch(what, monkeypatch):
+    # hybrid (routers' group masks beside the thresholds; issue 48's head routers too) adds into
+    # the same fp32 sums as fine: o with the attention mask, down with the FFN mask (its gate|up
+    # rounds where FFN groups are routed, and adds into sums where only attention is)
+    model = model_carrying(what)
+    ids = ids_of(3, 12, seed=24)
+    fp32, rounded = (wide.accelerate(model, backend="triton", mode="hybrid", fine_sums=v, fine_max_batch=4)
+                     for v in ("fp32", "rounded"))
+    ref = wide.accelerate(model, backend="torch", mode="hybrid")
+    calls = _launches(monkeypatch)
+    for B in (2, 3, 1):
+        for e in (fp32, rounded, ref):
+            e.setup_cache(B, 32)
+            e.prefill(ids[:B, :9])
+        for t in range(9, 11):
+            pos = torch.full((B,), t, dtype=torch.long)
+            calls.clear()
+            got = fp32.decode(ids[:B, t], pos)
+            sums = {_which(a, fp32.decode_ops, B) for a, _ in calls} - {None}
+            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
+            assert torch.equal(got, want), (what, B, t)
+            assert rel(got, slow) < 1e-5, (what, B, t)
+            assert sums == ({"qkv_sum", "o_sum", "down_sum"} | ({"gu_sum"} if what == "heads" else set())), sums
+
+
 def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(monkeypatch):
     # The atomic adds into the sums have no fixed order: deterministic mode keeps the ordered
     # GEMVs that round their own outputs. Batches above MAX_T run GEMMs, with no sums either.

@@ -38,4 +38,5 @@ def test_decode_launches_compile_with_pdl_for_sm90():
     out = json.loads(r.stdout)
     if "unsupported" in out:
         pytest.skip(f"this Triton's offline compile API is not the one tests/sm90.py speaks: {out['unsupported']}")
-    assert out == {k: [True, True, True] for k in ("fine_gemv", "norm_route", "rope_decode")}, out
+    kernels = ("fine_gemv", "norm_route", "rope_decode", "decode_attention_split", "decode_attention_combine")
+    assert out == {k: [True, True, True] for k in kernels}, out

@@ -922,7 +922,7 @@ def markdown(meta: dict) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
              f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
     if meta.get("pdl"):
-        lines += ["Programmatic dependent launch on (WIDE_PDL=1): the norm, RoPE and fine GEMV launches start "
+        lines += ["Programmatic dependent launch on (WIDE_PDL=1): the norm, RoPE, decode attention and fine GEMV launches start "
                   "while the launch before them drains (wide.kernels.pdl).", ""]
     if meta.get("thresholds"):
         split = meta.get("hybrid_split", {})

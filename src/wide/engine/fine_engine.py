@@ -31,13 +31,13 @@ engine on the kernels decodes such batches with the dense weights instead, and m
 batches of up to 4 (:meth:`~wide.engine.inference.AcceleratedModel.decode_path`; ``fine_max_batch``
 fixes the limit).
 
-fp32 sums (``fine`` on the kernels, ``fine_sums="fp32"``, the default since an H100 run timed it
+fp32 sums (``fine`` and ``hybrid`` on the kernels, ``fine_sums="fp32"``, the default since an H100 run timed it
 end to end: TPOT at batch 1 1.62x the dense engine against 1.54x rounded, 4k context,
 bench/results/h100/e2e_fine.md). A GEMV's split-K
 programs add into fp32 sums; rounding them to the model's dtype takes a ticket per column slice
 and a last program that reads, rounds, stores and clears, which the next norm then reads back.
-In a ``fine`` decode step of up to MAX_T tokens the q|k|v, o and down GEMVs instead add into
-three engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and their consumers round each
+In a ``fine`` or ``hybrid`` decode step of up to MAX_T tokens the q|k|v, o and down GEMVs instead
+add into three engine-held fp32 buffers (``fine_gemv(acc_out=...)``), and their consumers round each
 sum to the model's dtype before using it, as the epilogue did: the same values. o's and down's
 consumer is the next fused norm (the FFN norm after o, the next layer's attention norm or the
 final norm after down); q|k|v's is the RoPE + KV-cache launch, which also zeros each head once
@@ -46,11 +46,13 @@ a fourth buffer, and down computes silu(gate) * up from it where it loads each r
 silu_mul rounds it (``fine_gemv(glu_input=True)``). The other re-arming zeros ride on launches
 that run anyway (``fine_gemv(clear=...)``): the layer's q|k|v clears the down sums (the attention
 norm has read them), its o the gate|up sums (the previous layer's down has), its gate|up the o
-sums (the FFN norm has). On an H100
+sums (the FFN norm has). In ``hybrid`` the o and down launches take the routers' group masks as
+the rounding ones do, and a gate|up whose FFN groups are routed rounds (silu_mul zeroes the
+skipped groups) before a down that adds into sums. On an H100
 (Llama-3.1-8B shapes, T = 1, 50 % kept, bf16; bench/results/h100/fine_gemv_sweep.md, 2026-12-07)
 the sums-only launch ran o in 10.2 us against the best rounding launch's 11.6, down in 23.8
 against 26.2 and q|k|v in 12.5 against 14.0 (read floors 7.3, 20.8 and 10.0). Deterministic
-algorithms keep the ordered, rounding GEMVs (atomic adds have no fixed order); hybrid, the
+algorithms keep the ordered, rounding GEMVs (atomic adds have no fixed order); the
 torch backend, batches above MAX_T, q|k|v launched per projection (scales that differ) and
 ``fine_sums="rounded"`` round in each GEMV as before.
 
@@ -273,7 +275,28 @@ class FineOnlyTorchOps(UnroutedOps, FineTorchOps):
 
 class FineTritonOps(_FineDecode, TritonOps):
     """``hybrid`` decode on the kernels: the per-element GEMVs with the router's group masks,
-    for batches of up to MAX_T; larger batches run the routed GEMMs on thresholded inputs."""
+    for batches of up to MAX_T; larger batches run the routed GEMMs on thresholded inputs. With
+    ``fine_sums="fp32"`` and deterministic algorithms off, the q|k|v, o and down GEMVs of a step
+    of up to MAX_T tokens add into fp32 sums that the RoPE launch and the next norm read (module
+    docstring, "fp32 sums"), the routers' group masks applied as in the rounding launches."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        # [MAX_T, H] each (128 KiB for H = 4096), zero from the start; a step of B tokens uses
+        # rows [:B] (contiguous). Invariant between steps: o_sum all zero; down_sum[:B'] holds the
+        # last fine step's last-layer sums, which the next fine step's layer-0 q|k|v clears
+        # (whatever its batch) before any down GEMV adds. A CUDA-graph capture's warm-up runs
+        # whole steps (GraphCapture), which keep this, so the buffers need no restoring there.
+        self.o_sum = torch.zeros(MAX_T, engine.hidden, dtype=torch.float32, device=engine.device)
+        self.down_sum = torch.zeros_like(self.o_sum)
+        # q|k|v (one launch, where q, k and v score with one scale): read and cleared by the same
+        # layer's RoPE launch, so zero between layers and steps
+        width = (engine.num_heads + 2 * engine.num_kv) * engine.head_dim
+        self.qkv_sum = torch.zeros(MAX_T, width, dtype=torch.float32, device=engine.device)
+        # gate|up (one launch): read by the same layer's down GEMV (silu(gate) * up where it loads
+        # each row), cleared by the next layer's o GEMV (or the next step's first), before the next
+        # gate|up adds
+        self.gu_sum = torch.zeros(MAX_T, 2 * engine.inter, dtype=torch.float32, device=engine.device)
 
     def index(self, mask):
         # The GEMVs take the group masks as they are; only the larger batches' routed GEMMs
@@ -283,9 +306,13 @@ class FineTritonOps(_FineDecode, TritonOps):
     def _sums(self, B: int):
         """``(o sums, down sums, q|k|v sums, gate|up sums)``: fp32 ``[B, H]``, ``[B, H]``,
         ``[B, (Hq + 2 Hkv) D]`` and ``[B, 2 I]`` buffers that this step's GEMVs add into, for the
-        next norm, the RoPE launch or the down GEMV to read (:class:`FineOnlyTritonOps`), or None:
-        each GEMV rounds its own output."""
-        return None
+        next norm, the RoPE launch or the down GEMV to read, or None: each GEMV rounds its own
+        output."""
+        # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
+        # ordered GEMVs round their own outputs as before.
+        if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
+            return None
+        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B], self.gu_sum[:B]
 
     def qkv(self, L, h, mask, route=None, router=None, fused: bool = False):
         f = L.fine
@@ -390,38 +417,6 @@ class FineTritonOps(_FineDecode, TritonOps):
         g, u = F.linear(_kept(f, GATE, h), L.wg), F.linear(_kept(f, UP, h), L.wu)
         return silu_mul(g, u, m, gs)
 
-
-class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
-    """``fine`` decode on the kernels: no router runs, every mask is None. With
-    ``fine_sums="fp32"`` and deterministic algorithms off, the q|k|v, o and down
-    GEMVs of a step of up to MAX_T tokens add into fp32 sums that the RoPE launch and the next
-    norm read (module docstring, "fp32 sums")."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        # [MAX_T, H] each (128 KiB for H = 4096), zero from the start; a step of B tokens uses
-        # rows [:B] (contiguous). Invariant between steps: o_sum all zero; down_sum[:B'] holds the
-        # last fine step's last-layer sums, which the next fine step's layer-0 q|k|v clears
-        # (whatever its batch) before any down GEMV adds. A CUDA-graph capture's warm-up runs
-        # whole steps (GraphCapture), which keep this, so the buffers need no restoring there.
-        self.o_sum = torch.zeros(MAX_T, engine.hidden, dtype=torch.float32, device=engine.device)
-        self.down_sum = torch.zeros_like(self.o_sum)
-        # q|k|v (one launch, where q, k and v score with one scale): read and cleared by the same
-        # layer's RoPE launch, so zero between layers and steps
-        width = (engine.num_heads + 2 * engine.num_kv) * engine.head_dim
-        self.qkv_sum = torch.zeros(MAX_T, width, dtype=torch.float32, device=engine.device)
-        # gate|up (one launch): read by the same layer's down GEMV (silu(gate) * up where it loads
-        # each row), cleared by the next layer's o GEMV (or the next step's first), before the next
-        # gate|up adds
-        self.gu_sum = torch.zeros(MAX_T, 2 * engine.inter, dtype=torch.float32, device=engine.device)
-
-    def _sums(self, B: int):
-        # Deterministic algorithms: the atomic adds into the sums have no fixed order, so the
-        # ordered GEMVs round their own outputs as before.
-        if self.e.fine_sums != "fp32" or B > MAX_T or torch.are_deterministic_algorithms_enabled():
-            return None
-        return self.o_sum[:B], self.down_sum[:B], self.qkv_sum[:B], self.gu_sum[:B]
-
     def rope_decode(self, i, L, q, kv, pos):
         if q.data_ptr() != self.qkv_sum.data_ptr():  # rounded q|k|v: rotated in place
             return super().rope_decode(i, L, q, kv, pos)
@@ -432,6 +427,10 @@ class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
         rope_decode(q, kv, kv[:, e.num_kv * e.head_dim:], e.cos, e.sin, pos, e.k_cache[i], e.v_cache[i],
                     bias=L.bqkv, qk_norm=L.qk_norm, eps=L.qk_eps, q_out=q_out, clear=True)
         return q_out.unflatten(-1, (e.num_heads, e.head_dim))
+
+
+class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
+    """``fine`` decode on the kernels: no router runs, every mask is None."""
 
 
 def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:

@@ -65,6 +65,7 @@ from ..base import arch
 from ..base.timing import replay_times_ms
 from .fine_engine import MAX_T, NO_THRESHOLDS, make_decode_ops
 from .graphs import GraphCapture
+from .modes import ALIASES, AUTO, FINE_SUMS, MODES, auto_mode, carried_mode  # noqa: F401 (public here too)
 from ..method.fine import get_fine
 from ..method.geometry import Geometry
 from ..method.state import get_state
@@ -80,32 +81,7 @@ __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sa
 PREFILL_GRAPH_MAX_TOKENS = 2048
 
 BACKENDS = ("auto", "triton", "torch")
-MODES = ("coarse", "fine", "hybrid", "dense")
-ALIASES = {"routed": "coarse"}  # the name coarse had before fine and hybrid existed
-AUTO = "auto"  # the mode that runs whatever the checkpoint carries (carried_mode)
-# fine decode on the kernels: q|k|v, o and down add into fp32 sums that RoPE and the next norm
-# round and read, or (rounded) each GEMV rounds its own output, as before: wide.engine.fine_engine,
-# "fp32 sums"
-FINE_SUMS = ("fp32", "rounded")
 log = logging.getLogger(__name__)
-
-
-def carried_mode(routers: bool, thresholds: bool) -> str:
-    """The mode that runs everything a checkpoint carries, so that a set of routers and
-    thresholds is served as it was evaluated: both (hybrid), thresholds alone (fine), routers
-    alone (coarse), or neither (dense: what `wide generate` and the harness already run for
-    coarse on a model without routers)."""
-    if thresholds:
-        return "hybrid" if routers else "fine"
-    return "coarse" if routers else "dense"
-
-
-def auto_mode(model) -> str:
-    """:func:`carried_mode` of a loaded model: routers are those of any routed module (a set
-    wrapped with ``sparse_target="none"`` carries thresholds only), thresholds ``model.wide_fine``."""
-    state = getattr(model, "wide_state", None)
-    routers = state is not None and (state.config.routes_attention or state.config.routes_ffn)
-    return carried_mode(routers, get_fine(model) is not None)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -460,17 +436,14 @@ class AcceleratedModel:
     # -------------------------------------------------------------- decode
 
     def decode_path(self, B: int) -> str:
-        """What a decode step of ``B`` sequences runs: ``"fine"`` (the per-element thresholds;
-        hybrid's routers too), ``"dense"`` (a fine engine's dense weights, as the dense engine
-        runs them) or ``"routed"`` (a hybrid engine's routers alone, as its prefill runs them:
-        routed attention, routed or cuBLAS GEMMs, no thresholds), ``"main"`` for the other
-        modes. Fine and hybrid engines on the kernels run the thresholds up to
-        ``fine_max_batch`` sequences, or, with None, wherever they were measured faster: each
-        batch of up to 4 (the GEMVs' limit) times both captured steps on its first decode;
-        larger batches run the other path, since the union of a batch's kept inputs nears every
-        weight row (README, "fine decode in batches") while skipped head groups still skip
-        their K/V reads (issue 48: at B = 8 and 32 hybrid decode on thresholded GEMMs ran
-        0.72-0.84x the dense engine on an H100, bench/results/h100/e2e_heads25.md)."""
+        """What a decode step of ``B`` sequences runs: ``"fine"`` (the thresholds; hybrid's
+        routers too), ``"dense"`` (a fine engine's dense weights) or ``"routed"`` (a hybrid
+        engine's routers alone, as its prefill runs them), ``"main"`` for the other modes. On
+        the kernels the thresholds run up to ``fine_max_batch`` sequences or, with None, where
+        measured faster (each batch of up to 4, the GEMVs' limit, times both captured steps on
+        its first decode); larger batches run the other path: a batch's kept inputs cover about
+        every weight row (README, "fine decode in batches"; hybrid on thresholded GEMMs ran
+        0.72-0.84x dense at B = 8 and 32, bench/results/h100/e2e_heads25.md)."""
         if self.fine is None:
             return "main"
         if self.backend != "triton":
@@ -657,8 +630,8 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     ones the dense weights (fine) or the routers alone (hybrid) (None: measured per batch size
     on CUDA, thresholds everywhere on other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
     sequences that run the thresholds run GEMMs on the thresholded inputs
-    (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` on the Triton backend; other
-    modes ignore it): ``"fp32"`` (the default) lets the q|k|v, o and down GEMVs of a thresholded
+    (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` and ``hybrid`` on the Triton
+    backend; other modes ignore it): ``"fp32"`` (the default) lets the q|k|v, o and down GEMVs of a thresholded
     step add into fp32 sums that the RoPE launch and the next norm round and read (the same
     values, no rounding epilogues), except while ``torch.are_deterministic_algorithms_enabled()``;
     ``"rounded"``: each GEMV writes its own rounded output (TPOT at batch 1, Llama-3.1-8B shapes,

@@ -51,6 +51,7 @@ try:  # Triton is optional on CPU-only installs; the fp32 references work withou
     import triton
     import triton.language as tl
 
+    from . import pdl
     from .fp32_dot import dot as _dot
 
     HAS_TRITON = True
@@ -425,10 +426,11 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         HEADS_PER_KV: tl.constexpr, HEADS_PER_G: tl.constexpr,
         PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
     ):
         split = tl.program_id(0)
         pid = tl.program_id(1)
+        pdl.wait(PDL)
         b = pid // Hkv
         kvh = pid % Hkv
         offs_h = tl.arange(0, BLOCK_H)
@@ -477,6 +479,7 @@ if HAS_TRITON:
             acc = acc * alpha[:, None]
             acc = _dot(p.to(vv.dtype), vv, acc)
             m_i = m_ij
+        pdl.release(PDL)  # late: the combine's programs would take this launch's SM room
         # Partials are normalised with their log2-sum-exp so the combine is a weighted average.
         out_rows = (b * Hq + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(po_ptr + out_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
@@ -501,8 +504,9 @@ if HAS_TRITON:
         Hq, chunk,
         stride_mb, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, HEADS_PER_G: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl.wait(PDL)
         # One program per (sequence, query head, BLOCK_D slice of the head dim). The splits are
         # merged BLOCK_S at a time with an online rescaling (running max of the log2-sum-exps),
         # so registers stay at BLOCK_S x BLOCK_D fp32 whatever the split count; a block's lse
@@ -853,7 +857,7 @@ def decode_attention(
             m8.stride(0), block_table.stride(0) if paged else 0,
         )
         kw = dict(NUM_SPLITS=splits, HEADS_PER_KV=heads_per_kv, HEADS_PER_G=Hq // G,
-                  PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h)
+                  PAGED=paged, HEAD_DIM=D, BLOCK_H=block_h, **pdl.launch_kwargs(q.device))
         grid = (splits, B * Hkv)
         if pinned or interpret_mode() or not q.is_cuda:
             bn = block_n or (16 if interpret_mode() else 64)
@@ -869,7 +873,7 @@ def decode_attention(
             po, plse, m8, lens, out, Hq, chunk,
             m8.stride(0), out.stride(0), out.stride(1),
             NUM_SPLITS=splits, HEADS_PER_G=Hq // G, HEAD_DIM=D,
-            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **pdl.launch_kwargs(q.device),
         )
         return out
 

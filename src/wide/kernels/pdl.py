@@ -7,7 +7,8 @@ while the one before it drains: its programs wait (``griddepcontrol.wait``) befo
 memory, so every read and write still sees the previous kernel's, and the previous kernel lets
 them in once its own loads are issued (``griddepcontrol.launch_dependents``). A kernel launched
 this way that did not wait would race, so only kernels that call :func:`wait` first take
-:func:`launch_kwargs`; kernels launched the ordinary way (cuBLAS, attention) keep full order.
+:func:`launch_kwargs` (the fine GEMV, norm_route, RoPE and decode attention launches); kernels
+launched the ordinary way (cuBLAS, PyTorch's) keep full order.
 
 Off unless ``WIDE_PDL=1`` (not yet timed on a GPU: an experiment to be measured, then decided),
 and only on CUDA devices of compute capability 9 or more, outside the interpreter, with a
