@@ -147,6 +147,7 @@ from wide.cli import build_parser, calibrate_config
 from wide.commands import runs
 from wide.io.serialization import CONFIG_FILE, atomic_write_text, load_thresholds, save_routers
 from wide.method import modeling
+from wide.method.head_choice import oracle_cross_entropy, oracle_pick
 from wide.method.offsets import calibrate_offsets
 from wide.training.train import FINAL_DIR, TrainArgs, train
 
@@ -274,11 +275,7 @@ def parse(argv):
 
 def frozen_thresholds(model, name: str) -> None:
     """Attach ``name``'s per-element thresholds to a wrapped model and freeze them."""
-    path = pretrained.resolve(name)
-    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
-    load_thresholds(model, path, meta["fine"])
-    for p in model.wide_fine.parameters():
-        p.requires_grad_(False)
+    runs.load_frozen_thresholds(model, pretrained.resolve(name))
 
 
 def trainable_thresholds(model, name: str) -> dict:
@@ -306,15 +303,6 @@ def dense_layers(model, layers) -> None:
             r.up.bias.view(r.num_groups, 2).copy_(torch.tensor([LAYER0_MARGIN / 2, -LAYER0_MARGIN / 2]))
         for p in r.parameters():
             p.requires_grad_(False)
-
-
-def oracle_pick(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor:
-    """Per token, the index of the input group of ``cols`` columns of ``x`` [..., G * cols] whose
-    contribution to ``x @ weight.T`` (weight [out, G * cols]) has the smallest L2 norm
-    ||x_g W[:, g]^T||: the oracle's choice."""
-    xs = x.reshape(*x.shape[:-1], -1, cols).float()
-    w = weight.float().view(weight.shape[0], -1, cols)
-    return torch.einsum("...gc,hgc->...gh", xs, w).norm(dim=-1).argmin(-1)
 
 
 def choice_margin(router, x: torch.Tensor, input_only: bool = False) -> torch.Tensor:
@@ -460,17 +448,7 @@ class SkipOne:
         """(mean over routed layers of the cross-entropy of the skip scores toward the oracle's
         group, share of tokens whose smallest margin is the oracle's group) of the last training
         forward; clears what it read."""
-        layers = sorted(set(self.scores) & set(self.labels))
-        if not layers:
-            raise RuntimeError("no routed training forward since the last oracle_loss")
-        ce, hit = [], []
-        for i in layers:
-            s, y = self.scores[i], self.labels[i]
-            ce.append(torch.nn.functional.cross_entropy(s.reshape(-1, s.shape[-1]).float(), y.reshape(-1)))
-            hit.append((s.detach().argmax(-1) == y).float().mean())
-        self.scores.clear()
-        self.labels.clear()
-        return torch.stack(ce).mean(), float(torch.stack(hit).mean())
+        return oracle_cross_entropy(self.scores, self.labels)
 
 
 def sequence_choice(scores: torch.Tensor, prompt: int, refresh: int = 0, vote: bool = False) -> torch.Tensor:

@@ -19,6 +19,7 @@ from wide.cli import build_parser, main
 from wide.commands.compare import CompareArgs
 from wide.method.config import WideConfig
 from wide.commands.estimate import DryRunArgs
+from wide.method.head_choice import HeadArgs
 from wide.training.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
 from wide.commands.sampling_data import SampleArgs
 from wide.training.train import TrainArgs
@@ -28,7 +29,8 @@ from wide.training.train import TrainArgs
 
 # Commands that carry every option of these dataclasses, and the arguments they require.
 FULL = {
-    "calibrate": (["--out", "x"], (runs.ModelArgs, runs.DataArgs, WideConfig, TrainArgs, runs.RunArgs, DryRunArgs)),
+    "calibrate": (["--out", "x"], (runs.ModelArgs, runs.DataArgs, WideConfig, TrainArgs, runs.RunArgs, DryRunArgs,
+                                   HeadArgs)),
     "recover": (["--routers", "r", "--out", "x"], (runs.ModelArgs, runs.DataArgs, LoraArgs, TrainArgs, runs.RunArgs)),
     "eval": ([], (runs.ModelArgs, runs.DataArgs, runs.EvalArgs)),
     "generate": (["--prompt", "p"], (runs.ModelArgs,)),

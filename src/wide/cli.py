@@ -17,10 +17,12 @@ exit code 2 and one line naming the flag; anything else is a bug and keeps its t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from .commands import compare, runs
 from .base.cliargs import add_fields, bounded, dest, from_args, options
@@ -28,6 +30,7 @@ from .method.config import WideConfig
 from .commands.estimate import DryRunArgs
 from .engine.inference import AUTO, MODES
 from .method.fine import FineConfig
+from .method.head_choice import HeadArgs
 from .training.recovery import RECOVERY_DEFAULTS, LoraArgs
 from .commands.sampling_data import SampleArgs
 from .training.train import RESUME_KEYS, TrainArgs
@@ -39,7 +42,8 @@ _DATA_SETTINGS = ("model", "dtype", "data", "eval_data", "text_field", "seq_len"
 _HYBRID_FIELDS = ("criterion", "per_channel", "tau_start", "tau_end", "lr_scale")  # FineConfig's calibrate options
 _HYBRID_SETTINGS = ("hybrid", "fine_calib_sequences",
                     *(dest(f) for f in options(FineConfig) if f.name in _HYBRID_FIELDS))
-CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_DATA_SETTINGS, *_HYBRID_SETTINGS)
+CALIBRATE_SETTINGS = (*RESUME_KEYS, *(dest(f) for f in options(WideConfig)), *_DATA_SETTINGS, *_HYBRID_SETTINGS,
+                      *(dest(f) for f in options(HeadArgs)))
 RECOVER_SETTINGS = (*RESUME_KEYS, *_DATA_SETTINGS, "routers", "lora_r", "lora_alpha", "lora_dropout",
                     "freeze_routers")
 PROMPT_SHOWN = 80  # characters of a prompt echoed above its output
@@ -94,6 +98,7 @@ def cmd_calibrate(args) -> dict:
     cfg = calibrate_config(args)
     targs = from_args(TrainArgs, args)
     modeling.wrap(model, cfg, seed=targs.seed)
+    heads = from_args(HeadArgs, args)
     if getattr(args, "hybrid", False):
         from .method import fine
 
@@ -101,17 +106,31 @@ def cmd_calibrate(args) -> dict:
         # thresholds start where TEAL's uniform allocation puts them (a resume then loads its own)
         fine.calibrate(model, train_ids[:args.fine_calib_sequences].split(targs.batch_size))
     modeling.freeze_backbone(model)
+    if heads.thresholds:
+        runs.load_frozen_thresholds(model, heads.thresholds)
+        print(f"routers trained beside the frozen thresholds of {heads.thresholds}")
+    choice = None
+    if heads.trains_choice:
+        from .method.head_choice import HeadChoice
+
+        choice = HeadChoice(model, heads.oracle_ce, heads.input_choice)
     if ctx is not None:
         ctx.shard(model, activation_checkpointing=getattr(args, "activation_checkpointing", False))
     if ctx is None or ctx.is_main:
         runs.start_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
     earlier = _finished_run(args.out, args.steps) if args.resume else None
-    result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
-                   stop_at=getattr(args, "stop_at", None), dist=ctx)
+    try:
+        result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
+                       stop_at=getattr(args, "stop_at", None), dist=ctx,
+                       aux_loss=choice.loss if choice is not None and heads.oracle_ce > 0 else None)
+    finally:
+        if choice is not None:
+            choice.remove()
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
         return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
-    offsets = runs.calibrate_offsets(model, args, train_ids)
+    offsets = _head_offsets(model, args, heads, train_ids) if heads.thresholds else \
+        runs.calibrate_offsets(model, args, train_ids)
     hist = result["history"]
     run = {
         **runs.run_commands(args.out),
@@ -124,6 +143,13 @@ def cmd_calibrate(args) -> dict:
         "world_size": ctx.world_size if ctx is not None else 1, "data": runs.run_settings(args, _DATA_SETTINGS),
         "decontamination": decontamination,
     }
+    if heads.thresholds or choice is not None:
+        from .io import pretrained
+
+        run["heads"] = {**dataclasses.asdict(heads),
+                        "thresholds": heads.thresholds and (pretrained.name_of(heads.thresholds) or heads.thresholds),
+                        "oracle_log": choice.summary() if choice is not None else None,
+                        "offsets": offsets if heads.thresholds else None}
     if earlier is not None:  # this process trained nothing: the training's time is the recorded one
         run.pop("wall_s_partial", None)
         run.update({k: earlier[k] for k in ("wall_s", "wall_s_partial", "machine", "date") if k in earlier},
@@ -136,6 +162,33 @@ def cmd_calibrate(args) -> dict:
     print(f"routers saved to {Path(args.out) / FINAL_DIR} ({_minutes(run)}{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
+
+
+def _head_offsets(model, args, heads: HeadArgs, train_ids) -> Optional[dict]:
+    """Router offsets of head routers beside frozen thresholds: the attention-core rate
+    --core-target (else --target) on the --offset-batches calibration batches, the thresholds
+    left as they are (the set's own calibration); the rate reached printed and returned."""
+    if args.offsets == "none":
+        return None
+    import time
+
+    import torch
+
+    from .method.head_choice import calibrate_core_offsets
+    from .method.sparsity import track_sparsity
+
+    rate = heads.core_target if heads.core_target is not None else args.target
+    batches = list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
+    t0 = time.perf_counter()
+    offsets = calibrate_core_offsets(model, batches, rate, args.offsets)
+    with track_sparsity(model) as tracker, torch.no_grad():
+        device = next(model.parameters()).device
+        for b in batches:
+            model(input_ids=b.to(device))
+    reached = tracker.summary().attn_core_rate
+    print(f"offsets ({args.offsets}) to attention-core sparsity {rate:g} on {sum(len(b) for b in batches)} "
+          f"sequences in {time.perf_counter() - t0:.1f}s: reached {reached:.4f}", flush=True)
+    return {"mode": args.offsets, "core_target": rate, "attn_core_rate": reached, "offsets": offsets}
 
 
 def _minutes(run: dict) -> str:
@@ -200,6 +253,7 @@ def check_calibrate(args) -> None:
         return  # an estimate: --model may name a preset, and nothing is read or written
     model = runs.model_config(args)
     runs.check_data(args)
+    _check_heads(args, model)
     # the checks that span several options (both separate targets, ...), then the model's shape
     runs.check_geometry(model, calibrate_config(args))
     if getattr(args, "hybrid", False):
@@ -209,6 +263,41 @@ def check_calibrate(args) -> None:
     from .training.train import FINAL_DIR
 
     runs.prepare_run(args, FINAL_DIR, runs.run_settings(args, CALIBRATE_SETTINGS))
+
+
+def _check_heads(args, hf_config) -> None:
+    """--thresholds, --oracle-ce, --input-choice, --core-target against the routing options; a
+    shipped --thresholds name becomes its directory."""
+    from .method.head_choice import SKIP_RULES
+
+    heads = from_args(HeadArgs, args)
+    if heads.trains_choice:
+        if args.attn_rule not in SKIP_RULES or args.sparse_target not in ("attention", "all"):
+            raise ValueError("--oracle-ce and --input-choice train the choice of the skipped attention group: give "
+                             f"--attn-rule {' or '.join(SKIP_RULES)} with attention routed")
+        if getattr(args, "fsdp", False):
+            raise ValueError("--oracle-ce and --input-choice run on one process for now: drop --fsdp")
+    if heads.thresholds is None:
+        if heads.core_target is not None:
+            raise ValueError("--core-target sets the offsets of head routers beside --thresholds: give --thresholds")
+        return
+    if getattr(args, "hybrid", False):
+        raise ValueError("--hybrid learns new thresholds and --thresholds freezes a set's: give one of them")
+    if args.sparse_target != "attention":
+        raise ValueError(f"--thresholds trains attention head routers only: --sparse-target attention, not "
+                         f"{args.sparse_target}")
+    if args.loss_mode == "linear":
+        raise ValueError("--thresholds holds the routers' attention rate (--loss-mode groups or flops): the frozen "
+                         "thresholds keep their own linear sparsity")
+    if getattr(args, "fsdp", False):
+        raise ValueError("--thresholds runs on one process for now: drop --fsdp")
+    from .io import pretrained
+
+    try:
+        args.thresholds = str(pretrained.resolve(args.thresholds))
+    except ValueError as e:
+        raise ValueError(f"--thresholds: {e}") from None
+    runs.check_thresholds("--thresholds", args.thresholds, hf_config)
 
 
 def check_demo(args) -> None:
@@ -325,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "share one budget over all linear-layer MACs (--loss-mode linear)")
     add_fields(h, compare.CompareArgs, only=("fine_calib_sequences",))
     add_fields(h, FineConfig, only=_HYBRID_FIELDS)
+    add_fields(c.add_argument_group(
+        "head routers beside frozen thresholds (issue 48's design (a): --thresholds SET --sparse-target attention "
+        "--attn-rule skip_upto --attn-dense-layers 0 --loss kd --oracle-ce 3 --input-choice; docs/method.md)"),
+        HeadArgs)
     _add_training_args(c)
     _add_run_dir_args(c, "checkpoint/, routers/, history.json, run.json, settings.json")
     _add_distributed_args(c)

@@ -177,8 +177,8 @@ def predicted(hf_config, wcfg, fcfg, fine_trained: bool, *, loss: str, batch_siz
 
 def dry_run_command(a, phase: str, loss: str, batch_size: int, gpu: str):
     """The ``wide calibrate --dry-run`` line that prints a phase's estimate, where one does (the
-    head routers on frozen thresholds have no ``wide calibrate`` path yet, and --tiny's model is
-    no preset)."""
+    dry run does not count the frozen thresholds of ``wide calibrate --thresholds``, the heads
+    phase's path, and --tiny's model is no preset)."""
     if a.tiny:
         return None
     base = (f"wide calibrate --dry-run --model {a.model} --dtype {a.dtype} --loss {loss} --seq-len {a.seq_len} "

@@ -320,6 +320,28 @@ def check_routers(flag: str, path, hf_config=None) -> dict:
     return meta
 
 
+def check_thresholds(flag: str, path, hf_config=None) -> dict:
+    """A set that holds per-element thresholds (:func:`check_routers`'s checks, then its
+    thresholds file); returns its metadata."""
+    from ..io import pretrained
+
+    meta = check_routers(flag, path, hf_config)
+    if not checkpoint_contents(path, meta)[1]:
+        raise ValueError(f"{flag} {pretrained.name_of(path) or path} holds no per-element thresholds (routers only): "
+                         "give a set with thresholds (wide calibrate --hybrid, or the shipped smollm2-135m-fine-50)")
+    return meta
+
+
+def load_frozen_thresholds(model, path) -> None:
+    """Attach the per-element thresholds of the set in ``path`` to a wrapped model, not trained
+    (after ``freeze_backbone``, which makes learned ones trainable)."""
+    from ..io.serialization import CONFIG_FILE, load_thresholds
+
+    load_thresholds(model, path, json.loads((Path(path) / CONFIG_FILE).read_text())["fine"])
+    for p in model.wide_fine.parameters():
+        p.requires_grad_(False)
+
+
 # The engine's modes (wide generate --mode, wide eval --harness-mode) that run the routers, and
 # those that decode with per-element thresholds.
 ROUTED_MODES = ("coarse", "hybrid")
@@ -375,7 +397,8 @@ RESULT_FILES = ("run.json", "history.json")
 
 def _normalised(key: str, value):
     """Paths as absolute paths, so that the same run given from another directory matches."""
-    if key in ("model", "data", "eval_data", "routers") and value not in (DEFAULT, *BUILTIN_SOURCES, None):
+    paths = ("model", "data", "eval_data", "routers", "thresholds")
+    if key in paths and value not in (DEFAULT, *BUILTIN_SOURCES, None):
         return str(Path(value).expanduser().resolve())
     return list(value) if isinstance(value, tuple) else value
 

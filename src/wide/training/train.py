@@ -320,6 +320,7 @@ def train(
     load_extra: Optional[Callable[[Path], None]] = None,
     stop_at: Optional[int] = None,
     dist=None,
+    aux_loss: Optional[Callable[[], torch.Tensor]] = None,
 ) -> dict:
     """Train ``parameters`` (default: the routers) of a wrapped model on packed sequences.
 
@@ -329,7 +330,8 @@ def train(
     from predates that record). ``save_extra`` /
     ``load_extra`` let stage 2 put its adapters in the same checkpoint. ``stop_at`` ends
     this invocation after that step (with a checkpoint), for time-boxed jobs; a later
-    ``resume=True`` call continues the same run.
+    ``resume=True`` call continues the same run. ``aux_loss()``, called after each micro-batch's
+    forwards, is added to its loss and recorded as ``aux`` (wide.method.head_choice's oracle label).
 
     ``dist`` (a ``wide.training.distributed.DistContext``) runs this loop as one rank of a data-parallel
     run: ``batch_size`` is then the global micro-batch, the sparsity loss is that of the global
@@ -340,7 +342,7 @@ def train(
     session = dist.session(model, args.seed) if dist is not None else None
     try:
         return _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra,
-                      load_extra, stop_at, session)
+                      load_extra, stop_at, session, aux_loss)
     finally:
         if session is not None:
             session.close()
@@ -357,7 +359,7 @@ def _check_resumable(ckpt: Path, saved_args: dict, args: TrainArgs, cfg) -> None
 
 
 def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progress, save_extra, load_extra,
-           stop_at, session) -> dict:
+           stop_at, session, aux_loss=None) -> dict:
     t_start = time.perf_counter()
     state = get_state(model)
     cfg = state.config
@@ -466,7 +468,8 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         if session is not None:
             session.seed_step(args.seed, step)
         # Sums stay on the device until the step ends: one host sync per step, not per micro-batch.
-        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "union": 0.0, "flop": 0.0, "grp": 0.0, "lin": 0.0}
+        sums = {"task": 0.0, "ce": 0.0, "kd": 0.0, "pen": 0.0, "union": 0.0, "flop": 0.0, "grp": 0.0, "lin": 0.0,
+                "aux": 0.0}
         for micro in range(args.grad_accum):
             idx = batch_indices(train_ids.shape[0], args, step, micro)
             if session is not None:
@@ -488,6 +491,10 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
                 union = union_penalty(model, cfg.union_tokens)
                 loss = loss + cfg.union_coef * union
                 sums["union"] += union.detach()
+            if aux_loss is not None:
+                aux = aux_loss()
+                loss = loss + aux
+                sums["aux"] += aux.detach()
             (loss / args.grad_accum).backward()
             seen = {}  # the task loss is the ce tensor itself with --loss ce: reduce it once
             for k in ("ce", "kd", "task"):
@@ -524,11 +531,14 @@ def _train(model, train_ids, args, out_dir, eval_ids, parameters, resume, progre
         rec = {"step": step + 1, "ce": mean["ce"]}
         if args.loss != "ce":
             rec["kd"] = mean["kd"]
-        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"],
+        rec.update({"loss": mean["task"] + cfg.sparsity_coef * mean["pen"] + cfg.union_coef * mean["union"]
+                    + mean["aux"],
                     "flop_sparsity": mean["flop"], "group_sparsity": mean["grp"], "linear_sparsity": mean["lin"],
                     "lr": sched.get_last_lr()[0], "tau": state.tau, "grad_norm": float(gnorm)})
         if cfg.union_coef > 0:
             rec["union"] = mean["union"]
+        if aux_loss is not None:
+            rec["aux"] = mean["aux"]
         now = time.perf_counter()
         rec["tokens_per_s"] = tokens_per_step / (now - t_last)
         t_last = now
