@@ -64,11 +64,12 @@ run e2e_pdl "${E2E_PDL_S:-560}" bash -c "WIDE_AUTOTUNE=0 WIDE_PDL=1 timeout 200 
     --budget-s 150; done"
 # Issue 48: attention heads beside the thresholds (hybrid with attention-only skip_upto routers at
 # 25 % / 50 % of each routed layer's groups, layer 0 dense, thresholds at 50 %: fine GEMVs at small
-# batch, routed decode attention at every batch), against the dense engine; a call each
+# batch, the routers alone above batch 4 or where measured faster, routed decode attention at every
+# batch; peak memory beside the dense engine's), against the dense engine; a call each
 for R in 25 50; do
     run "e2e_heads$R" "${E2E_HEADS_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name "e2e_heads$R" \
         --modes hybrid --heads "0.$R" --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 \
-        --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --budget-s 480
+        --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --memory --budget-s 480
 done
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \

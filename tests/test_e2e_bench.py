@@ -253,3 +253,21 @@ def test_e2e_fine_sums_timed_both_ways(tmp_path, once):
     assert "fine (fp32 sums)" in md and "fine (rounded sums)" in md
     with pytest.raises(SystemExit):
         e2e.main(["--tiny", "--modes", "fine", "--fine-sums", "fp16"])
+
+
+def test_attention_bound_of_head_skipping_rows():
+    # issue 48: attention at the realised core skip, the rest at the dense engine's time
+    from wide.benchmarks.e2e import attention_bound, markdown
+
+    dense = dict(op="e2e_tpot", engine="dense", B=8, prompt_len=16384, model="m", attn_share=0.5, ms=10.0)
+    heads = dict(op="e2e_tpot", engine="hybrid", B=8, prompt_len=16384, model="m", sparsity=0.5,
+                 routing="skip_upto3", ms=9.0, speedup=10.0 / 9.0)
+    realised = {"0.5": {"attn_core_rate": 0.25}}
+    got = attention_bound(heads, [dense], realised)
+    assert got["attn_bound"] == pytest.approx(1 / (1 - 0.125)) and got["of_attn_bound"] == pytest.approx(
+        (10 / 9) * (1 - 0.125))
+    assert attention_bound(dict(heads, routing="token"), [dense], realised) == {}  # no head-skip rule
+    assert attention_bound(dict(heads, B=32), [dense], realised) == {}  # no dense share at that shape
+    meta = dict(device="cpu", torch="x", triton="y", date="d", model="m", routers="r", command="c",
+                records=[dense, dict(heads, **got, dense_ms=10.0)], errors=[])
+    assert "| 8 | 16384 | hybrid (skip_upto3) | 1.11x | 1.14x | 97% |" in markdown(meta)

@@ -364,6 +364,29 @@ def test_engines_keep_one_copy_of_the_weights():
     check_decode(model, fine, "fine", batches=(1,), end=11)
 
 
+def test_hybrid_with_attention_routers_keeps_one_copy_of_the_ffn():
+    # head routers beside thresholds (issue 48): the FFN is not routed, so its weights live in the
+    # GEMVs' transposed layout alone (the prefill's dense GEMMs run on views of it); the routed
+    # attention keeps its row-major weights. With FFN routers both layouts stay.
+    model = model_carrying("heads")
+    layer = model.model.layers[1]
+    before = {n: p.detach().clone() for n, p in layer.named_parameters() if n.endswith("proj.weight")}
+    q_storage = _storage(layer.self_attn.q_proj.weight)
+    eng = wide.accelerate(model, backend="triton", mode="hybrid")
+    f, L = eng.layers[1].fine, eng.layers[1]
+    for name, lay in (("mlp.gate_proj", f.wgu_t), ("mlp.up_proj", f.wgu_t), ("mlp.down_proj", f.wd_t)):
+        assert _storage(layer.get_submodule(name).weight) == _storage(lay), name
+    assert _storage(L.wg) == _storage(L.wu) == _storage(f.wgu_t) and _storage(L.wd) == _storage(f.wd_t)
+    assert _storage(layer.self_attn.q_proj.weight) == q_storage != _storage(f.wqkv_t)
+    for n, p in layer.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+    check_decode(model, eng, "hybrid", batches=(2,), end=11)
+    routed = model_with_thresholds(seed=15)  # FFN routers too
+    eng = wide.accelerate(routed, backend="triton", mode="hybrid")
+    assert _storage(routed.model.layers[0].mlp.up_proj.weight) != _storage(eng.layers[0].fine.wgu_t)
+
+
 def test_fine_max_batch_decodes_dense_above_it():
     model = model_with_thresholds(seed=6)
     ids = ids_of(2, 12, seed=8)

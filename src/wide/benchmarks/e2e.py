@@ -739,6 +739,8 @@ def _bench_model(model_name: str, first: bool, args, device, dtype, sparsities, 
                         rec["dense_ms"] = r["ms"]
             if "dense_ms" in rec:
                 rec["speedup"] = rec["dense_ms"] / rec["ms"]
+            rec.update(attention_bound(rec, records, (meta.get("realised_sparsity_by_model") or {}).get(model_name)
+                                       or meta.get("realised_sparsity") or {}))
         records.append(rec)
         print(f"[e2e] {model_name} {rec['op']} B={rec['B']} T={rec['prompt_len']} {rec['engine']} "
               f"s={rec.get('sparsity')}: {rec['ms']:.3f} ms"
@@ -917,6 +919,22 @@ def _profile_eager_steps(engine, tok, pos, steps: int, top: int) -> dict:
     return _kernel_table(prof, steps, top)
 
 
+def attention_bound(rec: dict, records: list, realised: dict) -> dict:
+    """Issue 48's bound for a decode step that skips head groups: the dense engine's step with
+    its attention kernels' share (``attn_share``, same B and context) shortened by the measured
+    attention-core skip and the rest at the dense engine's time; the record's speedup over it."""
+    core = (realised.get(str(rec.get("sparsity"))) or {}).get("attn_core_rate")
+    if rec["op"] != "e2e_tpot" or not str(rec.get("routing") or "").startswith("skip") or not core:
+        return {}
+    share = next((r.get("attn_share") for r in records if r["op"] == "e2e_tpot" and r["engine"] == "dense"
+                  and r["B"] == rec["B"] and r["prompt_len"] == rec["prompt_len"]
+                  and r.get("model") == rec.get("model")), None)
+    if share is None:
+        return {}
+    bound = 1.0 / (1.0 - share * core)
+    return {"attn_bound": bound, **({"of_attn_bound": rec["speedup"] / bound} if "speedup" in rec else {})}
+
+
 def markdown(meta: dict) -> str:
     lines = [f"# End-to-end TTFT / TPOT ({meta['device']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
@@ -983,6 +1001,18 @@ def markdown(meta: dict) -> str:
                     line += " - | - |"
                 line += f" {r['attn_share']:.0%} |" if r.get("attn_share") is not None else " - |"
             lines.append(line)
+        lines.append("")
+    bounded = [r for r in recs if "attn_bound" in r]
+    if bounded:
+        lines += ["## Head-group skip against its bound", "",
+                  "Bound: the dense engine's step with its attention share (same B and context) shortened by the "
+                  "realised attention-core skip, the rest at the dense engine's time.", "",
+                  "| B | prompt | engine | speedup | bound | of the bound |", "|---|---|---|---|---|---|"]
+        for r in sorted(bounded, key=lambda r: (r["B"], r["prompt_len"], r["engine"])):
+            sp = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+            of = f"{r['of_attn_bound']:.0%}" if "of_attn_bound" in r else "-"
+            lines.append(f"| {r['B']} | {r['prompt_len']} | {r['engine']} ({r['routing']}) | {sp} | "
+                         f"{r['attn_bound']:.2f}x | {of} |")
         lines.append("")
     mem = [r for r in recs if r["op"] == "e2e_memory"]
     if mem:

@@ -433,22 +433,36 @@ class FineOnlyTritonOps(UnroutedOps, FineTritonOps):
     """``fine`` decode on the kernels: no router runs, every mask is None."""
 
 
-def _single_copy(model, L, f: FineLayer, layer, spec, w: dict) -> None:
-    """``fine`` on the kernels keeps the transposed layout alone: the layer's weights in the
-    engine (``L``: the prefill's and large batches' dense GEMMs, which cuBLAS runs on the
-    transposed views as fast, bench/results/h100/fine_gemv.md's dense^T column) and in the HF
-    model become views of it, and the original storage is freed. The layout cache's keys follow
-    the parameters, so a later engine of the model finds the same layout."""
+def _single_copy(model, L, f: FineLayer, layer, spec, w: dict, parts=("qkv", "o", "gu", "down")) -> None:
+    """The transposed layout alone for ``parts``: the layer's weights in the engine (``L``: the
+    prefill's and large batches' dense GEMMs, which cuBLAS runs on the transposed views as fast,
+    bench/results/h100/fine_gemv.md's dense^T column) and in the HF model become views of it,
+    and the original storage is freed. ``fine`` on the kernels shares every projection; a
+    ``hybrid`` engine whose FFN no router routes shares gate, up and down (81 % of a
+    Llama-3.1-8B layer), which its prefill runs as dense GEMMs, and keeps row-major attention
+    weights for its routed kernels. The layout cache's keys follow the parameters, so a later
+    engine of the model finds the same layout."""
     nq, nk, inter = w["q"].shape[0], w["k"].shape[0], w["gate"].shape[0]
-    L.wqkv, L.wgu = f.wqkv_t.t(), f.wgu_t.t()
-    L.wq, L.wkv, L.wo, L.wd = L.wqkv[:nq], L.wqkv[nq:], f.wo_t.t(), f.wd_t.t()
-    L.wg, L.wu = L.wgu[:inter], L.wgu[inter:]
-    arch.share_projection_weights(layer, spec, {"q": L.wq, "k": L.wkv[:nk], "v": L.wkv[nk:], "o": L.wo,
-                                                "gate": L.wg, "up": L.wu, "down": L.wd})
+    views = {}
+    if "qkv" in parts:
+        L.wqkv = f.wqkv_t.t()
+        L.wq, L.wkv = L.wqkv[:nq], L.wqkv[nq:]
+        views.update(q=L.wq, k=L.wkv[:nk], v=L.wkv[nk:])
+    if "o" in parts:
+        L.wo = views["o"] = f.wo_t.t()
+    if "gu" in parts:
+        gu = f.wgu_t.t()
+        if "qkv" in parts:  # (the fused gate|up weight is read by the dense ops alone)
+            L.wgu = gu
+        L.wg, L.wu = views["gate"], views["up"] = gu[:inter], gu[inter:]
+    if "down" in parts:
+        L.wd = views["down"] = f.wd_t.t()
+    arch.share_projection_weights(layer, spec, views)
     store = _LAYOUTS[model]
     for name, roles in (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gu", ("gate", "up")), ("down", ("down",))):
-        key, t = store[(f.index, name)]
-        store[(f.index, name)] = (_source_key([w[r] for r in roles]), t)
+        if name in parts:
+            key, t = store[(f.index, name)]
+            store[(f.index, name)] = (_source_key([w[r] for r in roles]), t)
 
 
 def make_decode_ops(engine):
@@ -468,6 +482,8 @@ def make_decode_ops(engine):
             f.segs = fine_segments(w["q"], w["k"], w["v"])
             if engine.mode == "fine":
                 _single_copy(engine.model, L, f, layer, spec, w)
+            elif engine.cfg is not None and not engine.cfg.routes_ffn:
+                _single_copy(engine.model, L, f, layer, spec, w, parts=("gu", "down"))
         L.fine = f
     engine.fine = th
     only = engine.mode == "fine"

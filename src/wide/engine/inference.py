@@ -625,17 +625,17 @@ def accelerate(model, backend: str = "auto", mode: str = "coarse",
     transposed (:func:`~wide.kernels.fine_gemv.fine_layout`): a ``fine`` engine keeps that
     layout alone, pointing the model's projection weights at it (same values; the prefill and
     dense steps run cuBLAS on it), so it holds one copy of the weights, as the dense engine
-    does; a ``hybrid`` engine keeps it beside the row-major weights its routed prefill reads.
+    does; ``hybrid`` keeps row-major copies beside it where its routers route (attention only:
+    the FFN has one copy).
     ``fine_max_batch``: decode batches of up to this many sequences run the thresholds, larger
     ones the dense weights (fine) or the routers alone (hybrid) (None: measured per batch size
-    on CUDA, thresholds everywhere on other devices; see :meth:`AcceleratedModel.decode_path`). Decode batches of more than 4
-    sequences that run the thresholds run GEMMs on the thresholded inputs
-    (:mod:`wide.engine.fine_engine`). ``fine_sums`` (``fine`` and ``hybrid`` on the Triton
-    backend; other modes ignore it): ``"fp32"`` (the default) lets the q|k|v, o and down GEMVs of a thresholded
-    step add into fp32 sums that the RoPE launch and the next norm round and read (the same
-    values, no rounding epilogues), except while ``torch.are_deterministic_algorithms_enabled()``;
-    ``"rounded"``: each GEMV writes its own rounded output (TPOT at batch 1, Llama-3.1-8B shapes,
-    50 %, one H100: 1.62x the dense engine with fp32 sums, 1.54x rounded; bench/results/h100/e2e_fine.md).
+    on CUDA, thresholds everywhere elsewhere; :meth:`AcceleratedModel.decode_path`); more than 4
+    that run the thresholds run GEMMs on the thresholded inputs. ``fine_sums`` (``fine`` and
+    ``hybrid`` on the Triton backend): ``"fp32"`` (default) lets the q|k|v, o and down GEMVs of
+    a thresholded step add into fp32 sums that the RoPE launch and the next norm round and read
+    (the same values, no rounding epilogues; not under deterministic algorithms); ``"rounded"``:
+    each GEMV rounds its own output (TPOT at batch 1, Llama-3.1-8B shapes, 50 %, one H100: 1.62x
+    the dense engine with fp32 sums, 1.54x rounded; bench/results/h100/e2e_fine.md).
 
     ``batch_shared``: every decode step runs one group set per layer and module for the whole
     batch (:mod:`wide.engine.routing_rules`), so it reads only those groups' weights; a sequence's
