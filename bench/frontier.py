@@ -36,7 +36,7 @@ SPEED_MODES = ("coarse", "fine", "hybrid")
 # The engine mode that runs a method's sparsity: per-element thresholds decode in `fine`, routers
 # in `coarse`, routers with thresholds inside their groups in `hybrid` (stage 2 decodes as stage 1).
 MODE_OF = {"teal": "fine", "teal_greedy": "fine", "wina": "fine", "learned": "fine", "wide": "coarse",
-           "hybrid": "hybrid"}
+           "hybrid": "hybrid", "heads": "hybrid"}
 SPEED_AT = ((1, 4096), (32, 4096))  # (batch, prompt) of the per-row speed columns
 
 

@@ -28,6 +28,9 @@
 #       GEN="dense teal teal_greedy wina learned" PARALLEL=1 \
 #       bash bench/frontier.sh --steps 100 --batch-size 64 --amp bf16 --lr 8.5e-3 --ffn-group-size 16 \
 #       --router-init dense --sparsity-warmup 0 --fine-per-channel --fine-lr-scale 1 --recovery-lr 1e-3
+# Issue 48's head routers beside the learned thresholds (wide compare's heads, heads_lora): add them to TRAINED and
+# STAGE2 (TRAINED="learned heads" STAGE2="learned_lora teal_lora heads_lora") with --heads-core-target C (one core
+# target a summary; another in another SUMMARY and RESULTS, the same RUNS: learned's checkpoints are shared).
 # CPU smoke test (minutes):
 #   DEVICE=cpu LIMIT=2 TARGETS="0.25 0.5" SEED_TARGETS=0.5 SEEDS="0 1" STAGE2_TARGETS=0.5 GEN="dense teal" \
 #       GEN_TARGETS=0.5 GEN_N=2 bash bench/frontier.sh --steps 2 --batch-size 2 --seq-len 64 \

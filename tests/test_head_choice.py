@@ -192,3 +192,38 @@ def test_calibrate_thresholds_errors(head_runs, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, (argv, err)
     assert not (tmp / "bad").exists()
+
+
+def test_compare_heads_rows_beside_the_learned_row(tmp_path, monkeypatch, capsys):
+    """`wide compare`'s heads and heads_lora: head routers beside the learned row's thresholds at
+    the same target (frozen in both stages), at the attention-core target, served from the cache
+    on a rerun."""
+    from wide import data
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    common = write_tiny_run(tmp_path)
+    argv = ["compare", *common, "--axis", "linear", "--methods", "dense", "learned", "heads", "heads_lora",
+            "--targets", "0.5", "--steps", "3", "--batch-size", "2", "--tasks", "--offset-batches", "4",
+            "--fine-calib-sequences", "2", "--fine-per-channel", "--heads-core-target", "0.2", "--heads-target",
+            "0.26", "--lr", "1e-2", "--quiet", "--runs", str(tmp_path / "cmp"), "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["settings"]["heads"]["core_target"] == 0.2 and doc["settings"]["heads"]["loss"] == "kd"
+    recs = {r["name"]: r for r in doc["records"]}
+    assert list(recs) == ["dense", "learned", "heads", "heads_lora"]
+    learned = recs["learned"]
+    for name, stage in (("heads", 1), ("heads_lora", 2)):
+        r = recs[name]
+        assert (r["method"], r["stage"], r["loss"], r["routing"]) == ("heads", stage, "kd", "skip_upto1")
+        assert r["attn_core_sparsity"] == pytest.approx(0.2, abs=0.1) and r["attn_core_target"] == 0.2
+        assert r["linear_sparsity"] > learned["linear_sparsity"] > 0
+    assert learned["attn_core_sparsity"] == 0.0
+    runs = tmp_path / "cmp"
+    thr = load_file(str(runs / "learned-50" / "stage1" / "final" / THRESHOLDS_FILE))
+    for stage in (1, 2):
+        own = load_file(str(runs / "heads20-50" / f"stage{stage}" / "final" / THRESHOLDS_FILE))
+        assert own.keys() == thr.keys() and all(torch.equal(own[k], thr[k]) for k in thr), stage
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("cached evaluation") == 4 and "stage 1 for" not in out and "stage 2" not in out

@@ -22,7 +22,6 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from .commands import compare, runs
 from .base.cliargs import add_fields, bounded, dest, from_args, options
@@ -122,15 +121,15 @@ def cmd_calibrate(args) -> dict:
     try:
         result = train(model, train_ids, targs, args.out, eval_ids=eval_ids, resume=args.resume,
                        stop_at=getattr(args, "stop_at", None), dist=ctx,
-                       aux_loss=choice.loss if choice is not None and heads.oracle_ce > 0 else None)
+                       aux_loss=choice.aux_loss if choice is not None else None)
     finally:
         if choice is not None:
             choice.remove()
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
         return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
-    offsets = _head_offsets(model, args, heads, train_ids) if heads.thresholds else \
-        runs.calibrate_offsets(model, args, train_ids)
+    offsets = runs.head_offsets(model, args, heads.core_target if heads.core_target is not None else args.target,
+                                train_ids) if heads.thresholds else runs.calibrate_offsets(model, args, train_ids)
     hist = result["history"]
     run = {
         **runs.run_commands(args.out),
@@ -162,33 +161,6 @@ def cmd_calibrate(args) -> dict:
     print(f"routers saved to {Path(args.out) / FINAL_DIR} ({_minutes(run)}{when}, "
           f"{run['tokens_per_s']:.0f} tokens/s mean)")
     return run
-
-
-def _head_offsets(model, args, heads: HeadArgs, train_ids) -> Optional[dict]:
-    """Router offsets of head routers beside frozen thresholds: the attention-core rate
-    --core-target (else --target) on the --offset-batches calibration batches, the thresholds
-    left as they are (the set's own calibration); the rate reached printed and returned."""
-    if args.offsets == "none":
-        return None
-    import time
-
-    import torch
-
-    from .method.head_choice import calibrate_core_offsets
-    from .method.sparsity import track_sparsity
-
-    rate = heads.core_target if heads.core_target is not None else args.target
-    batches = list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
-    t0 = time.perf_counter()
-    offsets = calibrate_core_offsets(model, batches, rate, args.offsets)
-    with track_sparsity(model) as tracker, torch.no_grad():
-        device = next(model.parameters()).device
-        for b in batches:
-            model(input_ids=b.to(device))
-    reached = tracker.summary().attn_core_rate
-    print(f"offsets ({args.offsets}) to attention-core sparsity {rate:g} on {sum(len(b) for b in batches)} "
-          f"sequences in {time.perf_counter() - t0:.1f}s: reached {reached:.4f}", flush=True)
-    return {"mode": args.offsets, "core_target": rate, "attn_core_rate": reached, "offsets": offsets}
 
 
 def _minutes(run: dict) -> str:
@@ -291,13 +263,7 @@ def _check_heads(args, hf_config) -> None:
                          "thresholds keep their own linear sparsity")
     if getattr(args, "fsdp", False):
         raise ValueError("--thresholds runs on one process for now: drop --fsdp")
-    from .io import pretrained
-
-    try:
-        args.thresholds = str(pretrained.resolve(args.thresholds))
-    except ValueError as e:
-        raise ValueError(f"--thresholds: {e}") from None
-    runs.check_thresholds("--thresholds", args.thresholds, hf_config)
+    args.thresholds = runs.resolve_thresholds("--thresholds", args.thresholds, hf_config)
 
 
 def check_demo(args) -> None:
@@ -370,10 +336,18 @@ def cmd_seal(args) -> None:
 
 
 def check_compare(args) -> None:
-    runs.check_geometry(runs.model_config(args), from_args(WideConfig, args))
+    model = runs.model_config(args)
+    runs.check_geometry(model, from_args(WideConfig, args))
     runs.check_data(args)
     runs.check_out("--out", args.out, stem=True)
     runs.check_out("--runs", args.runs)
+    if any(compare.METHOD_ROWS[m][0] == "heads" for m in args.methods):
+        runs.check_geometry(model, compare.heads_config(args))
+        if args.heads_thresholds is not None:
+            if len(args.targets) > 1:
+                raise ValueError("--heads-thresholds fixes the thresholds, and so the heads rows' linear sparsity: "
+                                 "give one --targets value (the set's), or drop it to take each target's learned row")
+            args.heads_thresholds = runs.resolve_thresholds("--heads-thresholds", args.heads_thresholds, model)
 
 
 def check_sample_data(args) -> None:

@@ -29,11 +29,11 @@ from typing import Optional
 from . import runs
 from ..method.baselines import NORMALIZE
 from ..base.cliargs import add_fields, from_args
-from ..method.config import WideConfig
+from ..method.config import WideConfig, routing_name as config_routing_name
 from ..base.fileio import atomic_write_text
 from ..method.fine import FineConfig
 from ..training.recovery import RECOVERY_DEFAULTS, RECOVERY_LR, LoraArgs
-from ..training.train import TrainArgs, with_defaults
+from ..training.train import LOSSES, TrainArgs, with_defaults
 
 METHOD_ROWS = {
     # name: (family, stage, label)
@@ -61,8 +61,18 @@ METHOD_ROWS = {
     # the hybrid without routers: what the routers add to learned thresholds
     "learned": ("learned", 1, "Learned thresholds (no routers)"),
     "learned_lora": ("learned", 2, "Learned thresholds + LoRA"),
+    # issue 48's design (a): attention head-group routers beside a set of frozen learned thresholds
+    "heads": ("heads", 1, "Head routers + frozen learned thresholds"),
+    "heads_lora": ("heads", 2, "Head routers + frozen thresholds + LoRA"),
 }
 LEARNED_FAMILIES = ("hybrid", "learned")
+# The heads family's routing and training aids: the kept design's (`wide calibrate --thresholds`,
+# docs/routing_structure.md): each token skips at most one attention group, layer 0 dense, every
+# routed layer held to its rate; the routers' penalty counts groups, as the thresholds keep their own
+# linear sparsity. The other router options are the comparison's shared ones.
+HEADS_ROUTING = {"sparse_target": "attention", "attn_rule": "skip_upto", "attn_skip": 1, "attn_dense_layers": [0],
+                 "budget": "layer", "loss_mode": "groups"}
+HEADS_CHOICE = {"oracle_ce": 3.0, "input_choice": True}
 # family -> (criterion, allocation) of the training-free per-element methods
 FINE_FAMILIES = {"teal": ("magnitude", "uniform"), "teal_greedy": ("magnitude", "greedy"),
                  "wina": ("wina", "uniform"), "wina_greedy": ("wina", "greedy")}
@@ -108,6 +118,20 @@ class CompareArgs:
         "choices": AXES,
         "help": "what --targets mean for routed methods: the FLOP-weighted routable share (flops) or the share of "
                 "all linear-layer MACs (linear; the axis per-element methods are always on, and the frontier's)"})
+    heads_thresholds: Optional[str] = field(default=None, metadata={
+        "help": "heads, heads_lora: the frozen thresholds' set (a shipped name such as smollm2-135m-fine-50, or a "
+                "directory wide wrote with thresholds), for one --targets value, the set's; default: the "
+                "comparison's own learned row at the same target (stage 1, trained first if the run lacks it)"})
+    heads_core_target: float = field(default=0.25, metadata={
+        "help": "heads, heads_lora: attention-core sparsity (share of QK^T and PV MACs skipped over all layers, "
+                "layer 0 dense) the router offsets hit on calibration text", "gt": 0.0, "lt": 1.0})
+    heads_target: Optional[float] = field(default=None, metadata={
+        "help": "heads, heads_lora: the routed layers' attention group rate the routers train toward (default: "
+                "--heads-core-target; the kept design trained at 0.26 for 0.25)", "gt": 0.0, "lt": 1.0})
+    heads_loss: str = field(default="kd", metadata={
+        "choices": LOSSES,
+        "help": "heads, heads_lora: their task loss in both stages (the others' is --loss), with --kd-temperature "
+                "and --mix-weight"})
 
 
 def _pct(target: float) -> str:
@@ -147,11 +171,12 @@ class Comparison:
 
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
 
-    def train_args(self, stage: int) -> TrainArgs:
+    def train_args(self, stage: int, family: Optional[str] = None) -> TrainArgs:
         a = self.args
+        own = {"loss": a.heads_loss} if family == "heads" else {}
         if stage == 1:
-            return from_args(TrainArgs, a, eval_every=0)
-        return from_args(TrainArgs, a, **{**RECOVERY_DEFAULTS, "lr": a.recovery_lr}, eval_every=0,
+            return from_args(TrainArgs, a, eval_every=0, **own)
+        return from_args(TrainArgs, a, **{**RECOVERY_DEFAULTS, "lr": a.recovery_lr, **own}, eval_every=0,
                          steps=a.recovery_steps)
 
     # ------------------------------------------------------------ building methods
@@ -169,22 +194,36 @@ class Comparison:
                              "use another --runs directory or delete it")
         return True
 
+    def run_dir(self, family: str, target: float) -> Path:
+        # one run directory holds the head routers of several core targets beside one learned row
+        core = f"{_pct(self.args.heads_core_target)}" if family == "heads" else ""
+        return self.root / f"{family}{core}-{_pct(target)}"
+
+    def settings(self, family: str, stage: int, target: float) -> dict:
+        """What a method's final directory was built with (checked on reuse)."""
+        a = self.args
+        out = {"train": asdict(self.train_args(stage, family)), "wide": wide_overrides(a), "target": target,
+               "offsets": a.offsets, "static_calib_sequences": a.static_calib_sequences,
+               "static_normalize": a.static_normalize, "dtype": a.dtype}
+        out.update(fine_settings(a, family))
+        out.update(heads_settings(a, family))
+        if family == "heads" and not a.heads_thresholds:
+            out["thresholds_from"] = self.settings("learned", 1, target)
+        if stage == 2:
+            out["lora"] = {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": a.lora_dropout,
+                           "freeze_routers": a.freeze_routers}
+        return out
+
     def build(self, family: str, stage: int, target: float) -> Path:
         """Train (or reuse) one method; returns its final directory."""
         from ..method import baselines, modeling
         from ..training.recovery import load_recovered, recover, save_recovered
         from ..training.train import train
 
-        run = self.root / f"{family}-{_pct(target)}"
+        run = self.run_dir(family, target)
         final = run / f"stage{stage}" / "final"
-        targs = self.train_args(stage)
-        settings = {"train": asdict(targs), "wide": wide_overrides(self.args), "target": target,
-                    "offsets": self.args.offsets, "static_calib_sequences": self.args.static_calib_sequences,
-                    "static_normalize": self.args.static_normalize, "dtype": self.args.dtype}
-        settings.update(fine_settings(self.args, family))
-        if stage == 2:
-            settings["lora"] = {"r": self.args.lora_r, "alpha": self.args.lora_alpha,
-                                "dropout": self.args.lora_dropout, "freeze_routers": self.args.freeze_routers}
+        targs = self.train_args(stage, family)
+        settings = self.settings(family, stage, target)
         if self._check_final(final, settings):
             return final
         extra = {"method": family, "stage": stage, "target": target, "compare_settings": settings}
@@ -195,18 +234,22 @@ class Comparison:
             lora = from_args(LoraArgs, self.args)
             print(f"  stage 2 (LoRA) for {family} at {target:.0%}: {targs.steps} steps", flush=True)
             recover(model, self.train_ids, targs, run / "stage2", lora=lora,
-                    freeze_routers=self.args.freeze_routers or static is not None, resume=True,
-                    progress=not self.args.quiet, extra=extra)
+                    freeze_routers=self.args.freeze_routers or static is not None,
+                    freeze_thresholds=family == "heads", resume=True, progress=not self.args.quiet, extra=extra)
             model.eval()
             if family in FINE_FAMILIES:  # the same shares of the adapted model's own inputs
                 from ..method import fine
 
                 fine.set_thresholds(model, fine.collect_scores(model, self.fine_batches()), model.wide_fine.sparsity)
+            elif family == "heads":
+                runs.head_offsets(model, self.args, self.args.heads_core_target, self.train_ids)
             elif static is None:
                 runs.calibrate_offsets(model, self.args, self.train_ids)
             save_recovered(model, final, extra=extra,
                            write_more=(lambda d: static.save(d)) if static is not None else None)
             return final
+        if family == "heads":
+            return self._build_heads(target, final, extra)
         model = self.fresh()
         if family in FINE_FAMILIES:
             return self._build_fine(model, family, target, final, extra)
@@ -238,6 +281,34 @@ class Comparison:
         model.eval()
         runs.calibrate_offsets(model, self.args, self.train_ids)
         save_recovered(model, final, extra=extra)
+        return final
+
+    def _build_heads(self, target: float, final: Path, extra: dict) -> Path:
+        """Design (a)'s stage 1, as `wide calibrate --thresholds` trains it: head routers beside
+        the thresholds of --heads-thresholds or of the learned row at ``target``, which stay frozen
+        (bit for bit the set's), offsets to --heads-core-target."""
+        from ..method import modeling
+        from ..method.head_choice import HeadChoice
+        from ..training.recovery import save_recovered
+        from ..training.train import train
+
+        a = self.args
+        source = Path(a.heads_thresholds) if a.heads_thresholds else self.build("learned", 1, target)
+        model = self.fresh()
+        modeling.wrap(model, heads_config(a), seed=a.seed)
+        modeling.freeze_backbone(model)
+        runs.load_frozen_thresholds(model, source)
+        choice = HeadChoice(model, **HEADS_CHOICE)
+        print(f"  stage 1 for heads beside the thresholds of {source}: {a.steps} steps", flush=True)
+        try:
+            train(model, self.train_ids, self.train_args(1, "heads"), final.parent.parent / "stage1", resume=True,
+                  progress=not a.quiet, aux_loss=choice.aux_loss)
+        finally:
+            choice.remove()
+        model.eval()
+        offsets = runs.head_offsets(model, a, a.heads_core_target, self.train_ids)
+        save_recovered(model, final, extra={**extra, "thresholds_from": str(source), "oracle_log": choice.summary(),
+                                            "head_offsets": offsets})
         return final
 
     def fine_batches(self) -> list:
@@ -308,7 +379,7 @@ class Comparison:
                "loss": [a.loss, a.kd_temperature, a.mix_weight], "amp": a.amp, "sparsity_warmup": a.sparsity_warmup,
                "eval_data": runs.eval_source(a), "decontaminate": a.decontaminate,
                "text_field": a.text_field, "max_train_tokens": a.max_train_tokens,
-               **fine_settings(a, METHOD_ROWS[name][0]),
+               **fine_settings(a, METHOD_ROWS[name][0]), **heads_settings(a, METHOD_ROWS[name][0]),
                # only when asked, so that earlier caches keep their keys
                **({"generation": [a.generation, a.generation_tokens, a.generation_prompt]}
                   if getattr(a, "generation", 0) else {})}
@@ -345,9 +416,14 @@ class Comparison:
             rec["train_tokens"] = (steps + (a.recovery_steps if stage == 2 else 0)) * a.batch_size * a.grad_accum * a.seq_len
         # loss, tokens, seed: what trained it (no gradient step: no loss; dense: nothing)
         trained = family is not None and (family not in ("static_width", *FINE_FAMILIES) or stage == 2)
-        rec.update(loss=a.loss if trained else None, tokens=rec.get("train_tokens", 0),
-                   seed=a.seed if trained else None,
+        rec.update(loss=(a.heads_loss if family == "heads" else a.loss) if trained else None,
+                   tokens=rec.get("train_tokens", 0), seed=a.seed if trained else None,
                    routing=None if family in (None, "static_width", "learned", *FINE_FAMILIES) else "token")
+        if family == "heads":
+            rec.update(routing=config_routing_name(attn_rule=HEADS_ROUTING["attn_rule"],
+                                                   attn_skip=HEADS_ROUTING["attn_skip"]),
+                       attn_core_target=a.heads_core_target,
+                       thresholds_from=a.heads_thresholds or f"learned@{target}")
         self.cache[key] = rec
         atomic_write_text(self.cache_path, json.dumps(self.cache, indent=1))
         del model
@@ -511,6 +587,24 @@ def fine_settings(a, family) -> dict:
     return out
 
 
+def heads_settings(a, family) -> dict:
+    """What else changes the heads family's numbers; empty for the rest, so that earlier caches
+    and runs keep their keys. From the learned row, its thresholds follow the per-element options."""
+    if family != "heads":
+        return {}
+    out = {"heads": [a.heads_thresholds, a.heads_core_target, a.heads_target, a.heads_loss, HEADS_ROUTING,
+                     HEADS_CHOICE]}
+    if not a.heads_thresholds:
+        out.update(fine_settings(a, "learned"))
+    return out
+
+
+def heads_config(a) -> WideConfig:
+    """The heads family's routers: the comparison's shared router options under HEADS_ROUTING."""
+    return WideConfig(target_sparsity=a.heads_target if a.heads_target is not None else a.heads_core_target,
+                      **{**wide_overrides(a), **HEADS_ROUTING})
+
+
 def wide_overrides(a) -> dict:
     """The WideConfig fields a comparison sets for every method from its arguments."""
     return dict(router_rank=a.router_rank, router_input=a.router_input, router_init=a.router_init,
@@ -542,7 +636,10 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         **wide_overrides(args), "axis": getattr(args, "axis", "flops"), "lora_r": args.lora_r,
                         "offsets": args.offsets,
                         "data": args.data,
-                        "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate},
+                        "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate,
+                        **({"heads": dict(zip(("thresholds", "core_target", "target", "loss", "routing", "choice"),
+                                              heads_settings(args, "heads")["heads"]))}
+                           if any(METHOD_ROWS[m][0] == "heads" for m in args.methods) else {})},
            **(extra or {}), "records": records}
     json_file, md_file = runs.results_files(out)  # the stem taken literally: run.v1 -> run.v1.json
     json_file.write_text(json.dumps(doc, indent=2))
@@ -592,6 +689,11 @@ def add_arguments(p) -> None:
     add_fields(f, CompareArgs, only=("axis", "fine_calib_sequences"))
     add_fields(f, FineConfig, only=("criterion", "per_channel", "tau_start", "tau_end", "lr_scale", "greedy_step",
                                     "greedy_last_fraction"))
+    add_fields(p.add_argument_group(
+        "head routers beside frozen thresholds (heads, heads_lora: issue 48's design (a), wide calibrate --thresholds; "
+        f"routing {HEADS_ROUTING['attn_rule']} {HEADS_ROUTING['attn_skip']}, layer 0 dense, --oracle-ce "
+        f"{HEADS_CHOICE['oracle_ce']:g}, --input-choice)"), CompareArgs,
+        only=("heads_thresholds", "heads_core_target", "heads_target", "heads_loss"))
     s = p.add_argument_group("static width pruning and LoRA")
     add_fields(s, CompareArgs, only=("static_calib_sequences", "static_normalize"))
     add_fields(s, LoraArgs)

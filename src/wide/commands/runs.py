@@ -332,6 +332,19 @@ def check_thresholds(flag: str, path, hf_config=None) -> dict:
     return meta
 
 
+def resolve_thresholds(flag: str, name, hf_config=None) -> str:
+    """The directory of a thresholds set given by shipped name or path, checked as
+    :func:`check_thresholds` does."""
+    from ..io import pretrained
+
+    try:
+        path = str(pretrained.resolve(name))
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    check_thresholds(flag, path, hf_config)
+    return path
+
+
 def load_frozen_thresholds(model, path) -> None:
     """Attach the per-element thresholds of the set in ``path`` to a wrapped model, not trained
     (after ``freeze_backbone``, which makes learned ones trainable)."""
@@ -741,6 +754,30 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     return offsets
 
 
+def head_offsets(model, args, rate: float, train_ids) -> Optional[dict]:
+    """Router offsets of head routers beside frozen thresholds (wide.method.head_choice): the
+    attention-core rate ``rate`` on the ``--offset-batches`` calibration batches, the thresholds
+    left as they are (the set's own calibration); the rate reached printed and returned."""
+    if args.offsets == "none":
+        return None
+    import torch
+
+    from ..method.head_choice import calibrate_core_offsets
+    from ..method.sparsity import track_sparsity
+
+    batches = list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
+    t0 = time.perf_counter()
+    offsets = calibrate_core_offsets(model, batches, rate, args.offsets)
+    with track_sparsity(model) as tracker, torch.no_grad():
+        device = next(model.parameters()).device
+        for b in batches:
+            model(input_ids=b.to(device))
+    reached = tracker.summary().attn_core_rate
+    print(f"offsets ({args.offsets}) to attention-core sparsity {rate:g} on {sum(len(b) for b in batches)} "
+          f"sequences in {time.perf_counter() - t0:.1f}s: reached {reached:.4f}", flush=True)
+    return {"mode": args.offsets, "core_target": rate, "attn_core_rate": reached, "offsets": offsets}
+
+
 def routing_name(meta: dict) -> str:
     """The routing rule of saved routers, as records name it: "token", or "tile<N>" (and
     "tile<N>prev") for route_tile N > 1, "skip_smallest<k>" for attention skipping the k
@@ -828,6 +865,6 @@ def write_results(args, records) -> None:
 
 __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunArgs", "resolve", "load_model", "load_tokenizer",
            "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
-           "check_results", "check_routers", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
-           "SETTINGS_FILE", "COMMANDS_FILE", "run_commands", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets",
+           "check_results", "check_routers", "check_thresholds", "resolve_thresholds", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
+           "SETTINGS_FILE", "COMMANDS_FILE", "run_commands", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets", "head_offsets",
            "heldout", "evaluate_one", "eval_work", "eval_speed", "describe_estimate", "command", "machine", "results_files", "write_results", "default_device"]

@@ -149,6 +149,11 @@ class HeadChoice:
         self.log.append((float(ce.detach()), hit))
         return self.weight * ce
 
+    @property
+    def aux_loss(self):
+        """``train``'s ``aux_loss``: :meth:`loss` with the oracle label on, else None."""
+        return self.loss if self.weight > 0 else None
+
     def summary(self, last: int = 10) -> Optional[dict]:
         """Mean oracle cross-entropy and match over the last ``last`` calls (None before any)."""
         if not self.log:

@@ -72,9 +72,11 @@ def has_lora(model) -> bool:
     return any("lora_" in n for n, _ in model.named_parameters())
 
 
-def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = False) -> list:
+def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = False,
+             freeze_thresholds: bool = False) -> list:
     """Inject LoRA adapters into a wrapped model, in place; returns the parameters to train
-    (adapters, plus the routers unless ``freeze_routers``).
+    (adapters, plus the routers unless ``freeze_routers``, with learned per-element thresholds
+    unless ``freeze_thresholds``: head routers trained beside a set's frozen thresholds keep them).
 
     PEFT freezes everything that is not an adapter, routers included, so router gradients are
     switched back on here.
@@ -95,6 +97,9 @@ def add_lora(model, lora: Optional[LoraArgs] = None, *, freeze_routers: bool = F
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
     routers = router_parameters(model)  # with learned per-element thresholds (wide.fine), those too
+    if freeze_thresholds and model._modules.get("wide_fine") is not None:
+        frozen = {id(p) for p in model.wide_fine.learnable()}
+        routers = [p for p in routers if id(p) not in frozen]  # PEFT has switched them off already
     for p in routers:
         p.requires_grad_(not freeze_routers)
     return adapters + ([] if freeze_routers else routers)
@@ -201,7 +206,7 @@ def load_recovered(base, path, *, merge_adapters: bool = True, check_base: bool 
 
 
 def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: Optional[LoraArgs] = None,
-            freeze_routers: bool = False, eval_ids: Optional[torch.Tensor] = None, resume: bool = True,
+            freeze_routers: bool = False, freeze_thresholds: bool = False, eval_ids: Optional[torch.Tensor] = None, resume: bool = True,
             progress: bool = True, stop_at: Optional[int] = None, extra: Optional[dict] = None,
             write_more=None, dist=None, shard: bool = True, activation_checkpointing: bool = False) -> dict:
     """Stage 2 on a model wrapped with stage-1 routers: add LoRA, train adapters (+ routers)
@@ -219,7 +224,7 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
                       "trained routers first drift towards dense; stage 2 usually runs the full target from "
                       "the first step (TrainArgs(**RECOVERY_DEFAULTS), as `wide recover` does)", stacklevel=2)
     lora = (lora or LoraArgs()).resolved(model)
-    params = add_lora(model, lora, freeze_routers=freeze_routers)
+    params = add_lora(model, lora, freeze_routers=freeze_routers, freeze_thresholds=freeze_thresholds)
     if dist is not None and shard:
         dist.shard(model, activation_checkpointing=activation_checkpointing)
     result = train(model, train_ids, args, out_dir, eval_ids=eval_ids, parameters=params, resume=resume,
@@ -228,7 +233,8 @@ def recover(model, train_ids: torch.Tensor, args: TrainArgs, out_dir, *, lora: O
     if result.get("stopped_at") is not None:
         return result
     meta = {"stage": 2, "lora": {**asdict(lora), "targets": list(lora.targets)},
-            "freeze_routers": freeze_routers, **(extra or {})}
+            "freeze_routers": freeze_routers, **({"freeze_thresholds": True} if freeze_thresholds else {}),
+            **(extra or {})}
     if dist is None or dist.is_main:
         save_recovered(model, Path(out_dir) / FINAL_DIR, extra=meta, write_more=write_more)
     if dist is not None:
