@@ -165,6 +165,23 @@ def test_calibrate_trains_head_routers_beside_frozen_thresholds(head_runs, capsy
     assert "[auto -> hybrid, skip_upto1, backend torch]" in capsys.readouterr().out
 
 
+def test_recover_keeps_a_heads_sets_thresholds_and_attention_rate(head_runs):
+    # stage 2 on a heads set (wide recover): the adapters train, the thresholds stay the set's bit
+    # for bit, and the offsets return to the attention-core rate the set had (not a threshold
+    # shift onto its routers' training target)
+    tmp, common, _ = head_runs
+    src = tmp / "heads" / "routers"
+    train = ["--steps", "2", "--batch-size", "2", "--eval-every", "0", "--offset-batches", "4"]
+    assert main(["recover", *common, *train, "--routers", str(src), "--lora-r", "4", "--out", str(tmp / "s2h")]) == 0
+    out = tmp / "s2h" / "recovered"
+    a, b = load_file(str(src / THRESHOLDS_FILE)), load_file(str(out / THRESHOLDS_FILE))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((out / "wide_config.json").read_text())
+    before = json.loads((tmp / "heads" / "run.json").read_text())["heads"]["offsets"]["attn_core_rate"]
+    h = meta["head_offsets"]
+    assert h["core_target"] == pytest.approx(before, abs=0.02) and h["attn_core_rate"] == pytest.approx(before, abs=0.05)
+
+
 def test_calibrate_thresholds_errors(head_runs, capsys):
     tmp, common, heads = head_runs
     corrupt = tmp / "corrupt"

@@ -634,16 +634,20 @@ def cmd_recover(args) -> dict:
     lora = from_args(LoraArgs, args)
     extra = {"method": meta.get("method", "wide"), "stage": 2, "stage1_dir": str(args.routers)}
     write_more = static.save if static is not None else None
+    # head routers beside frozen thresholds: those stay, and the offsets return to the set's rate
+    heads_rate = runs.core_rate(model, args, train_ids) if runs.is_heads_set(model) else None
     runs.start_run(args, FINAL_DIR, runs.run_settings(args, RECOVER_SETTINGS))
     torch.manual_seed(targs.seed)  # the adapters' initialisation draws from the global RNG
     result = recover(model, train_ids, targs, args.out, lora=lora, eval_ids=eval_ids, resume=args.resume,
                      freeze_routers=args.freeze_routers or static is not None, stop_at=args.stop_at,
-                     extra=extra, write_more=write_more)
+                     extra=extra, write_more=write_more, freeze_thresholds=heads_rate is not None)
     if result.get("stopped_at"):
         print(f"stopped at step {result['stopped_at']}; continue with --resume")
         return {k: result[k] for k in ("stopped_at", "wall_s", "wall_s_partial") if k in result}
     model.eval()
-    if static is None:
+    if heads_rate is not None:
+        extra["head_offsets"] = runs.head_offsets(model, args, heads_rate, train_ids)
+    elif static is None:
         runs.calibrate_offsets(model, args, train_ids)
     stage1 = runs.training_fields(meta)
     stage2_tokens = args.steps * targs.sequences_per_step * train_ids.shape[1]

@@ -754,25 +754,48 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     return offsets
 
 
+def _offset_batches(args, train_ids) -> list:
+    return list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
+
+
+def core_rate(model, args, train_ids) -> float:
+    """The attention-core sparsity the model's routers reach on the ``--offset-batches``
+    calibration batches."""
+    import torch
+
+    from ..method.sparsity import track_sparsity
+
+    with track_sparsity(model) as tracker, torch.no_grad():
+        device = next(model.parameters()).device
+        for b in _offset_batches(args, train_ids):
+            model(input_ids=b.to(device))
+    return tracker.summary().attn_core_rate
+
+
+def is_heads_set(model) -> bool:
+    """Head routers beside thresholds they did not train (``wide calibrate --thresholds``, or an
+    experiment's library set): thresholds, routers on attention alone, a skip rule. Stage 2 keeps
+    such thresholds as they are and sets the routers' offsets back to the set's attention-core rate."""
+    from ..method.fine import get_fine
+
+    state = getattr(model, "wide_state", None)
+    cfg = None if state is None else state.config
+    return (get_fine(model) is not None and cfg is not None and cfg.routes_attention and not cfg.routes_ffn
+            and cfg.attn_rule != "independent")
+
+
 def head_offsets(model, args, rate: float, train_ids) -> Optional[dict]:
     """Router offsets of head routers beside frozen thresholds (wide.method.head_choice): the
     attention-core rate ``rate`` on the ``--offset-batches`` calibration batches, the thresholds
     left as they are (the set's own calibration); the rate reached printed and returned."""
     if args.offsets == "none":
         return None
-    import torch
-
     from ..method.head_choice import calibrate_core_offsets
-    from ..method.sparsity import track_sparsity
 
-    batches = list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
+    batches = _offset_batches(args, train_ids)
     t0 = time.perf_counter()
     offsets = calibrate_core_offsets(model, batches, rate, args.offsets)
-    with track_sparsity(model) as tracker, torch.no_grad():
-        device = next(model.parameters()).device
-        for b in batches:
-            model(input_ids=b.to(device))
-    reached = tracker.summary().attn_core_rate
+    reached = core_rate(model, args, train_ids)
     print(f"offsets ({args.offsets}) to attention-core sparsity {rate:g} on {sum(len(b) for b in batches)} "
           f"sequences in {time.perf_counter() - t0:.1f}s: reached {reached:.4f}", flush=True)
     return {"mode": args.offsets, "core_target": rate, "attn_core_rate": reached, "offsets": offsets}
