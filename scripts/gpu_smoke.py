@@ -64,15 +64,15 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def build(model_type: str, dtype=torch.bfloat16, target: float = 0.5, batch: int = 2, **over):
+def build(model_type: str, dtype=torch.bfloat16, target: float = 0.5, batch: int = 2, routers=None, **over):
     # The test suite's tiny random models (nonzero q/k/v biases, q/k norm weights around 1)
-    # at these sizes, on the GPU.
+    # at these sizes, on the GPU. ``routers``: WideConfig fields beside the defaults here.
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import tiny_model
 
     model = tiny_model(model_type, **{**BASE, **MODELS[model_type], **over}).to(DEVICE, dtype)
     # Random routers (input-dependent masks once the offsets are calibrated; a dense start's are not)
-    model = wide.wrap(model, wide.WideConfig(ffn_group_size=128, router_init="random"))
+    model = wide.wrap(model, wide.WideConfig(**{"ffn_group_size": 128, "router_init": "random", **(routers or {})}))
     ids = torch.randint(0, model.config.vocab_size, (batch, 64), device=DEVICE,
                         generator=torch.Generator(DEVICE).manual_seed(0))
     wide.calibrate_offsets(model, [ids], target=target, mode="per_module", rounds=1)
@@ -316,9 +316,15 @@ def fine_modes_ok(model_type: str) -> bool:
     return ok
 
 
-def cli_hybrid_matches_torch() -> bool:
+# issue 48's sets: attention head-group routers (at most one group skipped per token, layer 0
+# dense) beside thresholds
+HEADS = {"sparse_target": "attention", "attn_rule": "skip_upto", "attn_skip": 1, "attn_dense_layers": [0]}
+
+
+def cli_hybrid_matches_torch(routers=None, mode: str = "hybrid") -> bool:
     """``wide generate --mode hybrid`` on a tiny Llama checkpoint (routers and thresholds saved
-    with it, word-level tokenizer): the same text on the kernels as on the PyTorch path (fp32)."""
+    with it, word-level tokenizer): the same text on the kernels as on the PyTorch path (fp32).
+    ``routers``: the routers' WideConfig fields (HEADS: a head-router set, run by ``--mode auto``)."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -330,14 +336,15 @@ def cli_hybrid_matches_torch() -> bool:
     tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>")
     with tempfile.TemporaryDirectory() as tmp:
-        model, ids = build("llama", torch.float32, target=HYBRID_SHARE, vocab_size=len(vocab))
+        model, ids = build("llama", torch.float32, target=HYBRID_SHARE if routers is None else 0.25,
+                           vocab_size=len(vocab), routers=routers)
         with_thresholds(model, ids)
         wide.save_routers(model, Path(tmp) / "routers")
         wide.unwrap(model)  # (its thresholds too): the base model's directory holds the backbone only
         model.save_pretrained(Path(tmp) / "model")
         tok.save_pretrained(Path(tmp) / "model")
         return cli_texts_match(["--model", str(Path(tmp) / "model"), "--routers", str(Path(tmp) / "routers"),
-                                "--mode", "hybrid", "--fine-max-batch", "8", "--max-new-tokens", "8",
+                                "--mode", mode, "--fine-max-batch", "8", "--max-new-tokens", "8",
                                 "--prompt", "the cat sat on a mat and then the dog"])
 
 
@@ -488,6 +495,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     print("wide generate --mode hybrid, kernels vs the PyTorch path:")
     ok &= cli_hybrid_matches_torch()
+    print("wide generate (auto) with head routers beside thresholds, kernels vs the PyTorch path:")
+    ok &= cli_hybrid_matches_torch(HEADS, mode="auto")
     if "--skip-shipped" not in sys.argv[1:]:  # a call without the assets runs the rest; --shipped-only then
         print("wide generate --mode fine with the shipped sets on the default model, kernels vs the PyTorch path:")
         ok &= shipped_fine_matches_torch()
