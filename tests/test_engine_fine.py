@@ -377,6 +377,7 @@ def test_hybrid_with_attention_routers_keeps_one_copy_of_the_ffn():
     for name, lay in (("mlp.gate_proj", f.wgu_t), ("mlp.up_proj", f.wgu_t), ("mlp.down_proj", f.wd_t)):
         assert _storage(layer.get_submodule(name).weight) == _storage(lay), name
     assert _storage(L.wg) == _storage(L.wu) == _storage(f.wgu_t) and _storage(L.wd) == _storage(f.wd_t)
+    assert _storage(L.wkv) == _storage(f.wqkv_t)  # k|v: no concatenated copy either
     assert _storage(layer.self_attn.q_proj.weight) == q_storage != _storage(f.wqkv_t)
     for n, p in layer.named_parameters():
         if n in before:

@@ -482,8 +482,12 @@ def make_decode_ops(engine):
             f.segs = fine_segments(w["q"], w["k"], w["v"])
             if engine.mode == "fine":
                 _single_copy(engine.model, L, f, layer, spec, w)
-            elif engine.cfg is not None and not engine.cfg.routes_ffn:
-                _single_copy(engine.model, L, f, layer, spec, w, parts=("gu", "down"))
+            else:
+                # k|v run as one dense GEMM in hybrid (cuBLAS takes the transposed view): no
+                # concatenated copy of their rows beside the layout
+                L.wkv = f.wqkv_t[:, f.segs[1]:].t()
+                if engine.cfg is not None and not engine.cfg.routes_ffn:
+                    _single_copy(engine.model, L, f, layer, spec, w, parts=("gu", "down"))
         L.fine = f
     engine.fine = th
     only = engine.mode == "fine"
