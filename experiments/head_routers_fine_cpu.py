@@ -82,6 +82,21 @@ batches, saved to ``--out``/routers (e.g. design (a)'s set brought to design (b)
     PYTHONPATH=src python experiments/head_routers_fine_cpu.py --skip-one --input-choice --reshift runs/one_ce/routers \
         --linear-target 0.5 --out runs/one_ce_at050 --threads 1 --batch-size 4
 
+``--recalibrate DIR`` (stage 2 of a ``--to-library`` set) re-sets a ``wide recover`` run's set (DIR:
+its ``recovered/``, routers + thresholds + LoRA adapters) to the rates its stage-1 library set had
+on the same calibration batches, as ``wide compare``'s learned_lora shifts its thresholds back onto
+the target after LoRA: the per-layer offsets onto the library set's attention-core rate, one
+shift of every log threshold onto its linear sparsity (the adapters move what the routers and
+thresholds read), then the offsets once more (the shift moves the routers' inputs). The targets
+are the stage-1 set's ``to_library`` record (``--stage1``, default the set ``wide recover``
+started from); ``wide recover`` itself must run with ``--offsets none``: its default shifts the
+thresholds onto the routers' ``target_sparsity`` (an attention-group rate here) as if it were a
+linear one. Saved to ``--out``/routers with the adapters unmerged; ``wide eval --routers`` reads it.
+
+    PYTHONPATH=src python -m wide.cli recover --routers runs/lib/routers --out runs/lora --freeze-routers \
+        --offsets none --loss kd --steps 100 --batch-size 64 --lr 1e-3
+    PYTHONPATH=src python experiments/head_routers_fine_cpu.py --recalibrate runs/lora/recovered --out runs/lora_lib
+
 ``--router-input query`` (sixth trial, with ``--skip-one``) feeds each routed layer's attention
 router the layer's query instead of the residual stream entering the layer: q_proj's output after
 the thresholds (the q attention uses, before RoPE; SmolLM2: 9 heads x 64 = 576 features, each KV
@@ -214,6 +229,13 @@ def parse(argv):
                           "set the library runs alone (--library-rule, layers --dense-layers kept dense, the "
                           "--input-choice bias folded in), offsets calibrated to --library-target, saved to "
                           "--out/routers: `wide eval|generate --routers` and the engine read it, no --eval hook")
+    own.add_argument("--recalibrate", metavar="DIR", default=None,
+                     help="re-set a `wide recover` set of a --to-library set (DIR: its recovered/) to the stage-1 "
+                          "set's attention-core rate and linear sparsity on the same calibration batches (offsets, "
+                          "one threshold shift, offsets again), saved with its adapters to --out/routers")
+    own.add_argument("--stage1", metavar="DIR", default=None,
+                     help="--recalibrate: the --to-library set whose rates to restore (default: the set DIR's "
+                          "`wide recover` started from)")
     own.add_argument("--library-rule", choices=["skip_upto", "skip_smallest"], default="skip_upto")
     own.add_argument("--library-target", type=float, default=0.25,
                      help="--to-library skip_upto: attention-core sparsity over all layers (dense ones at 0)")
@@ -767,6 +789,8 @@ def main(argv=None) -> dict:
         return reshift(mine, args)
     if mine.to_library:
         return to_library(mine, args)
+    if mine.recalibrate:
+        return recalibrate(mine, args)
     t0 = time.perf_counter()
     tok, model_path = runs.load_tokenizer(args)
     train_ids, decontamination = runs.calibration(args, tok, args.max_train_tokens)
@@ -900,16 +924,17 @@ def main(argv=None) -> dict:
     return run
 
 
-def saved_set(args, rdir):
-    """(calibration ids, the model with the routers and thresholds of ``rdir``, tokenizer, the
-    offset-calibration batches): what --reshift and --to-library start from."""
+def saved_set(args, rdir, merge_adapters: bool = True):
+    """(the model with the routers and thresholds of ``rdir``, tokenizer, the offset-calibration
+    batches): what --reshift, --to-library and --recalibrate start from (the last with its LoRA
+    adapters unmerged, so that it saves them again)."""
     from wide.training.recovery import load_recovered
 
     tok, _ = runs.load_tokenizer(args)
     train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
     model, tok, _ = runs.load_model(args, tok)
     batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
-    return load_recovered(model, rdir), tok, batches
+    return load_recovered(model, rdir, merge_adapters=merge_adapters), tok, batches
 
 
 def save_derived(model, args, rdir, key: str, run: dict) -> None:
@@ -959,8 +984,6 @@ def to_library(mine, args) -> dict:
     then the choice margin :func:`choice_margin` used), the offsets calibrated for skip_upto."""
     import dataclasses
 
-    import wide
-
     if not mine.skip_one:
         raise SystemExit("--to-library converts --skip-one routers: add --skip-one")
     t0 = time.perf_counter()
@@ -981,27 +1004,90 @@ def to_library(mine, args) -> dict:
     del src
     offsets = {}
     if mine.library_rule == "skip_upto":
-        n = len(model.wide_routers)
-        routed = n - len(cfg.attn_dense_layers)
-        # per_module: every routed layer skips the same share (the dense ones count 0 in the rate)
-        target = mine.library_target * n / routed if mine.library_offsets == "per_module" else mine.library_target
-        offsets = wide.calibrate_offsets(model, batches, target=target, mode=mine.library_offsets)
-    with wide.track_sparsity(model) as tracker:  # (no_grad: the function's)
-        for b in batches:
-            model(input_ids=b.to(next(model.parameters()).device))
-    sp = tracker.summary()
+        offsets = library_offsets(model, batches, mine.library_target, mine.library_offsets)
+    attn, linear = calibration_rates(model, batches)
     run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]),
            "source": mine.to_library, "rule": mine.library_rule, "dense_layers": cfg.attn_dense_layers,
            "input_choice_folded": bool(mine.input_choice), "target": mine.library_target,
            "offsets_mode": mine.library_offsets, "offsets": offsets,
-           "calibration_attn_rate": float(sp.attn_rate),
-           "calibration_linear": None if sp.linear_rate is None else float(sp.linear_rate),
+           "calibration_attn_rate": attn, "calibration_linear": linear,
            "sequences": sum(len(b) for b in batches), "total_s": time.perf_counter() - t0,
            "machine": runs.machine(), "date": datetime.date.today().isoformat()}
     save_derived(model, args, mine.to_library, "to_library", run)
     print(f"{mine.to_library} -> {Path(args.out) / FINAL_DIR}: attn_rule={mine.library_rule}, dense layers "
-          f"{cfg.attn_dense_layers}, attention rate on calibration text {float(sp.attn_rate):.4f} "
+          f"{cfg.attn_dense_layers}, attention rate on calibration text {attn:.4f} "
           f"({run['total_s']:.0f}s)", flush=True)
+    return run
+
+
+def library_offsets(model, batches, target: float, mode: str) -> dict:
+    """A skip_upto set's offsets onto the attention-core rate ``target`` over all layers (the dense
+    ones at 0): per_module, every routed layer at the same share; global, one shift for all."""
+    import wide
+
+    cfg = modeling.get_state(model).config
+    n = len(model.wide_routers)
+    routed = n - len(cfg.attn_dense_layers)
+    return wide.calibrate_offsets(model, batches, target=target * n / routed if mode == "per_module" else target,
+                                  mode=mode)
+
+
+@torch.no_grad()
+def calibration_rates(model, batches) -> tuple:
+    """(attention-core rate, linear sparsity or None) of ``model``'s inference masks on ``batches``."""
+    import wide
+
+    with wide.track_sparsity(model) as tracker:
+        for b in batches:
+            model(input_ids=b.to(next(model.parameters()).device))
+    sp = tracker.summary()
+    return float(sp.attn_rate), None if sp.linear_rate is None else float(sp.linear_rate)
+
+
+# what save_routers writes of a set's wide_config.json itself (the rest is the caller's extra)
+SAVED_META = ("format_version", "wide_config", "model", "base_model", "fine")
+
+
+@torch.no_grad()
+def recalibrate(mine, args) -> dict:
+    """--recalibrate: a `wide recover` run's set back on its stage-1 library set's rates (see the
+    module docstring), adapters kept."""
+    from wide.io.serialization import read_meta
+    from wide.method.fine import shift_to_target
+    from wide.training.recovery import has_lora, save_recovered
+
+    t0 = time.perf_counter()
+    meta = read_meta(mine.recalibrate)
+    stage1 = mine.stage1 or meta.get("stage1_dir")
+    lib = ((read_meta(stage1).get("run") or {}) if stage1 else {}).get("to_library")
+    if not lib or lib.get("rule") != "skip_upto" or lib.get("calibration_linear") is None:
+        raise SystemExit(f"--recalibrate restores a --to-library skip_upto set's rates: {stage1 or mine.recalibrate} "
+                         "has no such record (run.to_library); name the set with --stage1")
+    model, _, batches = saved_set(args, mine.recalibrate, merge_adapters=False)
+    if not has_lora(model):
+        raise SystemExit(f"{mine.recalibrate} holds no LoRA adapters: --recalibrate re-sets a `wide recover` set")
+    before = calibration_rates(model, batches)
+    library_offsets(model, batches, lib["target"], lib["offsets_mode"])
+    moved = calibration_rates(model, batches)
+    shift = shift_to_target(model, batches, lib["calibration_linear"])
+    offsets = library_offsets(model, batches, lib["target"], lib["offsets_mode"])
+    attn, linear = calibration_rates(model, batches)
+    run = {"command": "python experiments/head_routers_fine_cpu.py " + " ".join(sys.argv[1:]),
+           "source": str(mine.recalibrate), "stage1": str(stage1), "attn_target": lib["target"],
+           "linear_target": lib["calibration_linear"], "offsets_mode": lib["offsets_mode"],
+           "before": {"attn_rate": before[0], "linear": before[1]},
+           "offsets_first": {"attn_rate": moved[0], "linear": moved[1]}, "threshold_shift": shift,
+           "offsets": offsets, "calibration_attn_rate": attn, "calibration_linear": linear,
+           "sequences": sum(len(b) for b in batches), "total_s": time.perf_counter() - t0,
+           "machine": runs.machine(), "date": datetime.date.today().isoformat()}
+    extra = {k: v for k, v in meta.items() if k not in SAVED_META}
+    extra["run"] = {**(meta.get("run") or {}), "recalibrate": run}
+    save_recovered(model, Path(args.out) / FINAL_DIR, extra=extra)
+    atomic_write_text(Path(args.out) / "recalibrate.json", json.dumps(run, indent=2))
+    print(f"{mine.recalibrate} -> {Path(args.out) / FINAL_DIR}: after LoRA attention rate {before[0]:.4f}, linear "
+          f"{before[1]:.4f}; offsets, thresholds shifted by {shift:+.4f}, offsets again: {attn:.4f} (target "
+          f"{lib['target']}), linear {linear:.4f} (target {lib['calibration_linear']:.4f}) on {run['sequences']} "
+          f"calibration sequences ({run['total_s']:.0f}s)", flush=True)
     return run
 
 

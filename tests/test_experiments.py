@@ -957,6 +957,27 @@ def test_head_routers_joint_trains_thresholds_and_routers(tmp_path, monkeypatch)
     finite = torch.isfinite(mine["log_threshold"])
     torch.testing.assert_close(again["log_threshold"][finite], mine["log_threshold"][finite] + moved_run["threshold_shift"])
 
+def _tiny_run_and_thresholds(tmp_path, monkeypatch) -> list:
+    """write_tiny_run's options (the data cache in tmp_path), and a threshold set of its model in
+    tmp_path/thr that drops a share of every input: what the head-router trial freezes."""
+    import math
+
+    from conftest import tiny_model, write_tiny_run
+
+    import wide
+    from wide import data
+    from wide.io.serialization import save_routers
+    from wide.method import fine as wf
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    common = write_tiny_run(tmp_path)
+    base = wide.wrap(tiny_model("llama"), wide.WideConfig(sparse_target="none"), seed=0)
+    wf.attach(base, wf.FineConfig(target=0.5))
+    with torch.no_grad():
+        base.wide_fine.log_threshold.fill_(math.log(0.05))
+    save_routers(base, tmp_path / "thr")
+    return common
+
 def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     """The head-router trial's ``--router-input query`` (sixth trial): each routed layer's router
     reads the layer's query (q_proj's output after the thresholds) and decides there, before
@@ -966,15 +987,9 @@ def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     reach the routers' parameters. The saved directory records the input, and the script's
     ``--eval`` and ``--mask-stats`` load it with the rule (a contrary --router-input is refused)."""
     import json
-    import math
 
-    from conftest import tiny_model, write_tiny_run
-
-    import wide
-    from wide import data
     from wide.base import arch
-    from wide.io.serialization import CONFIG_FILE, save_routers
-    from wide.method import fine as wf
+    from wide.io.serialization import CONFIG_FILE
     from wide.method import modeling
     from wide.method.sparsity import forward_sparsity
     from wide.method.state import get_state
@@ -1034,13 +1049,7 @@ def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
         h.remove()
 
     # through the script: train 2 steps on a tiny run with frozen thresholds, then --eval / --mask-stats
-    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
-    common = write_tiny_run(tmp_path)
-    base = wide.wrap(tiny_model("llama"), wide.WideConfig(sparse_target="none"), seed=0)
-    wf.attach(base, wf.FineConfig(target=0.5))
-    with torch.no_grad():
-        base.wide_fine.log_threshold.fill_(math.log(0.05))
-    save_routers(base, tmp_path / "thr")
+    common = _tiny_run_and_thresholds(tmp_path, monkeypatch)
     train = ["--skip-one", "--oracle-ce", "1.0", "--input-choice", "--router-input", "query", *common,
              "--thresholds", str(tmp_path / "thr"), "--steps", "2", "--batch-size", "2", "--eval-every", "0",
              "--save-every", "0", "--budget", "layer", "--target", "0.5", "--offsets", "none", "--out",
@@ -1062,6 +1071,62 @@ def test_head_routers_query_input(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match="--router-input query"):
         trial.main(["--skip-one", "--input-choice", "--router-input", "residual", "--mask-stats", str(saved),
                     "--eval-sequences", "2", *common])
+
+def test_head_routers_recalibrate_after_lora(tmp_path, monkeypatch):
+    """Stage 2 of a ``--to-library`` set (experiments/head_routers_gpu.sh, STAGE2=1): ``wide recover
+    --freeze-routers --offsets none`` trains adapters only, then ``--recalibrate`` brings the set
+    back to its stage-1 rates on the same calibration batches (the offsets onto the attention-core
+    target, one shift of every threshold onto the linear sparsity), keeps the adapters and the
+    stage-2 record, and ``wide eval`` reads the result."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from wide.cli import main as wide_main
+    from wide.io.serialization import read_meta
+
+    common = _tiny_run_and_thresholds(tmp_path, monkeypatch)
+    trial = _script("head_routers_fine_cpu")
+    quick = ["--batch-size", "2", "--offset-batches", "2"]  # the conversion's and the re-set's batches
+    trial.main(["--skip-one", "--input-choice", *common, "--thresholds", str(tmp_path / "thr"), "--steps", "1",
+                "--batch-size", "2", "--eval-every", "0", "--save-every", "0", "--budget", "layer", "--target", "0.3",
+                "--offsets", "none", "--out", str(tmp_path / "s0")])
+    # the tiny model: 2 layers of 2 groups, layer 0 dense: 0.15 = 60 % of the tokens skip one in layer 1
+    lib_run = trial.main(["--skip-one", "--input-choice", "--to-library", str(tmp_path / "s0" / "routers"),
+                          "--library-target", "0.15", *common, *quick, "--out", str(tmp_path / "lib")])
+    lib = tmp_path / "lib" / "routers"
+    assert wide_main(["recover", *common, "--routers", str(lib), "--out", str(tmp_path / "lora"), "--steps", "2",
+                      "--batch-size", "2", "--lr", "1e-2", "--loss", "kd", "--eval-every", "0", "--save-every", "0",
+                      "--offsets", "none", "--freeze-routers"]) == 0
+    recovered = tmp_path / "lora" / "recovered"
+    for f in ("routers.safetensors", "thresholds.safetensors"):  # frozen, and --offsets none shifted nothing
+        assert all(torch.equal(v, load_file(lib / f)[k]) for k, v in load_file(recovered / f).items())
+
+    run = trial.main(["--recalibrate", str(recovered), *common, *quick, "--out", str(tmp_path / "re")])
+    assert run["stage1"] == str(lib) and run["sequences"] == lib_run["sequences"] == 4
+    assert run["attn_target"] == 0.15 and run["linear_target"] == lib_run["calibration_linear"]
+    assert run["calibration_attn_rate"] == pytest.approx(0.15, abs=0.02)
+    assert run["calibration_linear"] == pytest.approx(lib_run["calibration_linear"], abs=0.05)
+    out = tmp_path / "re" / "routers"
+    meta = read_meta(out)
+    assert meta["stage"] == 2 and meta["stage1_dir"] == str(lib) and meta["run"]["recalibrate"]["threshold_shift"] == \
+        run["threshold_shift"] and meta["run"]["stage2_tokens"] > 0
+    assert meta["wide_config"]["attn_rule"] == "skip_upto" and meta["fine"]["per_channel"] is False
+    adapters = load_file(recovered / "adapter_model.safetensors")
+    assert adapters and all(torch.equal(v, load_file(out / "adapter_model.safetensors")[k]) for k, v in adapters.items())
+    thr, start = load_file(out / "thresholds.safetensors")["log_threshold"], load_file(lib / "thresholds.safetensors")
+    finite = torch.isfinite(start["log_threshold"])
+    torch.testing.assert_close(thr[finite], start["log_threshold"][finite] + run["threshold_shift"])
+    assert wide_main(["eval", *common, "--routers", str(out), "--tasks", "--max-eval-sequences", "2",
+                      "--out", str(tmp_path / "ev")]) == 0
+    rec = json.loads((tmp_path / "ev.json").read_text())["records"][0]
+    assert rec["stage"] == 2 and rec["routing"] == "skip_upto1" and rec["attn_core_sparsity"] > 0
+    with pytest.raises(SystemExit, match="no LoRA adapters"):
+        trial.main(["--recalibrate", str(lib), "--stage1", str(lib), *common, *quick, "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="run.to_library"):
+        trial.main(["--recalibrate", str(recovered), "--stage1", str(tmp_path / "thr"), *common, *quick,
+                    "--out", str(tmp_path / "x")])
+
 
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
