@@ -616,7 +616,6 @@ def _add_recover_args(r: argparse.ArgumentParser) -> None:
 
 
 def cmd_recover(args) -> dict:
-    from .method import modeling
     from .method.baselines import STATIC_FILE, apply_static_file
     from .training.recovery import FINAL_DIR, load_recovered, merge, recover, save_recovered
     import torch

@@ -76,7 +76,6 @@ def measure(model, *, loss: str, amp: str, batch_size: int, seq_len: int, steps:
     """Median tokens/s of ``steps`` training steps after ``warmup`` ones, on random ids."""
     from wide.training.train import TrainArgs, train
 
-    device = next(model.parameters()).device
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size * (steps + warmup), seq_len), generator=g)
