@@ -639,7 +639,7 @@ def write_outputs(records: list, out_stem, args, command: str, extra: Optional[d
                         "eval_data": runs.eval_source(args), "decontaminate": args.decontaminate,
                         **({"heads": dict(zip(("thresholds", "core_target", "target", "loss", "routing", "choice"),
                                               heads_settings(args, "heads")["heads"]))}
-                           if any(METHOD_ROWS[m][0] == "heads" for m in args.methods) else {})},
+                           if any(METHOD_ROWS[m][0] == "heads" for m in getattr(args, "methods", ())) else {})},
            **(extra or {}), "records": records}
     json_file, md_file = runs.results_files(out)  # the stem taken literally: run.v1 -> run.v1.json
     json_file.write_text(json.dumps(doc, indent=2))
