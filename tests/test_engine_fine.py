@@ -459,6 +459,26 @@ def _which(t, ops, B):
     return "another"
 
 
+def _sums_steps(fp32, rounded, ref, ids, batches, calls):
+    """Decode steps 9 and 10 of each batch size in ``batches`` on the engine with fp32 sums, the
+    rounding one and the PyTorch path, asserting the first equal to the second (the interpreter
+    adds the sums in one order) and close to the third; yields ``(B, t, launches)``, the
+    fine_gemv launches (``calls``, from :func:`_launches`) of the fp32 engine's step."""
+    for B in batches:
+        for e in (fp32, rounded, ref):
+            e.setup_cache(B, 32)
+            e.prefill(ids[:B, :9])
+        for t in range(9, 11):
+            pos = torch.full((B,), t, dtype=torch.long)
+            calls.clear()
+            got = fp32.decode(ids[:B, t], pos)
+            launches = list(calls)
+            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
+            assert torch.equal(got, want), (B, t)
+            assert rel(got, slow) < 1e-5, (B, t)
+            yield B, t, launches
+
+
 @pytest.mark.parametrize("criterion", ["magnitude", "wina"])
 def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
     # o and down add into fp32 sums that the next norm (and the final norm) rounds and reads,
@@ -476,31 +496,20 @@ def test_fp32_sums_match_the_rounded_path_and_torch(criterion, monkeypatch):
     ops = fp32.decode_ops
     H, L = model.config.hidden_size, len(fp32.layers)
     calls = _launches(monkeypatch)
-    for B in (2, 4, 1, 4):
-        for e in (fp32, rounded, ref):
-            e.setup_cache(B, 32)
-            e.prefill(ids[:B, :9])
-        for t in range(9, 11):
-            pos = torch.full((B,), t, dtype=torch.long)
-            calls.clear()
-            got = fp32.decode(ids[:B, t], pos)
-            launches = list(calls)
-            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
-            assert torch.equal(got, want), (B, t)  # the interpreter adds the sums in one order
-            assert rel(got, slow) < 1e-5, (B, t)
-            # between steps: o and q|k|v sums zero, down sums the last layer's (read by the final norm)
-            assert torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
-            assert bool(ops.down_sum[:B].abs().sum() > 0)
-            if criterion == "magnitude":  # q|k|v, o, gate|up, down (reading the gate|up sums)
-                layer = [("qkv_sum", "down_sum"), ("o_sum", "gu_sum"), ("gu_sum", "o_sum"), ("down_sum", None)]
-                # the last layer's gate|up sums stay until the next step's first o GEMV clears them
-                assert bool(ops.gu_sum[:B].abs().sum() > 0)
-            else:  # q, k, v, o, gate, up, down
-                layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", "gu_sum"), (None, "o_sum"),
-                         (None, None), ("down_sum", None)]
-                assert torch.all(ops.gu_sum == 0)
-            assert [(_which(a, ops, B), _which(c, ops, B)) for a, c in launches] == layer * L
-            assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
+    for B, t, launches in _sums_steps(fp32, rounded, ref, ids, (2, 4, 1, 4), calls):
+        # between steps: o and q|k|v sums zero, down sums the last layer's (read by the final norm)
+        assert torch.all(ops.o_sum == 0) and torch.all(ops.qkv_sum == 0)
+        assert bool(ops.down_sum[:B].abs().sum() > 0)
+        if criterion == "magnitude":  # q|k|v, o, gate|up, down (reading the gate|up sums)
+            layer = [("qkv_sum", "down_sum"), ("o_sum", "gu_sum"), ("gu_sum", "o_sum"), ("down_sum", None)]
+            # the last layer's gate|up sums stay until the next step's first o GEMV clears them
+            assert bool(ops.gu_sum[:B].abs().sum() > 0)
+        else:  # q, k, v, o, gate, up, down
+            layer = [(None, "down_sum"), (None, None), (None, None), ("o_sum", "gu_sum"), (None, "o_sum"),
+                     (None, None), ("down_sum", None)]
+            assert torch.all(ops.gu_sum == 0)
+        assert [(_which(a, ops, B), _which(c, ops, B)) for a, c in launches] == layer * L
+        assert not any(a is not None or c is not None for a, c in calls[len(launches):])  # rounded: none
     prompt = ids_of(1, 7, seed=8)[0].tolist()
     assert fp32.generate([prompt], max_new_tokens=5).tokens == rounded.generate([prompt], max_new_tokens=5).tokens \
         == ref.generate([prompt], max_new_tokens=5).tokens
@@ -542,19 +551,9 @@ def test_hybrid_fp32_sums_match_the_rounded_path_and_torch(what, monkeypatch):
                      for v in ("fp32", "rounded"))
     ref = wide.accelerate(model, backend="torch", mode="hybrid")
     calls = _launches(monkeypatch)
-    for B in (2, 3, 1):
-        for e in (fp32, rounded, ref):
-            e.setup_cache(B, 32)
-            e.prefill(ids[:B, :9])
-        for t in range(9, 11):
-            pos = torch.full((B,), t, dtype=torch.long)
-            calls.clear()
-            got = fp32.decode(ids[:B, t], pos)
-            sums = {_which(a, fp32.decode_ops, B) for a, _ in calls} - {None}
-            want, slow = rounded.decode(ids[:B, t], pos), ref.decode(ids[:B, t], pos)
-            assert torch.equal(got, want), (what, B, t)
-            assert rel(got, slow) < 1e-5, (what, B, t)
-            assert sums == ({"qkv_sum", "o_sum", "down_sum"} | ({"gu_sum"} if what == "heads" else set())), sums
+    for B, t, launches in _sums_steps(fp32, rounded, ref, ids, (2, 3, 1), calls):
+        sums = {_which(a, fp32.decode_ops, B) for a, _ in launches} - {None}
+        assert sums == ({"qkv_sum", "o_sum", "down_sum"} | ({"gu_sum"} if what == "heads" else set())), sums
 
 
 def test_fp32_sums_off_under_deterministic_algorithms_and_above_the_gemv_limit(monkeypatch):
