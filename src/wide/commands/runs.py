@@ -726,6 +726,11 @@ def describe_estimate(work: list, speed: tuple, device: str, harness: bool = Fal
             "--generation set how much is evaluated")
 
 
+def _offset_batches(args, train_ids) -> list:
+    """The first ``--offset-batches`` batches of the calibration text, where offsets are set."""
+    return list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
+
+
 def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     """Router offsets set so that the inference masks hit the target exactly on the first
     ``--offset-batches`` batches of the calibration text (nothing with ``--offsets none``),
@@ -736,7 +741,7 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     from ..method.offsets import calibrate_offsets as calibrate
     from ..method.state import get_state
 
-    batches = train_ids[:args.offset_batches * args.batch_size].split(args.batch_size)
+    batches = _offset_batches(args, train_ids)
     t0 = time.perf_counter()
     fine = get_fine(model)
     if fine is not None and fine.config.allocation == "learned":
@@ -752,10 +757,6 @@ def calibrate_offsets(model, args, train_ids) -> Optional[dict]:
     print(f"offsets ({args.offsets}) calibrated on {sum(len(b) for b in batches)} sequences in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
     return offsets
-
-
-def _offset_batches(args, train_ids) -> list:
-    return list(train_ids[:args.offset_batches * args.batch_size].split(args.batch_size))
 
 
 def core_rate(model, args, train_ids) -> float:

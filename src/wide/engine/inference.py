@@ -81,6 +81,7 @@ __all__ = ["AcceleratedModel", "accelerate", "generate", "GenerationResult", "sa
 PREFILL_GRAPH_MAX_TOKENS = 2048
 
 BACKENDS = ("auto", "triton", "torch")
+UNTHRESHOLDED = {"fine": "dense", "hybrid": "routed"}  # decode_path's other step: the mode's prefill ops
 log = logging.getLogger(__name__)
 
 
@@ -224,8 +225,7 @@ class AcceleratedModel:
         self.fine = None  # wide.engine.fine_engine.FineThresholds of a fine or hybrid engine
         self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
         # Fine and hybrid on the kernels: a decode batch runs the thresholds or the prefill ops
-        # (fine: the dense weights, on the same single copy; hybrid: the routers alone), per
-        # batch size (decode_path).
+        # (UNTHRESHOLDED), per batch size (decode_path).
         self._paths = {}
         if mode in ("fine", "hybrid") and self.backend == "torch" and self.device.type == "cpu":
             log.info("the Triton kernels need a CUDA GPU: this %s engine runs the PyTorch path", mode)
@@ -448,7 +448,7 @@ class AcceleratedModel:
             return "main"
         if self.backend != "triton":
             return "fine"
-        other = "dense" if self.mode == "fine" else "routed"
+        other = UNTHRESHOLDED[self.mode]
         if self.fine_max_batch is not None:
             return "fine" if B <= self.fine_max_batch else other
         if self.device.type != "cuda":
@@ -530,7 +530,7 @@ class AcceleratedModel:
         after two). Both write this step's k/v at the same positions; the step that follows
         rewrites them with the kept path's."""
         times = {}
-        for path in ("fine", "dense" if self.mode == "fine" else "routed"):
+        for path in ("fine", UNTHRESHOLDED[self.mode]):
             self._paths[B] = path
             graph, _ = self._capture_decode(B, reuse)
             times[path] = statistics.median(replay_times_ms(graph, replays))
