@@ -436,7 +436,7 @@ def gpu_kernel_tests() -> bool:
         print("  pytest is not installed: skipped")
         return True
     files = [str(ROOT / "tests" / f) for f in ("test_kernels_norm_route.py", "test_kernels_router_mask.py",
-                                                "test_kernels_fp32_dot.py")]
+                                                "test_kernels_fp32_dot.py", "test_kernels_skip_rule.py")]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-k", "on_gpu", *files], env=env,
                        capture_output=True, text=True)

@@ -317,3 +317,18 @@ def python_stub(tmp_path, script: str):
     py.write_text(script)
     py.chmod(0o755)
     return py
+
+
+class AlwaysLibrary(dict):
+    """A K_CHOICES whose every key is measured, with the library path the faster: cuBLAS (or q|k|v
+    in one cuBLAS GEMM, ``qkv="whole"``) for the projections, SDPA for prefill attention."""
+
+    def __init__(self, qkv: str = "cublas"):
+        super().__init__()
+        self.qkv = qkv
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return {"attend_prefill": "sdpa", "q_kv": self.qkv, "qkv_dense": self.qkv}.get(key[0], "cublas")

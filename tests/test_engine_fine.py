@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import tiny_model, write_tiny_run  # noqa: E402
+from conftest import AlwaysLibrary, tiny_model, write_tiny_run  # noqa: E402
 
 import wide  # noqa: E402
 from wide.method import fine as wf  # noqa: E402
@@ -378,6 +378,8 @@ def test_hybrid_with_attention_routers_keeps_one_copy_of_the_ffn():
         assert _storage(layer.get_submodule(name).weight) == _storage(lay), name
     assert _storage(L.wg) == _storage(L.wu) == _storage(f.wgu_t) and _storage(L.wd) == _storage(f.wd_t)
     assert _storage(L.wkv) == _storage(f.wqkv_t)  # k|v: no concatenated copy either
+    # gate|up as one GEMM and q|k|v as one where cuBLAS is chosen: views of the same layout
+    assert _storage(L.wgu) == _storage(f.wgu_t) and _storage(L.wqkv_cublas) == _storage(f.wqkv_t)
     assert _storage(layer.self_attn.q_proj.weight) == q_storage != _storage(f.wqkv_t)
     for n, p in layer.named_parameters():
         if n in before:
@@ -386,6 +388,49 @@ def test_hybrid_with_attention_routers_keeps_one_copy_of_the_ffn():
     routed = model_with_thresholds(seed=15)  # FFN routers too
     eng = wide.accelerate(routed, backend="triton", mode="hybrid")
     assert _storage(routed.model.layers[0].mlp.up_proj.weight) != _storage(eng.layers[0].fine.wgu_t)
+
+
+def test_unrouted_ffn_runs_one_gate_up_gemm_on_one_copy():
+    # Head routers alone (coarse): gate|up as one weight the model's gate/up become views of (one
+    # GEMM and the fused silu_mul, as the dense engine runs them); with FFN routers, no such copy.
+    model = model_carrying("heads_alone")
+    layer = model.model.layers[1]
+    before = layer.mlp.gate_proj.weight.detach().clone()
+    eng = wide.accelerate(model, backend="triton", mode="coarse")
+    L = eng.layers[1]
+    assert _storage(layer.mlp.gate_proj.weight) == _storage(layer.mlp.up_proj.weight) == _storage(L.wgu)
+    assert torch.equal(layer.mlp.gate_proj.weight, before)
+    ids = ids_of(2, 12, seed=4)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    eng.setup_cache(2, 32)
+    assert rel(eng.prefill(ids[:, :9]), ref[:, 8]) < 1e-5
+    for t in range(9, 12):
+        assert rel(eng.decode(ids[:, t], torch.full((2,), t, dtype=torch.long)), ref[:, t]) < 1e-5, t
+    assert wide.accelerate(model_carrying("routers"), backend="triton", mode="coarse").layers[1].wgu is None
+
+
+@pytest.mark.parametrize("qkv", ["cublas", "whole"])
+def test_hybrid_heads_on_library_paths_match_the_routed_kernels(qkv, monkeypatch):
+    # Where the engine measures the library faster (forced here: q|k|v as two GEMMs or one on the
+    # GEMVs' transposed layout, prefill attention in SDPA with the skipped heads zeroed), a
+    # head-router set's hybrid engine gives the routed kernels' values, prefill and decode with
+    # the routers alone (fine_max_batch=0).
+    import wide.engine.ops
+
+    model = model_carrying("heads")
+    ids = ids_of(2, 12, seed=6)
+    kernels = wide.accelerate(model, backend="triton", mode="hybrid", fine_max_batch=0)
+    library = wide.accelerate(model, backend="triton", mode="hybrid", fine_max_batch=0)
+    outs = {}
+    for name, eng, choices in (("kernels", kernels, {}), ("library", library, AlwaysLibrary(qkv))):
+        monkeypatch.setattr(wide.engine.ops, "K_CHOICES", choices)
+        eng.setup_cache(2, 32)
+        outs[name] = [eng.prefill(ids[:, :9])]
+        for t in range(9, 12):
+            outs[name].append(eng.decode(ids[:, t], torch.full((2,), t, dtype=torch.long)))
+    for t, (a, b) in enumerate(zip(outs["kernels"], outs["library"])):
+        assert rel(a, b) < 1e-5, t
 
 
 def test_fine_max_batch_decodes_dense_above_it():

@@ -16,7 +16,7 @@ from wide.base import arch  # noqa: E402
 from wide.engine.graphs import warm_up  # noqa: E402
 from wide.engine.inference import AcceleratedModel, accelerate, generate, sample_logits  # noqa: E402
 
-from conftest import tiny_model  # noqa: E402
+from conftest import AlwaysLibrary, tiny_model  # noqa: E402
 
 # head_dim 64 (the attention kernels take 64 or 128), 4 query / 2 KV heads, FFN 128 = 4 x 32.
 TINY = dict(hidden_size=64, head_dim=64, intermediate_size=128, num_attention_heads=4,
@@ -311,25 +311,17 @@ def test_prefill_kernels_match_torch_backend_across_token_blocks():
 
 
 
-class _AlwaysCublas(dict):
-    """A K_CHOICES whose every key is measured, with cuBLAS the faster."""
-
-    def __contains__(self, key):
-        return True
-
-    def __getitem__(self, key):
-        return "cublas"
-
-
-def test_cublas_choices_match_masked_path(monkeypatch):
+@pytest.mark.parametrize("qkv", ["cublas", "whole"])
+def test_cublas_choices_match_masked_path(monkeypatch, qkv):
     # On a GPU the engine measures routed kernel vs cuBLAS per projection and T bucket (the
-    # union of many tokens' groups is ~every group). Forced to cuBLAS everywhere here: prefill
+    # union of many tokens' groups is ~every group). Forced to cuBLAS everywhere here (q|k|v as
+    # two GEMMs or one, prefill attention in SDPA with the skipped heads zeroed after): prefill
     # and batch-2 decode must still match the masked path (inactive q heads unused, the FFN
     # activation zero in inactive groups); batch 1 keeps the routed q and gate/up (they write
     # the deferred router's masks) with O and down on cuBLAS.
     import wide.engine.ops
 
-    monkeypatch.setattr(wide.engine.ops, "K_CHOICES", _AlwaysCublas())
+    monkeypatch.setattr(wide.engine.ops, "K_CHOICES", AlwaysLibrary(qkv))
     model = routed(seed=4)
     ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():

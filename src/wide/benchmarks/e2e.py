@@ -940,8 +940,10 @@ def markdown(meta: dict) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. {meta['model']}; "
              f"{meta['routers']}.", "", f"Command: `{meta['command']}`", ""]
     if meta.get("pdl"):
-        lines += ["Programmatic dependent launch on (WIDE_PDL=1): the norm, RoPE, decode attention and fine GEMV launches start "
-                  "while the launch before them drains (wide.kernels.pdl).", ""]
+        lines += ["Programmatic dependent launch on (wide.kernels.pdl; WIDE_PDL=0 turns it off): the norm, RoPE, decode "
+                  "attention and fine GEMV launches start while the launch before them drains.", ""]
+    elif "pdl" in meta:
+        lines += ["Programmatic dependent launch off (WIDE_PDL=0, or a GPU or Triton without it).", ""]
     if meta.get("thresholds"):
         split = meta.get("hybrid_split", {})
         lines += [f"Modes {', '.join(meta.get('modes', []))}; {meta['thresholds']}."
@@ -1061,7 +1063,8 @@ def markdown(meta: dict) -> str:
             by_routing.setdefault(c.get("routing") or "token", []).append(
                 f"{c.get('op', 'gemm_k')} {c['N']}x{c['K']} T<={c['T_bucket']}: {c['impl']}")
         lines += ["Routed kernel or cuBLAS, chosen by measurement per projection (CUDA-graph replays, first "
-                  "use of each shape and T bucket; batch-1 q and gate/up always routed):", ""]
+                  "use of each shape and T bucket; batch-1 q and gate/up always routed; q_kv / qkv_dense: "
+                  "`whole` is q|k|v in one GEMM; attend_prefill BxHq*D: the routed kernel or SDPA):", ""]
         lines += [(f"- {r}: " if len(by_routing) > 1 else "") + "; ".join(cs) for r, cs in by_routing.items()]
         lines.append("")
     if meta.get("errors"):

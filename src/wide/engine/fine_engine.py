@@ -451,9 +451,7 @@ def _single_copy(model, L, f: FineLayer, layer, spec, w: dict, parts=("qkv", "o"
     if "o" in parts:
         L.wo = views["o"] = f.wo_t.t()
     if "gu" in parts:
-        gu = f.wgu_t.t()
-        if "qkv" in parts:  # (the fused gate|up weight is read by the dense ops alone)
-            L.wgu = gu
+        L.wgu = gu = f.wgu_t.t()
         L.wg, L.wu = views["gate"], views["up"] = gu[:inter], gu[inter:]
     if "down" in parts:
         L.wd = views["down"] = f.wd_t.t()
@@ -486,6 +484,7 @@ def make_decode_ops(engine):
                 # k|v run as one dense GEMM in hybrid (cuBLAS takes the transposed view): no
                 # concatenated copy of their rows beside the layout
                 L.wkv = f.wqkv_t[:, f.segs[1]:].t()
+                L.wqkv_cublas = f.wqkv_t.t()
                 if engine.cfg is not None and not engine.cfg.routes_ffn:
                     _single_copy(engine.model, L, f, layer, spec, w, parts=("gu", "down"))
         L.fine = f

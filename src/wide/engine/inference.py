@@ -103,7 +103,9 @@ class _Layer:
     wu: torch.Tensor
     wd: torch.Tensor
     wqkv: Optional[torch.Tensor] = None  # [wq; wk; wv]: dense engine, and routed decode
-    wgu: Optional[torch.Tensor] = None  # dense engine only
+    # [wq; wk; wv] for cuBLAS alone (any strides): hybrid's view of the GEMVs' transposed layout
+    wqkv_cublas: Optional[torch.Tensor] = None
+    wgu: Optional[torch.Tensor] = None  # [wg; wu]: dense engine, and FFNs no router routes
     bq: Optional[torch.Tensor] = None  # q/k/v biases (Qwen2): bq, bkv views of bqkv
     bkv: Optional[torch.Tensor] = None
     bqkv: Optional[torch.Tensor] = None
@@ -271,11 +273,13 @@ class AcceleratedModel:
             L.q_norm, L.k_norm = getattr(attn, spec.q_norm), getattr(attn, spec.k_norm)
             L.qk_norm = torch.cat([L.q_norm.weight, L.k_norm.weight]).detach()
             L.qk_eps = L.q_norm.variance_epsilon
-        if self.mode == "dense":
+        if self.mode == "dense" or (self.cfg is not None and not self.cfg.routes_ffn):
+            # gate|up in one GEMM where nothing routes the FFN (as the dense engine), and one copy
+            # of their weights: the model's become views of it
             L.wgu = torch.cat([wg, wu]).detach()
             L.wg, L.wu = L.wgu[:wg.shape[0]], L.wgu[wg.shape[0]:]
             arch.share_projection_weights(layer, spec, {"gate": L.wg, "up": L.wu})
-        elif self.cfg is not None:
+        if self.mode != "dense" and self.cfg is not None:
             lr = self.model.wide_routers[i]
             L.routers = {"attn": lr.router("attn"), "ffn": lr.router("ffn")}
         return L

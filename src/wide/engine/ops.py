@@ -36,7 +36,8 @@ try:
     import triton
 
     from ..kernels import (batch_shared_mask, build_route, decode_attention, ffn_up, gemm_k, gemm_mn,
-                          norm_route, prefill_attention, rope_decode, rope_prefill, router_mask, silu_mul)
+                          norm_route, prefill_attention, rope_decode, rope_prefill, router_mask, silu_mul,
+                          skip_rule)
     from ..kernels.routing import next_pow2
 
     HAS_TRITON = True
@@ -66,9 +67,12 @@ def choose_fastest(key, candidates: dict, choices: dict, timer: Callable, defaul
 
 
 def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
-             routed_only: bool = False, routing=None):
-    """``routed()`` or ``dense()`` (cuBLAS; the same values wherever they are used), whichever
-    was measured faster for this op, weight shape, group size and T bucket: once, on CUDA with
+             routed_only: bool = False, routing=None, others: Optional[dict] = None, key: Optional[tuple] = None,
+             dense_name: str = "cublas"):
+    """``routed()`` or ``dense()`` (cuBLAS, or what ``dense_name`` says; the same values wherever
+    they are used), or one of ``others`` (name -> callable, more ways to the same values),
+    whichever was measured fastest for this op, weight shape, group size and T bucket (or
+    ``key``, laid out alike): once, on CUDA with
     autotuning on (K_CHOICES), else (or ``routed_only``) the routed kernel. Timed as CUDA-graph
     replays: eager timing of a ~20 us decode kernel measures mostly its Python launch cost,
     which made cuBLAS (one launch) win every T bucket."""
@@ -76,12 +80,12 @@ def measured(op: str, x, w, group_size: int, routed: Callable, dense: Callable,
         return routed()
     # The routing rule is part of the key: tile-coherent or batch-shared masks let the routed
     # kernel skip what per-token masks of the same shape cannot.
-    key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype, routing)
+    if key is None:
+        key = (op, tuple(w.shape), group_size, next_pow2(x.shape[0]), x.dtype, routing)
     if key not in K_CHOICES and (x.device.type != "cuda" or not autotune_enabled()):
         return routed()
-    pick = choose_fastest(key, {"routed": routed, "cublas": dense}, K_CHOICES, time_graph,
-                          default="routed")
-    return routed() if pick == "routed" else dense()
+    candidates = {"routed": routed, dense_name: dense, **(others or {})}
+    return candidates[choose_fastest(key, candidates, K_CHOICES, time_graph, default="routed")]()
 
 
 def kernel_shape_error(head_dim: int, ffn_group_size: Optional[int], intermediate: int) -> Optional[str]:
@@ -201,6 +205,10 @@ class TorchOps:
             return None
         return router.margin(self.router_input(resid, normed).float())
 
+    def skip_mask(self, rule, margin):
+        """The mask of a skip_smallest / skip_upto ``rule`` (wide.method.group_rules) from margins."""
+        return rule.runs(margin)
+
     def shared_mask(self, margin):
         """One group set for the batch from margins [B, groups], as a [B, groups] mask."""
         return batch_shared_runs(margin, torch.ones(margin.shape[0], dtype=torch.bool, device=margin.device)
@@ -256,7 +264,12 @@ class TorchOps:
         return F.linear(att, L.wo)
 
     def ffn(self, L, h, mask, router=None):
-        u = F.silu(F.linear(h, L.wg)) * F.linear(h, L.wu)
+        if L.wgu is not None:  # one gate|up GEMM: the dense engine, and FFNs no router routes
+            gu = F.linear(h, L.wgu)
+            inter = gu.shape[1] // 2
+            u = self.act(gu[:, :inter], gu[:, inter:])
+        else:
+            u = self.act(F.linear(h, L.wg), F.linear(h, L.wu))
         if mask is not None:
             u = u * _flat(mask).repeat_interleave(self.e.ffn_gs, dim=-1).to(u.dtype)
         return F.linear(u, L.wd)
@@ -373,6 +386,9 @@ class TritonOps(TorchOps):
     def shared_mask(self, margin):
         return batch_shared_mask(margin)
 
+    def skip_mask(self, rule, margin):
+        return skip_rule(margin, rule.k, upto=rule.name == "skip_upto")
+
     def final_norm(self, x, delta):
         fn = self.e.final_norm
         return norm_route(x, delta, fn.weight, fn.variance_epsilon)[1]
@@ -381,10 +397,22 @@ class TritonOps(TorchOps):
         if mask is not None and fused and L.wqkv is not None:
             qkv = self._q_proj(L, h, mask, route, router, fused_kv=True)
             return qkv[:, :L.wq.shape[0]], qkv[:, L.wq.shape[0]:]
-        kv = F.linear(h, L.wkv)
+        nq, whole = L.wq.shape[0], L.wqkv if L.wqkv is not None else L.wqkv_cublas
+
+        def apart():
+            return F.linear(h, L.wq), F.linear(h, L.wkv)
+
+        # q|k|v in one cuBLAS GEMM, one launch fewer, where the weights lie as one tensor; on
+        # hybrid's transposed layout cuBLAS ran 0.98-1.12x its row-major time
+        # (bench/results/h100/fine_gemv_prefill.md), so each way is timed per T bucket
+        others = {} if whole is None else {"whole": lambda: F.linear(h, whole).split([nq, whole.shape[0] - nq], 1)}
+        gs = self.e.attn_gs * self.e.head_dim
         if mask is None:
-            return F.linear(h, L.wq), kv
-        return self._q_proj(L, h, _flat(mask), route, router), kv
+            return apart() if whole is None else measured("qkv_dense", h, L.wq, gs, apart, apart, others=others)
+        mask = _flat(mask)
+        return measured("q_kv", h, L.wq, gs,
+                        lambda: (gemm_mn(h, L.wq, mask, gs, route=route, router=router), F.linear(h, L.wkv)),
+                        apart, routed_only=router is not None, routing=self.e.routing, others=others)
 
     def o_proj(self, L, att, mask, route):
         if mask is None:
@@ -412,9 +440,17 @@ class TritonOps(TorchOps):
         if mask is None:
             return super().attend_prefill(q, k, v, None, lens)
         B, T, Hq, D = q.shape
-        att = prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask,
-                                q_lens=lens, k_lens=lens, padding_side="right")
-        return att.reshape(B * T, Hq * D)
+
+        def routed():
+            return prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), mask,
+                                     q_lens=lens, k_lens=lens, padding_side="right").reshape(B * T, Hq * D)
+
+        # SDPA (the dense engine's attention) with the skipped heads zeroed after, where it
+        # measures faster: at 25 % skipped the routed kernel ran 0.5x SDPA's default backend at
+        # 1k tokens, 1.0x at 4k, 1.1x at 16k (bench/results/attention.md, H200)
+        return measured("attend_prefill", q, q, self.e.attn_groups, routed,
+                        lambda: TorchOps.attend_prefill(self, q, k, v, mask, lens), dense_name="sdpa",
+                        key=("attend_prefill", (B, Hq * D), self.e.attn_groups, next_pow2(T), q.dtype, self.e.routing))
 
     def rope_decode(self, i, L, q, kv, pos):
         e = self.e
@@ -465,7 +501,8 @@ class TritonOps(TorchOps):
 
 
 class _DenseOps:
-    """``mode="dense"``: no routing; q/k/v and gate/up each in one GEMM (as gpt-fast does)."""
+    """``mode="dense"``: no routing; q/k/v and gate/up (:meth:`TorchOps.ffn`) each in one GEMM
+    (as gpt-fast does)."""
 
     def routed(self, kind: str) -> bool:
         return False
@@ -473,11 +510,6 @@ class _DenseOps:
     def qkv(self, L, h, mask, route=None, router=None, fused=False):
         qkv = F.linear(h, L.wqkv, L.bqkv if self.gemm_bias else None)
         return qkv[:, :L.wq.shape[0]], qkv[:, L.wq.shape[0]:]
-
-    def ffn(self, L, h, mask, router=None):
-        gu = F.linear(h, L.wgu)
-        inter = gu.shape[1] // 2
-        return F.linear(self.act(gu[:, :inter], gu[:, inter:]), L.wd)
 
 
 class DenseTorchOps(_DenseOps, TorchOps):

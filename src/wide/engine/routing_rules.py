@@ -259,8 +259,9 @@ class SkipSmallestRule(TokenRule):
     """``attn_rule="skip_smallest"``: attention skips, per token, the ``k`` groups of smallest
     margin (``"skip_upto"``: those of them below 0; the margins carry the offsets, as the masked
     path's do); the FFN keeps the per-token rule. The router's margins come from the same launches
-    that give masks (the fused norm in decode, as for batch-shared decode), and the choice is a few
-    elementwise ops, captured with the step. At batch 1 only the FFN's router is left to the
+    that give masks (the fused norm in decode, as for batch-shared decode), and the choice is one
+    launch on the kernels (:func:`wide.kernels.skip_rule`; ~10 elementwise ops in PyTorch), captured
+    with the step. At batch 1 only the FFN's router is left to the
     GEMVs: they threshold each margin at 0 (the independent rule), which attention does not run."""
 
     margins = False
@@ -283,13 +284,13 @@ class SkipSmallestRule(TokenRule):
         margin = ops.margins(i, kind, resid, normed)
         if margin is None:  # a layer kept dense
             return None
-        mask = self.rule.runs(margin)
+        mask = ops.skip_mask(self.rule, margin)
         return mask if valid is None else mask & valid[..., None]
 
     def decode(self, ops, i, kind, mask, pos, resid, normed, attn=None):
         if kind != "attn" or mask is None:
             return mask
-        return self.rule.runs(mask)  # mask holds the margins here (wants_margins)
+        return ops.skip_mask(self.rule, mask)  # mask holds the margins here (wants_margins)
 
 
 def make_rule(engine, batch_shared: bool) -> TokenRule:

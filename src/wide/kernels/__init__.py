@@ -20,3 +20,4 @@ else:
     from .rope import rope_decode, rope_prefill, rope_reference  # noqa: F401
     from .silu_mul import silu_mul, silu_mul_reference  # noqa: F401
     from .batch_shared import batch_shared_mask, batch_shared_mask_reference  # noqa: F401
+    from .skip_rule import skip_rule, skip_rule_reference  # noqa: F401

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm_reference", "apply_rope", "batch_shared_runs", "shared_units"]
+__all__ = ["rms_norm_reference", "apply_rope", "batch_shared_runs", "shared_units", "skip_smallest_runs"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,3 +59,17 @@ def batch_shared_runs(margin: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     score = torch.where(valid.unsqueeze(-1), shared_units(margin), 0).sum(dim=0)
     order = torch.sort(score, descending=True, stable=True).indices
     return order.argsort() < keep  # a group's rank in the order
+
+
+def skip_smallest_runs(margin: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool execute mask [..., G]: False on the ``k`` smallest margins of each row, ties to the
+    lower index. A rank count (no sort), so the engine's CUDA graphs capture it and both paths
+    pick the same groups: group g's rank is the number of groups j with m_j < m_g, or m_j == m_g
+    and j < g."""
+    g = margin.shape[-1]
+    if not 1 <= k < g:
+        raise ValueError(f"skip_smallest skips at least 1 and fewer than the {g} groups, got k={k}")
+    a, b = margin.unsqueeze(-1), margin.unsqueeze(-2)  # [..., g, 1] (this group), [..., 1, j] (the others)
+    idx = torch.arange(g, device=margin.device)
+    before = (b < a) | ((b == a) & (idx[None, :] < idx[:, None]))
+    return before.sum(-1) >= k

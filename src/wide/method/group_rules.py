@@ -21,7 +21,9 @@ every margin, and the "skip nothing" slack lets the dense router start and the t
 work as under the independent rule. Inference has no slack: always exactly ``k``.
 
 The masked HF path (:mod:`wide.method.modeling`) and the engine's rule
-(:class:`wide.engine.routing_rules.SkipSmallestRule`) both call :func:`skip_smallest_runs`.
+(:class:`wide.engine.routing_rules.SkipSmallestRule`) both call :func:`skip_smallest_runs` (kept
+beside the kernels' references; on the kernels the engine runs the same mask in one launch,
+:func:`wide.kernels.skip_rule`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.reference import skip_smallest_runs
 from .config import WideConfig
 from .routers import TokenRouter, group_runs
 
@@ -113,20 +116,6 @@ def group_rule(config: WideConfig, kind: str):
     if kind == "attn" and config.attn_rule == "skip_upto":
         return SkipUpTo(config.attn_skip)
     return Independent()
-
-
-def skip_smallest_runs(margin: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool execute mask [..., G]: False on the ``k`` smallest margins of each row, ties to the
-    lower index. A rank count (no sort), so the engine's CUDA graphs capture it and both paths
-    pick the same groups: group g's rank is the number of groups j with m_j < m_g, or m_j == m_g
-    and j < g."""
-    g = margin.shape[-1]
-    if not 1 <= k < g:
-        raise ValueError(f"skip_smallest skips at least 1 and fewer than the {g} groups, got k={k}")
-    a, b = margin.unsqueeze(-1), margin.unsqueeze(-2)  # [..., g, 1] (this group), [..., 1, j] (the others)
-    idx = torch.arange(g, device=margin.device)
-    before = (b < a) | ((b == a) & (idx[None, :] < idx[:, None]))
-    return before.sum(-1) >= k
 
 
 def skip_smallest_sample(margin: torch.Tensor, k: int, tau: float,
