@@ -11,7 +11,12 @@
 # dense / thresholds alone and the per-token oracle on the same machine, so every ratio is one
 # card's. Stages, in order of priority: dense+fine-50 eval, seed 0 (train + eval), oracle, seed 1,
 # seed 2; each is skipped when its estimated time does not fit in what is left of BUDGET_S, and
-# every python call runs under `timeout`.
+# every python call runs under `timeout`. Every eval is two stages (evals): eval_NAME, the held-out
+# windows alone (bare --tasks, RES/eval_NAME.json), then, with TASKS, tasks_NAME, the same eval with
+# the tasks (RES/tasks_NAME.json), skipped where it does not fit: tasks cut at their limit (on the
+# H100 a set's seven tasks overran the call that held its perplexity too, and nothing was written)
+# leave the perplexity recorded. The summary takes ppl and sparsity from eval_NAME and the task
+# columns from tasks_NAME where that finished ("-" where not).
 #
 # Stage 2 (STAGE2=1, issue 48's <= 1.2x dense with >= 65 % of the above-chance accuracy kept): for
 # every seed of SEEDS whose library set RES/lib_sN/routers exists, LoRA on the backbone by `wide
@@ -32,7 +37,7 @@
 # alone on the library sets of an earlier call (DIR/lib_sN; RES is then DIR, kept) or of its
 # archive (FROM=heads_gpu.tgz: unpacked into RES).
 #
-# Records (logs, run.json / history.json / routers of each seed, eval json/md,
+# Records (logs, run.json / history.json / routers of each seed, eval_* / tasks_* json/md,
 # oracle log, summary.md) go to RES (default /tmp/heads_gpu, emptied first); after every stage they
 # are packed into $OUT/heads_gpu/heads_gpu.tgz (checkpoints and the stage-2 sets' tensors left out:
 # 20 MB of adapters a set; every tensor if the archive would pass 15 MiB) and stages.log /
@@ -52,11 +57,18 @@
 # the H100 trained 100 steps of 64 x 256 at bf16 (ce) in ~40 s (its 66 s build less a 26 s threshold
 # shift), ~0.4 s/step; kd adds a teacher forward (x1.47 per step at bf16, 64 x 256, in
 # bench/results/quality_scaling/train_speed.md) and LoRA on the 210 projections ~10-20 %: ~0.7
-# s/step, so ~70 s of training a seed, plus ~15-30 s start-up, ~20 s for the re-set and 15-45 s
-# for the eval (the seven tasks at --limit 500 took 10-25 s per model in wide compare's runs):
-# ~130-170 s a seed, 3 seeds + dense with tasks ~7.5-9.5 min. The first seed's measured time sets
-# the check of the next ones, so a seed that does not fit is skipped and the fallback call below
-# finishes it.
+# s/step, so ~70 s of training a seed, plus ~15-30 s start-up, ~20 s for the re-set, ~15 s for the
+# perplexity and ~200 s for the tasks: measured on the H100, `wide eval` with the seven tasks at
+# --limit 500 took ~110 s a model for dense and thresholds alone (225 s for dense + fine-50 in one
+# call, start-up included; its estimate, then timed on the dense model only, said 74 s) and more
+# than 140 s for a set of head routers + thresholds (killed at 140 s; its hooks and per-element
+# masks are slower than dense: the 24-window evals of experiments/results/head_routers_gpu_h100*/
+# ran ~22 batches/s dense, ~12/s fine-50, ~8-9/s a head-router set), not the 10-25 s a model of
+# wide compare's runs assumed before. So ~350-400 s a seed with tasks (one seed a call of 550 s) and ~260 s for dense + fine-50
+# with tasks: 3 seeds + dense ~23 min. The first seed's measured time sets the check of the next
+# ones in a call, so a seed that does not fit is skipped and a later call finishes it. `wide eval`
+# prints its estimate before it evaluates (in eval_* / tasks_*.log), timed on each model it
+# evaluates: the figure to set TASKS_S from for another --limit or task list.
 #
 # Device call (the caller has unpacked the model/data cache and exported WIDE_CACHE_DIR, and runs
 # from the repository root; python3 there is the one with torch):
@@ -73,16 +85,18 @@
 #   python3 scripts/device_assets.py unpack --cache /root/wide_cache && export WIDE_CACHE_DIR=/root/wide_cache && \
 #   TARGET=0.26 LIBRARY=0.25 ORACLE=0 DENSE=0 TRAINED_EVAL=0 STEPS=150 BATCH=64 START_S=40 STEP_S=0.85 \
 #       EVAL_S=30 BUDGET_S=550 bash experiments/head_routers_gpu.sh
-#   2. stage 2 on those sets, dense and fine-50, with the seven tasks (RES = FROM, kept):
-#   WIDE_CACHE_DIR=/root/wide_cache FROM=/tmp/heads_gpu ORACLE=0 TASKS=all LIMIT=500 EVAL_S=45 BUDGET_S=550 \
+#   2. stage 2 on those sets with the seven tasks, one seed a call (~380 s each; RES = FROM, kept):
+#   WIDE_CACHE_DIR=/root/wide_cache FROM=/tmp/heads_gpu SEEDS=0 DENSE=0 ORACLE=0 TASKS=all LIMIT=500 BUDGET_S=550 \
+#       bash experiments/head_routers_gpu.sh      # then SEEDS=1, SEEDS=2
+#   3. dense and fine-50 with the seven tasks (~270 s; records beside the sets'):
+#   WIDE_CACHE_DIR=/root/wide_cache RES=/tmp/heads_gpu SEEDS= ORACLE=0 TASKS=all LIMIT=500 BUDGET_S=550 \
 #       bash experiments/head_routers_gpu.sh
-#   fallback, for a seed the second call skipped (e.g. seed 2; on a fresh machine, after the assets,
-#   FROM=the first call's heads_gpu.tgz copied into the working tree instead: nothing of stage 1 reruns):
-#   WIDE_CACHE_DIR=/root/wide_cache FROM=/tmp/heads_gpu SEEDS=2 DENSE=0 ORACLE=0 TASKS=all LIMIT=500 EVAL_S=45 \
-#       BUDGET_S=550 bash experiments/head_routers_gpu.sh
+#   on a fresh machine, after the assets, FROM=the first call's heads_gpu.tgz copied into the working tree
+#   instead of FROM=/tmp/heads_gpu (RES=... for the dense call then): nothing of stage 1 reruns.
 # CPU dry run (tiny): DEVICE=cpu STEPS=2 BATCH=2 EVAL_SEQS=2 BUDGET_S=1500 OUT=/tmp/hgpu \
-#   PY=/path/to/venv/bin/python bash experiments/head_routers_gpu.sh   (2 min on 1 core; records in /tmp/heads_gpu)
-# and of the two calls above (~16 min on 1 core; bf16 autocast would take ~160 s a LoRA step there):
+#   PY=/path/to/venv/bin/python bash experiments/head_routers_gpu.sh   (3.3 min on 1 thread; records in /tmp/heads_gpu)
+# and of stage 1 + stage 2 in two calls (2.4 + 7.9 min on 1 thread, each eval with its tasks stage at
+# --limit 2; bf16 autocast would take ~160 s a LoRA step there):
 #   export DEVICE=cpu EVAL_SEQS=2 OFFSET_BATCHES=1 TASKS=all LIMIT=2 BUDGET_S=3000 OUT=/tmp/hgpu PY=...
 #   SEEDS="0 1" TARGET=0.26 LIBRARY=0.25 ORACLE=0 DENSE=0 TRAINED_EVAL=0 STEPS=2 BATCH=2 \
 #       bash experiments/head_routers_gpu.sh
@@ -91,14 +105,19 @@
 # Knobs (env): STEPS (150), BATCH (64 sequences per optimizer step), ACCUM (1: micro-batches per
 # step, BATCH / ACCUM sequences each; doubled and the seed retried once on a CUDA out-of-memory),
 # LR (1e-2), W (--oracle-ce, 3.0), SEEDS ("0 1 2"), DENSE / ORACLE (1: run those stages), EVAL_SEQS (24 held-out windows),
-# TASKS ("": bare --tasks, no zero-shot task, as the CPU trials; "all": the seven tasks; or names),
+# TASKS ("": bare --tasks, no zero-shot task, as the CPU trials; "all": the seven tasks; or names;
+# run in a tasks_* stage after each eval_* one),
 # LIMIT (--limit for the tasks), AMP (none; bf16 autocasts the training forwards), DEVICE (cuda),
 # THREADS (--threads, only on cpu by default: 1), SAVE_EVERY (50), BUDGET_S (540), TRAINED_EVAL (1;
 # 0: no eval of the routers as trained, exactly one group per token: the library set's stays),
 # OFFSET_BATCHES (8 batches of 4 calibration sequences for the conversion's offsets and the re-set),
-# and the time estimates used to skip stages: EVAL_S (a model's eval incl. start-up), ORACLE_S,
-# START_S (training start-up: load, data packing), STEP_S (seconds per training step; seeds after
-# the first use the first seed's measured time instead).
+# and the time estimates used to skip stages: EVAL_S (an eval on the held-out windows alone incl.
+# start-up, also a conversion's: 30 s on cuda, measured 12-14 s a set, 31 s for dense + fine-50, 17 s
+# a conversion), TASKS_S (a set's tasks stage incl. start-up: 200 s on cuda, for the seven tasks at
+# --limit 500, where a head-router set ran over 140 s; a seed's need counts one with TASKS),
+# DENSE_TASKS_S (dense + fine-50's tasks stage: 240 s on cuda, measured 225 s), ORACLE_S, START_S
+# (training start-up: load, data packing), STEP_S (seconds per training step; seeds after the first
+# use the first seed's measured time instead).
 # Stage 2: STAGE2 (0; 1 with FROM), FROM (""), S2_STEPS (100), S2_BATCH (64), S2_ACCUM (1; doubled
 # and the seed retried once on a CUDA out-of-memory), S2_LR (1e-3), S2_LOSS (kd), S2_AMP (bf16),
 # S2_LORA_R (16), S2_FREEZE (1: --freeze-routers; 0 trains the routers and thresholds with the
@@ -140,12 +159,14 @@ S2_LORA_R=${S2_LORA_R:-16}
 S2_FREEZE=${S2_FREEZE:-1}
 S2_SAVE_EVERY=${S2_SAVE_EVERY:-0}
 if [ "$DEVICE" = cpu ]; then
-    THREADS=${THREADS:-1}; EVAL_S=${EVAL_S:-150}; ORACLE_S=${ORACLE_S:-150}; START_S=${START_S:-90}
+    THREADS=${THREADS:-1}; EVAL_S=${EVAL_S:-150}; TASKS_S=${TASKS_S:-150}; DENSE_TASKS_S=${DENSE_TASKS_S:-300}
+    ORACLE_S=${ORACLE_S:-150}; START_S=${START_S:-90}
     STEP_S=${STEP_S:-$(( 5 * BATCH ))}
     S2_START_S=${S2_START_S:-90}; S2_STEP_S=${S2_STEP_S:-$(( 6 * S2_BATCH ))}
     RESET_S=${RESET_S:-$(( 60 + 60 * OFFSET_BATCHES ))}
 else
-    THREADS=${THREADS:-}; EVAL_S=${EVAL_S:-60}; ORACLE_S=${ORACLE_S:-60}; START_S=${START_S:-60}
+    THREADS=${THREADS:-}; EVAL_S=${EVAL_S:-30}; TASKS_S=${TASKS_S:-200}; DENSE_TASKS_S=${DENSE_TASKS_S:-240}
+    ORACLE_S=${ORACLE_S:-60}; START_S=${START_S:-60}
     STEP_S=${STEP_S:-1.5}
     S2_START_S=${S2_START_S:-30}; S2_STEP_S=${S2_STEP_S:-0.8}; RESET_S=${RESET_S:-40}
 fi
@@ -167,8 +188,9 @@ fi
 T0=$SECONDS
 left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
 dev=(--device "$DEVICE"); [ -n "$THREADS" ] && dev+=(--threads "$THREADS")
-tasks=(--tasks); [ "$TASKS" = all ] && tasks=(); [ -n "$TASKS" ] && [ "$TASKS" != all ] && tasks=(--tasks $TASKS)
+tasks=(); [ -n "$TASKS" ] && [ "$TASKS" != all ] && tasks=(--tasks $TASKS)  # the tasks stages' (TASKS set)
 [ -n "$LIMIT" ] && tasks+=(--limit "$LIMIT")
+TASK_NEED=0; [ -n "$TASKS" ] && TASK_NEED=$TASKS_S  # a model's tasks eval, where a seed's need counts one
 EXP=experiments/head_routers_fine_cpu.py
 
 note() { echo "$*" | tee -a "$RES/stages.log"; }
@@ -210,9 +232,17 @@ import json, re, sys
 from pathlib import Path
 res, final = Path(sys.argv[1]), sys.argv[2] == "final"
 rows, dense = [], None  # (name, record)
+def task_fields(r):  # a record's zero-shot fields
+    return {k: r[k] for k in [*(r.get("tasks_detail") or {}), "avg", "tasks_detail", "limit"] if k in r}
+def evals(f):  # eval_X.json's records (perplexity, sparsity), each with the tasks of tasks_X.json's (where that ran)
+    recs = json.loads(f.read_text())["records"]
+    t = f.with_name("tasks_" + f.name[len("eval_"):])
+    more = json.loads(t.read_text())["records"] if t.exists() else []
+    return [{**r, **task_fields(m)} if m and m.get("method") == r.get("method") else r
+            for r, m in zip(recs, more + [None] * (len(recs) - len(more)))]
 f = res / "eval_dense_fine50.json"
 if f.exists():
-    for r in json.loads(f.read_text())["records"]:
+    for r in evals(f):
         if r.get("method") == "dense":
             dense = r
         rows.append(("dense" if r.get("method") == "dense" else "smollm2-135m-fine-50 (thresholds alone)", r))
@@ -224,7 +254,7 @@ def sets(prefix, name):  # the trained sets' records (eval_<prefix><seed>.json),
     recs = []
     for f in sorted(res.glob(f"eval_{prefix}*.json")):
         seed = re.fullmatch(rf"eval_{prefix}(\d+)", f.stem)  # eval_s* holds eval_lora_s* too
-        rec = seed and next((r for r in json.loads(f.read_text())["records"] if r.get("method") != "dense"), None)
+        rec = seed and next((r for r in evals(f) if r.get("method") != "dense"), None)
         if rec:
             rows.append((name(seed[1], rec), rec))
             recs.append(rec)
@@ -233,8 +263,8 @@ seeds = sets("s", lambda s, r: f"design (a), seed {s}")
 lib = sets("lib_s", lambda s, r: f"seed {s} as a library set ({r.get('routing')})")
 lora = sets("lora_s", lambda s, r: f"seed {s}, library set + LoRA, re-set (stage 2)")
 d_ppl = dense and dense.get("ppl")
-tasks, kept = bool(dense and dense.get("avg") is not None), None
-if tasks and final:  # imported at the call's end only: torch takes seconds to load, at every stage's pack
+tasks, kept = any(r.get("avg") is not None for _, r in rows), None
+if dense and dense.get("avg") is not None and final:  # imported at the call's end only: torch takes seconds to load, at every stage's pack
     from wide.evaluation.evaluate import above_chance
     kept = lambda r: above_chance(r, dense) if r.get("avg") is not None else None  # noqa: E731
 fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -281,14 +311,27 @@ stage1="$STEPS steps x $BATCH (x$ACCUM accum) x 256 tokens, lr $LR, W $W, amp $A
 stage2=
 [ "$STAGE2" = 1 ] && stage2="; stage 2: $S2_STEPS steps x $S2_BATCH (x$S2_ACCUM) x 256 tokens, lr $S2_LR, loss $S2_LOSS,\
  amp $S2_AMP, LoRA r $S2_LORA_R, routers and thresholds $([ "$S2_FREEZE" = 1 ] && echo frozen || echo trained)"
-note "head_routers_gpu: device $DEVICE, $stage1, seeds '$SEEDS', $EVAL_SEQS eval windows, tasks '${tasks[*]}'," \
+note "head_routers_gpu: device $DEVICE, $stage1, seeds '$SEEDS', $EVAL_SEQS eval windows, tasks '${TASKS:-none}'${LIMIT:+ (--limit $LIMIT)}," \
      "budget $BUDGET_S s; records in $RES$stage2"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
       'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$RES/stages.log"
 
+evals() {  # evals NAME TASKS_NEED_S CMD...: CMD (an eval, less its tasks and --out) on the held-out windows alone
+    # (bare --tasks) as stage eval_NAME (RES/eval_NAME.json), then, with TASKS, again with the tasks as stage
+    # tasks_NAME (RES/tasks_NAME.json; needs TASKS_NEED_S): tasks cut at their limit or skipped leave the
+    # perplexity recorded (an earlier call's tasks of NAME go once its perplexity is rerun: the summary would join
+    # them). RC: the perplexity stage's, unless the tasks stage ran
+    local name=$1 need=$2
+    shift 2
+    stage "eval_$name" "$EVAL_S" 600 "$@" --tasks --out "$RES/eval_$name" --overwrite
+    [ "$RC" != 125 ] && rm -f "$RES/tasks_$name.json" "$RES/tasks_$name.md"
+    [ "$RC" = 0 ] && [ -n "$TASKS" ] || return 0
+    stage "tasks_$name" "$need" 600 "$@" "${tasks[@]}" --out "$RES/tasks_$name" --overwrite
+}
+
 if [ "$DENSE" = 1 ]; then
-    stage dense_fine50 "$EVAL_S" 600 "$PY" -m wide.cli eval "${dev[@]}" --dense --routers smollm2-135m-fine-50 \
-        --max-eval-sequences "$EVAL_SEQS" "${tasks[@]}" --out "$RES/eval_dense_fine50" --overwrite
+    evals dense_fine50 "$DENSE_TASKS_S" "$PY" -m wide.cli eval "${dev[@]}" --dense --routers smollm2-135m-fine-50 \
+        --max-eval-sequences "$EVAL_SEQS"
 fi
 
 halve_on_oom() {  # halve_on_oom NAME BATCH VAR: stage NAME ran out of GPU memory: the same BATCH sequences per
@@ -308,19 +351,19 @@ train_run() {  # train_run SEED NEED_S: the CPU recipe at STEPS x BATCH (BATCH /
         --out "$RES/s$1" --overwrite "${dev[@]}" --steps "$STEPS" --batch-size $(( BATCH / ACCUM )) --grad-accum "$ACCUM" \
         --amp "$AMP" --eval-every 0 --save-every "$SAVE_EVERY" --seed "$1" --budget layer --target "$TARGET" --offsets none
 }
-eval_set() {  # eval_set NAME ROUTERS: `wide eval` of a library set on the held-out windows (and TASKS)
-    stage "eval_$1" "$EVAL_S" 600 "$PY" -m wide.cli eval "${dev[@]}" --routers "$2" --max-eval-sequences "$EVAL_SEQS" \
-        "${tasks[@]}" --out "$RES/eval_$1" --overwrite
+eval_set() {  # eval_set NAME ROUTERS: `wide eval` of a library set on the held-out windows, then TASKS (evals)
+    evals "$1" "$TASKS_S" "$PY" -m wide.cli eval "${dev[@]}" --routers "$2" --max-eval-sequences "$EVAL_SEQS"
 }
 train_seed() {
     local s=$1 t=$SECONDS need
-    need=${SEED_S:-$(awk -v a="$START_S" -v n="$STEPS" -v b="$STEP_S" -v e="$EVAL_S" 'BEGIN { printf "%d", a + n * b + e }')}
+    need=${SEED_S:-$(awk -v a="$START_S" -v n="$STEPS" -v b="$STEP_S" -v e=$(( EVAL_S + TASK_NEED )) \
+        'BEGIN { printf "%d", a + n * b + e }')}
     train_run "$s" "$need"
     halve_on_oom "train_s$s" "$BATCH" ACCUM && train_run "$s" "$need"
     [ "$RC" = 0 ] && [ -f "$RES/s$s/routers/wide_config.json" ] || return
     if [ "$TRAINED_EVAL" = 1 ]; then
-        stage "eval_s$s" "$EVAL_S" 600 "$PY" $EXP --skip-one --input-choice --eval "${dev[@]}" --routers "$RES/s$s/routers" \
-            --max-eval-sequences "$EVAL_SEQS" "${tasks[@]}" --out "$RES/eval_s$s" --overwrite
+        evals "s$s" "$TASKS_S" "$PY" $EXP --skip-one --input-choice --eval "${dev[@]}" --routers "$RES/s$s/routers" \
+            --max-eval-sequences "$EVAL_SEQS"
     fi
     if [ -n "$LIBRARY" ]; then
         stage "lib_s$s" "$EVAL_S" 600 "$PY" $EXP --skip-one --input-choice --to-library "$RES/s$s/routers" \
@@ -344,7 +387,7 @@ stage2_seed() {
     if [ ! -f "$RES/lib_s$s/routers/routers.safetensors" ]; then
         note "stage 2, seed $s: no library set in $RES/lib_s$s/routers"; return
     fi
-    need=${S2_SEED_S:-$(awk -v a="$S2_START_S" -v n="$S2_STEPS" -v b="$S2_STEP_S" -v r="$RESET_S" -v e="$EVAL_S" \
+    need=${S2_SEED_S:-$(awk -v a="$S2_START_S" -v n="$S2_STEPS" -v b="$S2_STEP_S" -v r="$RESET_S" -v e=$(( EVAL_S + TASK_NEED )) \
         'BEGIN { printf "%d", a + n * b + r + e }')}
     lora_run "$s" "$need"
     halve_on_oom "lora_s$s" "$S2_BATCH" S2_ACCUM && lora_run "$s" "$need"

@@ -5,7 +5,9 @@ import argparse
 import dataclasses
 import json
 import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -406,8 +408,8 @@ def test_eval_prints_its_time_estimate_before_it_evaluates(tiny_run, capsys, mon
     line = next((x for x in before_first[0].splitlines() if x.startswith("estimate: ")), None)
     assert line is not None, before_first[0]
     assert re.fullmatch(r"estimate: about \d+ s for 2 models on cpu \(perplexity \d+ s, generation \d+ s; timed on the "
-                        r"dense model\); --limit, --max-eval-sequences, --tasks and --generation set how much is "
-                        r"evaluated", line), line
+                        r"dense model and the routed set\); --limit, --max-eval-sequences, --tasks and --generation set "
+                        r"how much is evaluated", line), line
     # what it counts: 4 windows of 16 tokens; 2 prompts of 4 tokens continued for 4 (the dense
     # reference's text too for the routed model), and both models reading the 8 tokens for the KL
     heldout = torch.zeros(4, 16, dtype=torch.long)
@@ -418,6 +420,69 @@ def test_eval_prints_its_time_estimate_before_it_evaluates(tiny_run, capsys, mon
     work = [runs.eval_work(args, None, heldout, routed=r) for r in (False, True)]
     assert runs.describe_estimate(work, (0.5, 10.0), "cpu").startswith(
         "estimate: about 3 min for 2 models on cpu (perplexity 64 s, generation 2 min;")  # 2 x 32 s; 50 + 84 s
+    # one speed per model: the routed model's own (here 4x dense's per token, 2x per decode step)
+    assert runs.describe_estimate(work, [(0.5, 10.0), (2.0, 20.0)], "cpu", timed_on="the dense model and the routed "
+                                  "set").startswith("estimate: about 7 min for 2 models on cpu (perplexity 3 min, "
+                                                    "generation 4 min; timed on the dense model and the routed set)")
+    # 32 + 128 s; 50 + 216 s
+    with pytest.raises(ValueError, match="2 models to estimate but 1 speeds"):
+        runs.describe_estimate(work, [(0.5, 10.0)], "cpu")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_eval_estimate_times_each_routed_set_on_its_own_model(tiny_run, capsys, monkeypatch):
+    # a set of head routers + per-element thresholds ran the seven tasks ~3x slower than the dense
+    # model its estimate was timed on (an H100: estimated 74 s for dense + fine-50, took 225 s):
+    # a routed model whose forward is slower must raise the estimate, and each set is loaded once
+    # for it, the first one kept for its evaluation
+    import wide
+    from transformers import AutoModelForCausalLM
+    from wide.training import recovery
+
+    tmp, common = tiny_run
+    for name, seed in (("r", 0), ("r2", 1)):
+        model = AutoModelForCausalLM.from_pretrained(common[1], dtype=torch.float32)
+        wide.save_routers(wide.wrap(model, WideConfig(ffn_group_size=32, router_init="random"), seed=seed), tmp / name)
+    loads, slow = [], []
+    load = recovery.load_recovered
+
+    def loaded(base, path, **k):  # every routed model, made slower by 0.5 s a forward while ``slow`` is set
+        loads.append(Path(path).name)
+        model = load(base, path, **k)
+        model.register_forward_pre_hook(lambda *_: time.sleep(0.5) if slow else None)
+        return model
+
+    monkeypatch.setattr(recovery, "load_recovered", loaded)
+    evaluated = []
+
+    def stop(model, *a, **k):  # the estimate is what is under test: nothing is evaluated
+        evaluated.append(model)
+        raise _Stop
+
+    monkeypatch.setattr(runs, "evaluate_one", stop)
+    argv = ["eval", *common, "--tasks", "--max-eval-sequences", "8", "--batch-size", "2"]
+
+    def estimate(*flags) -> tuple:
+        capsys.readouterr()
+        with pytest.raises(_Stop):
+            main([*argv, *flags])
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("estimate: "))
+        return line, float(re.match(r"estimate: about (\d+) s", line)[1])
+
+    _, fast = estimate("--routers", str(tmp / "r"))
+    slow.append(1)
+    line, slowed = estimate("--routers", str(tmp / "r"))
+    # 8 windows of 16 tokens at 0.5 s a forward of 2 x 16: >= 2 s (0 s when timed on the dense model)
+    assert fast < 1 <= 2 <= slowed and "; timed on the routed set)" in line, line
+    assert loads == ["r", "r"] and hasattr(evaluated[-1], "wide_state")  # timed, then evaluated: one load
+    slow.clear()
+    loads.clear()
+    line, _ = estimate("--dense", "--routers", str(tmp / "r"), str(tmp / "r2"), str(tmp / "r2"))
+    assert "for 4 models on cpu" in line and "timed on the dense model and each of the 3 routed sets)" in line, line
+    assert loads == ["r2", "r"] and not hasattr(evaluated[-1], "wide_state")  # r2 once, the first set last
 
 
 def test_compare_keeps_teal_greedy_paths_across_runs(tiny_run, monkeypatch):

@@ -15,19 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # Stands in for python3. Training writes routers, the conversion a library set, `wide recover` a
 # recovered set (or, with OOM set, runs out of memory once per run directory), the re-set its
 # record, `wide eval` records: dense 20, fine-50 24, a library set 30, a re-set stage-2 set 23 (with
-# TASKS set, accuracies 0.6, 0.5, 0.45 and 0.5 on the tasks, chance 0.25).
+# TASKS set and the tasks asked for, i.e. no bare --tasks, accuracies 0.6, 0.5, 0.45 and 0.5 on the
+# tasks, chance 0.25; with CUT set, such an eval of a library set is killed at its limit: exit 124,
+# nothing written).
 STUB = r'''#!/usr/bin/env bash
 [ "$1" = - ] && exec "$REAL_PY" "$@"
 echo "$*" >> "$LOG"
 [ "$1" = -c ] && { echo "torch (stub)"; exit 0; }
-out="" routers="" prev=""
+out="" routers="" prev="" CMD="$*"
 for a in "$@"; do
     case $prev in --out) out=$a ;; --routers) routers=$a ;; esac
     prev=$a
 done
-rec() {  # METHOD PPL [TASK ACCURACY]: with TASKS set, the six above-chance tasks at that accuracy (chance 0.25)
+rec() {  # METHOD PPL [TASK ACCURACY]: with the tasks, the six above-chance tasks at that accuracy (chance 0.25)
     local t="" detail=""
-    if [ -n "${TASKS:-}" ]; then
+    if [ -n "${TASKS:-}" ] && [[ " $CMD " != *" --tasks --out "* ]]; then
         for k in arc_easy arc_challenge winogrande piqa openbookqa hellaswag; do
             t="$t, \"$k\": $3"; detail="$detail${detail:+, }\"$k\": {\"chance\": 0.25}"
         done
@@ -46,6 +48,8 @@ case " $* " in
                "calibration_linear": 0.53, "linear_target": 0.53, "threshold_shift": 0.1}' > "$out/recalibrate.json" ;;
     *" --to-library "*) mkdir -p "$out/routers" && touch "$out/routers/routers.safetensors" ;;
     *" eval "*)
+        [ -n "${CUT:-}" ] && [ -n "${TASKS:-}" ] && [[ " $CMD " != *" --tasks --out "* ]] && [[ $routers == *lib_s* ]] \
+            && { echo "zero-shot ..."; exit 124; }
         case $routers in
             smollm2-135m-fine-50) echo "{\"records\": [$(rec dense 20 0.6), $(rec learned 24 0.5)]}" > "$out.json" ;;
             *lora_lib*) echo "{\"records\": [$(rec heads1of3+learned 23 0.5)]}" > "$out.json" ;;
@@ -110,7 +114,31 @@ def test_summary_above_chance_kept_at_the_end(tmp_path):
     assert "1 library set(s) + LoRA: mean ppl 23.00 = 1.150x dense, range 23.00-23.00; above-chance kept 71% (71%)" \
         in out
     log = (res / "stages.log").read_text()
-    assert "stage lora_s0: exit 0" in log and "stage eval_lora_s0: exit 0" in log
+    assert "stage lora_s0: exit 0" in log and "stage eval_lora_s0: exit 0" in log and "stage tasks_lora_s0: exit 0" in log
+
+
+def test_tasks_after_the_perplexity_in_their_own_stage(tmp_path):
+    # on the H100 a set's seven tasks overran the one call that also held its perplexity (16 s, computed
+    # first): killed, it wrote nothing. The perplexity alone (bare --tasks) first, then the tasks
+    res = tmp_path / "res"
+    out, calls = run_script(tmp_path, RES=str(res), SEEDS="0", LIBRARY="0.25", TRAINED_EVAL="0", TASKS="all",
+                            LIMIT="500", CUT="1")
+    evals = [c for c in calls if " eval " in c]
+    assert len(evals) == 4 and "--routers smollm2-135m-fine-50 --max-eval-sequences 24 --tasks --out" in evals[0]
+    assert evals[1].endswith(f"--max-eval-sequences 24 --limit 500 --out {res}/tasks_dense_fine50 --overwrite")
+    assert f"--tasks --out {res}/eval_lib_s0 " in evals[2] and f"--limit 500 --out {res}/tasks_lib_s0 " in evals[3]
+    log = (res / "stages.log").read_text()
+    assert "stage tasks_dense_fine50: exit 0" in log and "stage tasks_lib_s0: exit 124" in log
+    # the cut set keeps its perplexity, its task columns empty; the others take theirs from the tasks stage
+    assert "| seed 0 as a library set (None) | 30.00 | 1.50 | 0.530 | 0.250 | - | - |" in out
+    assert "| smollm2-135m-fine-50 (thresholds alone) | 24.00 | 1.20 | 0.530 | 0.250 | 0.500 | 71% |" in out
+    # a tasks stage that does not fit what is left is skipped (DENSE_TASKS_S for dense + fine-50, TASKS_S a
+    # set), the tasks of the call before, on the perplexity now rerun, gone with it
+    run_script(tmp_path, RES=str(res), SEEDS="0", LIBRARY="0.25", TRAINED_EVAL="0", TASKS="all", BUDGET_S="100",
+               DENSE_TASKS_S="120", TASKS_S="60", START_S="1", STEPS="2", STEP_S="1")
+    log = (res / "stages.log").read_text()
+    assert "stage tasks_dense_fine50: skipped" in log and "stage tasks_lib_s0: exit 0" in log
+    assert "| dense | 20.00 | 1.00 | 0.530 | 0.250 | - |" in (res / "summary.md").read_text()
 
 
 def test_stage2_out_of_memory_retry_and_budget(tmp_path):

@@ -675,24 +675,23 @@ def cmd_recover(args) -> dict:
 
 def cmd_eval(args) -> list:
     """Dense and/or saved routers (stage 1, stage 2 adapters, static masks), optionally analysed."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from .io import pretrained
     from .evaluation.analysis import analyze
     from .evaluation.evaluate import harness_table, markdown_table
-    from .training.recovery import load_recovered
     from .io.serialization import read_meta
 
     tok, _ = runs.load_tokenizer(args)
     heldout, bpt = runs.heldout(args, tok)
     model, tok, model_path = runs.load_model(args, tok)
     dense = model  # the reference of --generation
-    # said before anything is evaluated: on a CPU the seven tasks with --generation take over 20 min
+    # said before anything is evaluated: on a CPU the seven tasks with --generation take over 20 min; each
+    # model timed on itself (a routed set runs slower paths than dense), the first set kept for its evaluation
     routed = [False] * (args.dense or not args.routers) + [True] * len(args.routers or [])
     work = {r: runs.eval_work(args, tok, heldout, routed=r) for r in set(routed)}
-    print(runs.describe_estimate([work[r] for r in routed], runs.eval_speed(model, heldout, args.batch_size),
-                                 args.device or runs.default_device(), harness=bool(args.harness)), flush=True)
+    decode = any(steps for w in work.values() for _, steps in w.values())
+    speeds, timed_on, first = runs.eval_speeds(args, model_path, model, heldout, decode=decode)
+    print(runs.describe_estimate([work[r] for r in routed], speeds, args.device or runs.default_device(),
+                                 harness=bool(args.harness), timed_on=timed_on), flush=True)
     records = []
     if args.dense or not args.routers:
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, "dense", 0))
@@ -700,8 +699,8 @@ def cmd_eval(args) -> list:
         _harness_scores(records[-1], model, tok, args, dense=True)
     for rdir in args.routers or []:
         meta = read_meta(rdir)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
-        model = load_recovered(model.to(args.device or runs.default_device()), rdir)
+        model = first if first is not None else runs.load_routed(args, model_path, rdir)
+        first = None  # loaded and timed by eval_speeds; the later sets load here
         records.append(runs.evaluate_one(model, tok, args, heldout, bpt, meta.get("method", "wide"),
                                          meta.get("stage", 1), reference=dense))
         records[-1].update(runs.training_fields(meta))

@@ -667,14 +667,20 @@ def _zero_shot_tokens(tok, tasks: tuple, limit: Optional[int]) -> int:
     return int(tokens)
 
 
-def eval_speed(model, heldout_ids, batch_size: int) -> tuple:
+def eval_speed(model, heldout_ids, batch_size: int, decode: bool = True) -> tuple:
     """(seconds per token of a full forward, seconds per decode step) of ``model`` at
     ``batch_size``, the faster of two timings each after a warm-up: a forward of that many
     held-out rows cut to 64 tokens (a few seconds on a laptop CPU, where one row alone ran at
-    half the speed of the batch), and a decode step on their KV cache."""
+    half the speed of the batch), and a decode step on their KV cache (0.0, not timed, without
+    ``decode``: no decode step to estimate). A wrapped model runs as the evaluation runs it, its
+    realised sparsity tracked (:func:`wide.method.sparsity.track_sparsity`): its hooks,
+    per-element masks and the tracking are what make it slower than the dense model."""
+    import contextlib
+
     import torch
 
     from ..evaluation.evaluate import cache_kwargs
+    from ..method.sparsity import track_sparsity
 
     device = next(model.parameters()).device
     rows = heldout_ids[:batch_size, :ESTIMATE_TOKENS].to(device)
@@ -693,25 +699,74 @@ def eval_speed(model, heldout_ids, batch_size: int) -> tuple:
 
     was_training = model.training
     model.eval()
+    tracked = track_sparsity(model) if hasattr(model, "wide_state") else contextlib.nullcontext()
+    per_step = 0.0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), tracked:
             model(input_ids=rows[:1, :8])
             per_token = timed(lambda: model(input_ids=rows)) / rows.numel()
-            out = model(input_ids=rows[:, :8], use_cache=True)
-            step = rows[:, 8:9] if rows.shape[1] > 8 else rows[:, -1:]
-            out = model(input_ids=step, use_cache=True, **cache_kwargs(model, out))
-            per_step = timed(lambda: model(input_ids=step, use_cache=True, **cache_kwargs(model, out)))
+            if decode:
+                out = model(input_ids=rows[:, :8], use_cache=True)
+                step = rows[:, 8:9] if rows.shape[1] > 8 else rows[:, -1:]
+                out = model(input_ids=step, use_cache=True, **cache_kwargs(model, out))
+                per_step = timed(lambda: model(input_ids=step, use_cache=True, **cache_kwargs(model, out)))
     finally:
         model.train(was_training)
     return per_token, per_step
 
 
-def describe_estimate(work: list, speed: tuple, device: str, harness: bool = False) -> str:
+def load_routed(args, model_path, rdir):
+    """The model at ``model_path`` with the method directory ``rdir`` loaded onto it
+    (:func:`wide.training.recovery.load_recovered`), on ``--device``: what ``wide eval``
+    evaluates for each ``--routers``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..training.recovery import load_recovered
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
+    return load_recovered(model.to(args.device or default_device()), rdir)
+
+
+def eval_speeds(args, model_path, dense, heldout_ids, decode: bool = True) -> tuple:
+    """(the :func:`eval_speed` of each model ``wide eval`` evaluates, in its order: the dense
+    model when it is evaluated, then each ``--routers`` set; what they were timed on, in words;
+    the first set's model, loaded here and kept for its evaluation, or None without
+    ``--routers``). Every set is timed on its own model: routers, per-element thresholds and
+    adapters run slower PyTorch paths than the dense model (on an H100 a perplexity batch took
+    ~1.8x dense's time for per-element thresholds, ~2.5x for head routers + thresholds), so an
+    estimate timed on the dense model alone fell ~3x short of such a set's seven tasks. The
+    cost: one timing per model and one extra load per set after the first (the later sets are
+    loaded, timed and let go first, so that no more models are held at once than the evaluation
+    itself holds)."""
+    rdirs = list(args.routers or [])
+    evaluated_dense = bool(args.dense or not rdirs)
+    speeds, first = {}, None
+    # each set once, the first one last: that model stays, for its own evaluation
+    for rdir in [r for r in dict.fromkeys(rdirs) if r != rdirs[0]] + rdirs[:1]:
+        model = load_routed(args, model_path, rdir)
+        speeds[rdir] = eval_speed(model, heldout_ids, args.batch_size, decode=decode)
+        if rdir == rdirs[0]:
+            first = model
+        del model
+    timed = [eval_speed(dense, heldout_ids, args.batch_size, decode=decode)] if evaluated_dense else []
+    timed += [speeds[r] for r in rdirs]
+    sets = ("the routed set" if len(rdirs) == 1 else f"each of the {len(rdirs)} routed sets") if rdirs else ""
+    on = " and ".join(x for x in ("the dense model" if evaluated_dense else "", sets) if x)
+    return timed, on, first
+
+
+def describe_estimate(work: list, speed, device: str, harness: bool = False, timed_on: str = "the dense model") -> str:
     """One line: the time the evaluations ``work`` (one :func:`eval_work` per model) should
-    take at ``speed`` (:func:`eval_speed`), in all and per phase, and the flags that set it."""
-    per_token, per_step = speed
+    take at ``speed`` (:func:`eval_speed`: one for every model, or a list of one per model, as
+    :func:`eval_speeds` gives), in all and per phase, and the flags that set it. ``timed_on``
+    says which models the speeds were measured on. A routed model's generation counts the dense
+    reference's share of it at the routed model's speed."""
+    speeds = list(speed) if speed and isinstance(speed[0], (tuple, list)) else [speed] * len(work)
+    if len(speeds) != len(work):
+        raise ValueError(f"{len(work)} models to estimate but {len(speeds)} speeds")
     phases: dict = {}
-    for w in work:
+    for w, (per_token, per_step) in zip(work, speeds):
         for phase, (tokens, steps) in w.items():
             phases[phase] = phases.get(phase, 0.0) + tokens * per_token + steps * per_step
     total = sum(phases.values())
@@ -721,7 +776,7 @@ def describe_estimate(work: list, speed: tuple, device: str, harness: bool = Fal
 
     detail = ", ".join(f"{phase} {t(v)}" for phase, v in phases.items())
     models = f"{len(work)} model{'s' if len(work) > 1 else ''}"
-    return (f"estimate: about {t(total)} for {models} on {device} ({detail}; timed on the dense model"
+    return (f"estimate: about {t(total)} for {models} on {device} ({detail}; timed on {timed_on}"
             f"{'; --harness tasks not included' if harness else ''}); --limit, --max-eval-sequences, --tasks and "
             "--generation set how much is evaluated")
 
@@ -891,4 +946,4 @@ __all__ = ["DEFAULT", "ModelArgs", "DataArgs", "EvalArgs", "HarnessArgs", "RunAr
            "model_config", "resolve_model_dir", "check_safetensors", "check_geometry", "check_model", "check_data", "check_out",
            "check_results", "check_routers", "check_thresholds", "resolve_thresholds", "check_mode", "checkpoint_contents", "run_settings", "prepare_run", "start_run",
            "SETTINGS_FILE", "COMMANDS_FILE", "run_commands", "packed", "calibration", "eval_source", "training_fields", "calibrate_offsets", "head_offsets",
-           "heldout", "evaluate_one", "eval_work", "eval_speed", "describe_estimate", "command", "machine", "results_files", "write_results", "default_device"]
+           "heldout", "evaluate_one", "eval_work", "eval_speed", "eval_speeds", "load_routed", "describe_estimate", "command", "machine", "results_files", "write_results", "default_device"]
