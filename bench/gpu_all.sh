@@ -5,7 +5,7 @@
 # GPU-only kernel tests), then routed GEMMs and routed attention (each kernel checked against its
 # fp32 reference before it is timed), the end-to-end engine, and the engine's modes (coarse, fine,
 # hybrid against dense at 50 %, B = 1/8/32, prompts and decode contexts of 4k and 16k; B = 32 x 16k
-# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine,e2e_fine_pdl0,e2e_fine_pdl1,e2e_heads25,e2e_heads50}.{json,md,png,log},
+# is skipped where its KV cache does not fit). Writes OUT/{kernels,attention,e2e,e2e_modes,e2e_fine,e2e_fine_pdl0,e2e_fine_pdl1,e2e_heads25,e2e_fine_b1,e2e_heads50}.{json,md,png,log},
 # OUT/fine_gemv{,_prefill,_batches,_sweep}.{json,md},
 # OUT/read_floors.{json,md}, OUT/bounds.{json,md} and OUT/calib_8b.{json,md,log}. ~25 min on one H100: more than one device
 # call allows (10 min), so run it in parts, e.g. ONLY=smoke, then ONLY=e2e_modes, then the rest.
@@ -66,10 +66,14 @@ run e2e_pdl "${E2E_PDL_S:-560}" bash -c "WIDE_AUTOTUNE=0 WIDE_PDL=1 timeout 200 
 # 25 % / 50 % of each routed layer's groups, layer 0 dense, thresholds at 50 %: fine GEMVs at small
 # batch, the routers alone above batch 4 or where measured faster, routed decode attention at every
 # batch; peak memory beside the dense engine's), against the dense engine; a call each
+# (e2e_heads25 also times the fine mode at batch 1 in the same call: issue 48 asks for B=1 >= fine's)
 for R in 25 50; do
-    run "e2e_heads$R" "${E2E_HEADS_S:-540}" python3 -m wide.benchmarks.e2e --out-dir "$OUT" --name "e2e_heads$R" \
-        --modes hybrid --heads "0.$R" --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 \
-        --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --memory --budget-s 480
+    run "e2e_heads$R" "${E2E_HEADS_S:-540}" bash -c "python3 -m wide.benchmarks.e2e --out-dir '$OUT' --name e2e_heads$R \
+        --modes hybrid --heads 0.$R --sparsities 0.5 --prompt-lens 4096,16384 --decode-ctxs 4096,16384 \
+        --batches 1,8,32 --reps 3 --decode-steps 16 --no-hf --memory --budget-s 420 \
+        && if [ $R = 25 ]; then python3 -m wide.benchmarks.e2e --out-dir '$OUT' --name e2e_fine_b1 --modes fine \
+        --sparsities 0.5 --prompt-lens 4096 --decode-ctxs 4096,16384 --batches 1 --reps 3 --decode-steps 16 --no-hf \
+        --budget-s 90; fi"
 done
 # Bounds from the e2e profiles above and plain-read floors measured now, on the same machine
 run bounds "${BOUNDS_S:-150}" bash -c "python3 -m wide.benchmarks.read_floors --out '$OUT' \

@@ -26,7 +26,8 @@ captured graph through ``setup_cache``, and in fp32 the kernels' greedy tokens e
 path's (``backend="torch"``, which the CPU tests hold equal to the masked HF path). Last,
 ``wide generate --mode hybrid`` on a tiny checkpoint saved with thresholds prints the same text on
 the kernels as on the PyTorch path, and, where the default model is in wide's cache (the device
-assets), so does ``wide generate --mode fine`` with the shipped smollm2-135m-fine-50 / -25 in fp32
+assets), so does ``wide generate --mode auto`` with the shipped smollm2-135m-fine-50 / -25 (fine) and
+smollm2-135m-heads25-fine-50 (hybrid) in fp32
 (``--shipped-only`` runs that check alone, ``--skip-shipped`` all but it; ``--fine-only`` the fine and
 hybrid decode checks and the counters). Exit 1 on a failure.
 
@@ -363,10 +364,16 @@ def cli_texts_match(args) -> bool:
     return texts["triton"] == texts["torch"] and not texts["torch"].startswith("(exit")
 
 
+# The shipped sets the real-model check runs, each with the mode `wide generate --mode auto` picks
+# for it: the learned thresholds (issue 39's winner) in fine, issue 48's head routers beside them in
+# hybrid (the routers+thresholds hybrid trained together lost and is not shipped)
+SHIPPED_MODES = {"smollm2-135m-fine-50": "fine", "smollm2-135m-fine-25": "fine",
+                 "smollm2-135m-heads25-fine-50": "hybrid"}
+
+
 def shipped_fine_matches_torch(n: int = 32) -> bool:
-    """The shipped learned-threshold sets (issue 39's winner; no routers+thresholds hybrid is
-    shipped: it lost) on the real default model, fp32: ``wide generate --mode fine`` prints the
-    same greedy text on the kernels as on the PyTorch path. Where it does not, each decode step is
+    """The shipped per-element sets (SHIPPED_MODES) on the real default model, fp32: ``wide
+    generate --mode auto`` prints the same greedy text on the kernels as on the PyTorch path. Where it does not, each decode step is
     checked on its own: both engines prefill the prompt and the PyTorch path's first i tokens
     (dense prefill: the same cache up to fp32 rounding, not the one its thresholded decode
     steps wrote, so a step may pick another token than the generation did) and decode token i; the step logits must
@@ -390,16 +397,20 @@ def shipped_fine_matches_torch(n: int = 32) -> bool:
         return True
     prompt = "The history of the city begins in the twelfth century, when"
     ok = True
-    for name in ("smollm2-135m-fine-50", "smollm2-135m-fine-25"):
-        print(f"  {name}:")
-        if cli_texts_match(["--model", str(path), "--routers", name, "--mode", "fine", "--fine-max-batch", "8",
+    for name, mode in SHIPPED_MODES.items():
+        print(f"  {name} ({mode}):")
+        if cli_texts_match(["--model", str(path), "--routers", name, "--mode", "auto", "--fine-max-batch", "8",
                             "--max-new-tokens", str(n),
                             "--prompt", prompt]):
             continue
         ids = AutoTokenizer.from_pretrained(path).encode(prompt)
         model = wide.from_pretrained(name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(DEVICE)
-        engines = [wide.accelerate(model, mode="fine", backend=b, **FINE_EVERY_BATCH["fine"] if b == "triton" else {})
+        engines = [wide.accelerate(model, mode="auto", backend=b, **FINE_EVERY_BATCH[mode] if b == "triton" else {})
                    for b in ("triton", "torch")]
+        if any(e.mode != mode for e in engines):
+            print(f"    FAILED: mode auto ran {[e.mode for e in engines]}, not {mode}")
+            ok = False
+            continue
         want = engines[1].generate([ids], max_new_tokens=n).tokens[0]
         steps = []
         for i in range(n - 1):
@@ -498,7 +509,7 @@ def main() -> int:
     print("wide generate (auto) with head routers beside thresholds, kernels vs the PyTorch path:")
     ok &= cli_hybrid_matches_torch(HEADS, mode="auto")
     if "--skip-shipped" not in sys.argv[1:]:  # a call without the assets runs the rest; --shipped-only then
-        print("wide generate --mode fine with the shipped sets on the default model, kernels vs the PyTorch path:")
+        print("wide generate (auto) with the shipped per-element sets on the default model, kernels vs the PyTorch path:")
         ok &= shipped_fine_matches_torch()
     print("kernel tests on the GPU (pytest -k on_gpu):")
     ok &= gpu_kernel_tests()

@@ -4,6 +4,8 @@
     python scripts/ship_routers.py RESULTS RUN NAME [--code-commit SHA]
     python scripts/ship_routers.py --compare RESULTS.json --checkpoint DIR --method M --target T NAME \
         [--code-commit SHA]
+    python scripts/ship_routers.py --eval EVAL.json --dense-eval DENSE.json --checkpoint DIR --method M NAME \
+        [--code-commit SHA] [--results-in-repo DIR]
 
 RESULTS is a folder written by bench/quality_scaling.sh (RESULTS/routers/RUN, RESULTS/RUN.json
 with the evaluation, RESULTS/dense.json; RUN may sit in RESULTS/extra). provenance.json gets the
@@ -14,6 +16,11 @@ routers can be traced to a results file and a command.
 With ``--compare``, the set comes from a `wide compare` run instead (bench/frontier.sh's learned
 thresholds, for instance): DIR is the method's ``stageN/final`` directory, RESULTS.json the
 comparison's results file (committed) holding its record and dense's.
+
+With ``--eval``, the set is any directory ``wide`` wrote with its run (an experiment driver's
+library set: issue 48's head routers beside the thresholds) and the evaluation is ``wide eval``'s:
+EVAL.json its one quality record, DENSE.json a ``wide eval --dense`` of the same protocol (held-out
+text, tasks, limit), both committed (``--results-in-repo``: where).
 """
 
 from __future__ import annotations
@@ -75,6 +82,49 @@ def ship_compare(a) -> None:
           f"dense {dense[0]['ppl']:.2f})")
 
 
+def _one(path: Path, pick) -> dict:
+    recs = [r for r in json.loads(path.read_text())["records"] if r.get("op") == "quality" and pick(r)]
+    if len(recs) != 1:
+        sys.exit(f"{path}: expected one matching quality record, found {len(recs)}")
+    return recs[0]
+
+
+def ship_eval(a) -> None:
+    """A set with its run (wide_config.json's ``run``), evaluated by ``wide eval``."""
+    meta = json.loads((a.checkpoint / "wide_config.json").read_text())
+    run = meta.get("run") or sys.exit(f"{a.checkpoint} records no run")
+    rec = _one(a.eval, lambda r: r.get("method") != "dense")
+    dense = _one(a.dense_eval, lambda r: r.get("method") == "dense")
+    for key in ("limit", "heldout_tokens"):
+        if rec.get(key) != dense.get(key):
+            sys.exit(f"{a.eval} and {a.dense_eval} differ in {key} ({rec.get(key)} vs {dense.get(key)}): not one protocol")
+    dst = SHIPPED / a.name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(a.checkpoint, dst)
+    targs, conv, fine = run["train_args"], run.get("to_library") or {}, meta.get("fine") or {}
+    where = a.results_in_repo or str(a.eval.parent)
+    docs = {p: json.loads(p.read_text()) for p in (a.eval, a.dense_eval)}
+    prov = {
+        "name": a.name, "base_model": BASE_MODEL, "method": a.method,
+        "target_sparsity": fine.get("target", meta["wide_config"]["target_sparsity"]), "axis": "linear",
+        "attn_core_target": conv.get("target"), "stage": a.stage, "design": run.get("design"),
+        "thresholds": run.get("thresholds"), "loss": targs["loss"], "seed": targs["seed"], "tokens": run["tokens"],
+        "steps": run["steps"], "batch": f"{targs['batch_size']} x {a.seq_len}",
+        "decontamination": run.get("decontamination"), "command": run["command"],
+        "conversion_command": conv.get("command"), "code_commit": a.code_commit,
+        "machine": (run.get("machine") or {}).get("gpu") or run.get("machine"), "date": run["date"],
+        "train_wall_s": run.get("wall_s"), "tokens_per_s": run.get("tokens_per_s"),
+        "evaluation": {"routers": metrics(rec), "dense": metrics(dense),
+                       "commands": [d["command"] for d in docs.values()],
+                       "devices": sorted({d["device"] for d in docs.values()}),
+                       "results_files": [f"{where}/{p.name}" for p in docs]},
+    }
+    (dst / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
+    print(f"shipped {a.checkpoint} as {dst} (ppl {rec['ppl']:.2f} at linear sparsity {rec.get('linear_sparsity')}, "
+          f"attention core {rec.get('attn_core_sparsity')}; dense {dense['ppl']:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path, nargs="?")
@@ -86,8 +136,15 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="with --compare: the method's stageN/final directory")
     ap.add_argument("--method", default=None, help="with --compare: the record's method")
     ap.add_argument("--target", type=float, default=None, help="with --compare: the record's target")
-    ap.add_argument("--stage", type=int, default=1, help="with --compare: the record's stage")
+    ap.add_argument("--stage", type=int, default=1, help="with --compare / --eval: the set's stage")
+    ap.add_argument("--eval", type=Path, default=None, help="a wide eval results file of the set (ships --checkpoint)")
+    ap.add_argument("--dense-eval", type=Path, default=None, help="with --eval: wide eval --dense, same protocol")
+    ap.add_argument("--seq-len", type=int, default=256, help="with --eval: the calibration sequence length")
     a = ap.parse_args()
+    if a.eval is not None:
+        if a.checkpoint is None or a.method is None or a.dense_eval is None or a.results is not None:
+            ap.error("--eval takes --dense-eval, --checkpoint, --method and NAME only")
+        return ship_eval(a)
     if a.compare is not None:
         if a.checkpoint is None or a.method is None or a.target is None or a.results is not None:
             ap.error("--compare takes --checkpoint, --method, --target and NAME only")
