@@ -103,8 +103,7 @@ class _Layer:
     wu: torch.Tensor
     wd: torch.Tensor
     wqkv: Optional[torch.Tensor] = None  # [wq; wk; wv]: dense engine, and routed decode
-    # [wq; wk; wv] for cuBLAS alone (any strides): hybrid's view of the GEMVs' transposed layout
-    wqkv_cublas: Optional[torch.Tensor] = None
+    wqkv_cublas: Optional[torch.Tensor] = None  # [wq; wk; wv] for cuBLAS alone: hybrid's view of its layout
     wgu: Optional[torch.Tensor] = None  # [wg; wu]: dense engine, and FFNs no router routes
     bq: Optional[torch.Tensor] = None  # q/k/v biases (Qwen2): bq, bkv views of bqkv
     bkv: Optional[torch.Tensor] = None
@@ -226,9 +225,7 @@ class AcceleratedModel:
         # Decode's ops: the same object except where decode applies per-element thresholds.
         self.fine = None  # wide.engine.fine_engine.FineThresholds of a fine or hybrid engine
         self.decode_ops = make_decode_ops(self) if mode in ("fine", "hybrid") else self.ops
-        # Fine and hybrid on the kernels: a decode batch runs the thresholds or the prefill ops
-        # (UNTHRESHOLDED), per batch size (decode_path).
-        self._paths = {}
+        self._paths = {}  # batch size -> the thresholds or the prefill ops (UNTHRESHOLDED): decode_path
         if mode in ("fine", "hybrid") and self.backend == "torch" and self.device.type == "cpu":
             log.info("the Triton kernels need a CUDA GPU: this %s engine runs the PyTorch path", mode)
         # The routing rule (per token, tiles, batch-shared decode): chosen once, called always.
@@ -274,12 +271,11 @@ class AcceleratedModel:
             L.qk_norm = torch.cat([L.q_norm.weight, L.k_norm.weight]).detach()
             L.qk_eps = L.q_norm.variance_epsilon
         if self.mode == "dense" or (self.cfg is not None and not self.cfg.routes_ffn):
-            # gate|up in one GEMM where nothing routes the FFN (as the dense engine), and one copy
-            # of their weights: the model's become views of it
+            # one gate|up GEMM where nothing routes the FFN, on one copy (the model's weights: views)
             L.wgu = torch.cat([wg, wu]).detach()
             L.wg, L.wu = L.wgu[:wg.shape[0]], L.wgu[wg.shape[0]:]
             arch.share_projection_weights(layer, spec, {"gate": L.wg, "up": L.wu})
-        if self.mode != "dense" and self.cfg is not None:
+        if self.cfg is not None:
             lr = self.model.wide_routers[i]
             L.routers = {"attn": lr.router("attn"), "ffn": lr.router("ffn")}
         return L
@@ -446,8 +442,7 @@ class AcceleratedModel:
         the kernels the thresholds run up to ``fine_max_batch`` sequences or, with None, where
         measured faster (each batch of up to 4, the GEMVs' limit, times both captured steps on
         its first decode); larger batches run the other path: a batch's kept inputs cover about
-        every weight row (README, "fine decode in batches"; hybrid on thresholded GEMMs ran
-        0.72-0.84x dense at B = 8 and 32, bench/results/h100/e2e_heads25.md)."""
+        every weight row (README; hybrid on thresholded GEMMs ran 0.72-0.84x dense at B = 8, 32)."""
         if self.fine is None:
             return "main"
         if self.backend != "triton":
