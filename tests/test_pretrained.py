@@ -245,3 +245,51 @@ def test_from_pretrained_restores_shipped_thresholds():
         model(input_ids=ids)
     sp = tracker.summary()
     assert sp.flop_rate == 0.0 and 0.0 < sp.linear_rate < 1.0  # no group skipped, elements are
+
+
+HEADS_NAME = "smollm2-135m-heads25-fine-50"
+
+
+def test_shipped_heads_set_traces_to_its_records():
+    # issue 48's design (a): head-group routers (at most one of SmolLM2's three KV groups skipped per
+    # token, layer 0 dense) trained beside the frozen smollm2-135m-fine-50 thresholds
+    root = pretrained.SHIPPED.parents[2]
+    prov = pretrained.provenance(HEADS_NAME)
+    meta = json.loads((pretrained.path(HEADS_NAME) / "wide_config.json").read_text())
+    cfg = meta["wide_config"]
+    assert (cfg["sparse_target"], cfg["attn_rule"], cfg["attn_skip"], cfg["attn_dense_layers"]) == (
+        "attention", "skip_upto", 1, [0])
+    assert (prov["method"], prov["axis"], prov["stage"], prov["loss"]) == ("heads", "linear", 1, "kd")
+    assert prov["thresholds"] == "smollm2-135m-fine-50" and prov["target_sparsity"] == meta["fine"]["target"] == 0.5
+    assert prov["tokens"] == prov["steps"] * 64 * 256 and prov["code_commit"] and prov["conversion_command"]
+    ev = prov["evaluation"]
+    for key in ("limit", "heldout_tokens"):  # one protocol for the set and dense
+        assert ev["routers"][key] == ev["dense"][key]
+    assert abs(ev["routers"]["attn_core_sparsity"] - prov["attn_core_target"]) < 0.01
+    assert ev["routers"]["linear_sparsity"] >= prov["target_sparsity"]
+    assert read_manifest(pretrained.path(HEADS_NAME)) is not None
+    for f, kind in zip(ev["results_files"], ("routers", "dense")):
+        path = root / f
+        if path.is_file():  # a source checkout: the numbers are the committed records'
+            recs = [r for r in json.loads(path.read_text())["records"]
+                    if (r["method"] == "dense") == (kind == "dense")]
+            assert any(r["ppl"] == ev[kind]["ppl"] and r.get("avg") == ev[kind]["avg"] for r in recs), f
+
+
+def test_shipped_heads_set_runs_hybrid_from_the_cli_on_the_pytorch_path(default_model_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "The history of the city begins in the twelfth century, when"
+    # (--backend torch: under the tests' TRITON_INTERPRET=1 "auto" would pick the interpreted kernels)
+    assert main(["generate", "--model", str(default_model_dir), "--routers", HEADS_NAME, "--device", "cpu",
+                 "--backend", "torch", "--prompt", prompt, "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "[auto -> hybrid, skip_upto1, backend torch]" in out
+    text = out.split("--- ")[1].splitlines()[1]
+    model = wide.from_pretrained(HEADS_NAME, AutoModelForCausalLM.from_pretrained(default_model_dir,
+                                                                                  dtype=torch.float32))
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    eng = wide.accelerate(model, backend="torch", mode="auto")
+    assert eng.mode == "hybrid"
+    res = eng.generate([tok.encode(prompt)], max_new_tokens=6)
+    assert text == tok.decode(res.tokens[0], skip_special_tokens=True)
