@@ -258,6 +258,12 @@ def test_transposed_weights_are_laid_out_once_per_model():
     w = model.model.layers[0].mlp.down_proj.weight
     assert torch.equal(a.layers[0].fine.wd_t, w.t())
     assert wide.accelerate(model, backend="torch", mode="fine").layers[0].fine.wd_t is None  # torch: no copy
+    # a head-router set (FFN unrouted: hybrid keeps gate|up in the layout alone) after a fine engine
+    heads = model_carrying("heads")
+    a = wide.accelerate(heads, backend="triton", mode="fine")
+    b = wide.accelerate(heads, backend="triton", mode="hybrid")
+    for x, y in zip(a.layers, b.layers):
+        assert x.fine.wgu_t is y.fine.wgu_t and x.fine.wqkv_t is y.fine.wqkv_t
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -246,8 +246,9 @@ class AcceleratedModel:
         (wq, bq), (wk, bk), (wv, bv) = (_plain(layer, spec, r, i, rows) for r in ("q", "k", "v"))
         wo, wg, wu, wd = (_plain(layer, spec, r, i, rows)[0] for r in ("o", "gate", "up", "down"))
         wqkv = None
-        if self.mode == "fine" and self.backend == "triton":
-            wkv = None  # fine_engine lays q|k|v out as one weight and points these at it
+        laid_out = self.mode in ("fine", "hybrid") and self.backend == "triton"
+        if laid_out:
+            wkv = None  # fine_engine lays q|k|v out as one weight and points these (hybrid: k|v) at it
         elif self.mode == "dense" or self._fuse_qkv():
             # One weight tensor for q/k/v, with wq and wkv as row views of it: the dense engine
             # runs one GEMM for them (as gpt-fast does), routed decode one gemm_mn launch of
@@ -270,8 +271,8 @@ class AcceleratedModel:
             L.q_norm, L.k_norm = getattr(attn, spec.q_norm), getattr(attn, spec.k_norm)
             L.qk_norm = torch.cat([L.q_norm.weight, L.k_norm.weight]).detach()
             L.qk_eps = L.q_norm.variance_epsilon
-        if self.mode == "dense" or (self.cfg is not None and not self.cfg.routes_ffn):
-            # one gate|up GEMM where nothing routes the FFN, on one copy (the model's weights: views)
+        if self.mode == "dense" or (self.cfg is not None and not self.cfg.routes_ffn and not laid_out):
+            # one gate|up GEMM on one copy where nothing routes the FFN (laid out: fine_engine's views)
             L.wgu = torch.cat([wg, wu]).detach()
             L.wg, L.wu = L.wgu[:wg.shape[0]], L.wgu[wg.shape[0]:]
             arch.share_projection_weights(layer, spec, {"gate": L.wg, "up": L.wu})
