@@ -332,3 +332,15 @@ class AlwaysLibrary(dict):
 
     def __getitem__(self, key):
         return {"attend_prefill": "sdpa", "q_kv": self.qkv, "qkv_dense": self.qkv}.get(key[0], "cublas")
+
+
+def load_script(relpath: str):
+    """A repository script (``bench/x.py``, ``scripts/x.py``, ``experiments/x.py``: not a package
+    module) imported from its file, as module ``x``."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,16 +1,11 @@
 """bench/ab_summary.py: base and new figures are matched by name across rounds."""
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("ab_summary", ROOT / "bench" / "ab_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/ab_summary.py")
 
 
 def _write(root, name, bench, records):

@@ -1,18 +1,11 @@
 """scripts/device_assets.py: the assets split into as many parts as fit beside the working tree,
 and come back whole (sha256 checked), on a fake cache."""
-import importlib.util
-import pathlib
-
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("device_assets", ROOT / "scripts" / "device_assets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/device_assets.py")
 
 
 def test_pack_fits_each_call_and_unpack_restores(tmp_path, monkeypatch):

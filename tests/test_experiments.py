@@ -5,7 +5,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the scripts import triton (the library: see needs_interpreted_library)
 
-import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -15,6 +14,7 @@ pytest.importorskip("triton")
 
 from wide.kernels import RouterPartials, gemm_k_reference, gemm_mn_reference  # noqa: E402
 from wide.kernels.routing import split_tickets  # noqa: E402
+from conftest import load_script  # noqa: E402
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -40,10 +40,7 @@ needs_interpreted_library = pytest.mark.skipif(
            "set TRITON_INTERPRET=1 in the environment, as scripts/test.sh does")
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"experiments/{name}.py")
 
 def _rel(y, ref):
     assert not torch.isnan(y).any(), "NaN in output"

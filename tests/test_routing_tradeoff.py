@@ -1,16 +1,15 @@
 """bench/routing_tradeoff.py regenerates the committed quality-vs-speed table of the routing rules
 from the committed results."""
-import importlib.util
 import json
 import pathlib
+
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_table_regenerates_from_committed_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("routing_tradeoff", ROOT / "bench" / "routing_tradeoff.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/routing_tradeoff.py")
     assert mod.main(["--out", str(tmp_path)]) == 0
     rows = {r["routing"]: r for r in json.loads((tmp_path / "routing_tradeoff.json").read_text())["rows"]}
     # every rule with a measurement has a row (tile16prev: none committed yet), and only those
@@ -29,9 +28,7 @@ def test_table_regenerates_from_committed_results(tmp_path):
 
 def test_old_recipe_alone(tmp_path):
     """--recipe '' is the first table: every tile rule at the scaling grid's recipe, no extra column."""
-    spec = importlib.util.spec_from_file_location("routing_tradeoff", ROOT / "bench" / "routing_tradeoff.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/routing_tradeoff.py")
     assert mod.main(["--out", str(tmp_path), "--recipe", ""]) == 0
     rows = {r["routing"]: r for r in json.loads((tmp_path / "routing_tradeoff.json").read_text())["rows"]}
     assert abs(rows["token"]["ppl"] - 110.7) < 0.01

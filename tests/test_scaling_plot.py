@@ -1,20 +1,15 @@
 """bench/scaling_plot.py: the table, summary and plot of a token-budget scaling run, from
 synthetic `wide eval` results files."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from conftest import load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("scaling_plot", ROOT / "bench" / "scaling_plot.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/scaling_plot.py")
 
 
 CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "boolq": 0.5, "winogrande": 0.5, "piqa": 0.5, "openbookqa": 0.25,

@@ -1,21 +1,16 @@
 """bench/seeds_summary.py: mean and range over seeds of `wide compare` results, from synthetic files."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from conftest import load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASKS = ("arc_easy", "arc_challenge", "boolq", "winogrande", "piqa", "openbookqa", "hellaswag")
 CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "boolq": 0.5, "winogrande": 0.5, "piqa": 0.5, "openbookqa": 0.25,
           "hellaswag": 0.25}
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("seeds_summary", ROOT / "bench" / "seeds_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/seeds_summary.py")
 
 
 def _rec(name, stage, target, ppl, acc, seed):

@@ -1,20 +1,14 @@
 """scripts/ship_routers.py --eval: a set with its run, shipped with wide eval's records of the set
 and of dense (one protocol, refused otherwise), into a stand-in for src/wide/shipped."""
-import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("ship_routers", ROOT / "scripts" / "ship_routers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/ship_routers.py")
 
 
 def _eval(path, method, ppl, limit=500, device="NVIDIA H100 80GB HBM3"):

@@ -1,22 +1,19 @@
 """bench/variants_table.py: the router-choice table regenerates from the committed records, reads
 each run's settings from its run.json (not from its name), and refuses a record whose run.json is
 missing."""
-import importlib.util
 import json
 import pathlib
 import shutil
 
 import pytest
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "routing_quality"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("variants_table", ROOT / "bench" / "variants_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/variants_table.py")
 
 
 def copy_results(tmp_path) -> pathlib.Path:
