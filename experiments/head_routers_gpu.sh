@@ -117,7 +117,8 @@
 # --limit 500, where a head-router set ran over 140 s; a seed's need counts one with TASKS),
 # DENSE_TASKS_S (dense + fine-50's tasks stage: 240 s on cuda, measured 225 s), ORACLE_S, START_S
 # (training start-up: load, data packing), STEP_S (seconds per training step; seeds after the first
-# use the first seed's measured time instead).
+# use the first seed's measured time instead), STAGE_MAX_S (the limit of one conversion, re-set, eval or
+# oracle stage: 600 s on cuda, BUDGET_S on cpu).
 # Stage 2: STAGE2 (0; 1 with FROM), FROM (""), S2_STEPS (100), S2_BATCH (64), S2_ACCUM (1; doubled
 # and the seed retried once on a CUDA out-of-memory), S2_LR (1e-3), S2_LOSS (kd), S2_AMP (bf16),
 # S2_LORA_R (16), S2_FREEZE (1: --freeze-routers; 0 trains the routers and thresholds with the
@@ -164,11 +165,15 @@ if [ "$DEVICE" = cpu ]; then
     STEP_S=${STEP_S:-$(( 5 * BATCH ))}
     S2_START_S=${S2_START_S:-90}; S2_STEP_S=${S2_STEP_S:-$(( 6 * S2_BATCH ))}
     RESET_S=${RESET_S:-$(( 60 + 60 * OFFSET_BATCHES ))}
+    # a stage's own limit: what the budget leaves (a CPU re-set of 8 offset batches beside another
+    # job took over 600 s, the GPU's cap)
+    STAGE_MAX_S=${STAGE_MAX_S:-$BUDGET_S}
 else
     THREADS=${THREADS:-}; EVAL_S=${EVAL_S:-30}; TASKS_S=${TASKS_S:-200}; DENSE_TASKS_S=${DENSE_TASKS_S:-240}
     ORACLE_S=${ORACLE_S:-60}; START_S=${START_S:-60}
     STEP_S=${STEP_S:-1.5}
     S2_START_S=${S2_START_S:-30}; S2_STEP_S=${S2_STEP_S:-0.8}; RESET_S=${RESET_S:-40}
+    STAGE_MAX_S=${STAGE_MAX_S:-600}  # a device call's limit
 fi
 OUT=${OUT:-/tmp}
 DEST=$OUT/heads_gpu
@@ -323,10 +328,10 @@ evals() {  # evals NAME TASKS_NEED_S CMD...: CMD (an eval, less its tasks and --
     # them). RC: the perplexity stage's, unless the tasks stage ran
     local name=$1 need=$2
     shift 2
-    stage "eval_$name" "$EVAL_S" 600 "$@" --tasks --out "$RES/eval_$name" --overwrite
+    stage "eval_$name" "$EVAL_S" "$STAGE_MAX_S" "$@" --tasks --out "$RES/eval_$name" --overwrite
     [ "$RC" != 125 ] && rm -f "$RES/tasks_$name.json" "$RES/tasks_$name.md"
     [ "$RC" = 0 ] && [ -n "$TASKS" ] || return 0
-    stage "tasks_$name" "$need" 600 "$@" "${tasks[@]}" --out "$RES/tasks_$name" --overwrite
+    stage "tasks_$name" "$need" "$STAGE_MAX_S" "$@" "${tasks[@]}" --out "$RES/tasks_$name" --overwrite
 }
 
 if [ "$DENSE" = 1 ]; then
@@ -366,7 +371,7 @@ train_seed() {
             --max-eval-sequences "$EVAL_SEQS"
     fi
     if [ -n "$LIBRARY" ]; then
-        stage "lib_s$s" "$EVAL_S" 600 "$PY" $EXP --skip-one --input-choice --to-library "$RES/s$s/routers" \
+        stage "lib_s$s" "$EVAL_S" "$STAGE_MAX_S" "$PY" $EXP --skip-one --input-choice --to-library "$RES/s$s/routers" \
             --library-target "$LIBRARY" --offset-batches "$OFFSET_BATCHES" --out "$RES/lib_s$s" --overwrite "${dev[@]}"
         [ "$RC" = 0 ] && eval_set "lib_s$s" "$RES/lib_s$s/routers"
     fi
@@ -392,7 +397,7 @@ stage2_seed() {
     lora_run "$s" "$need"
     halve_on_oom "lora_s$s" "$S2_BATCH" S2_ACCUM && lora_run "$s" "$need"
     [ "$RC" = 0 ] && [ -f "$RES/lora_s$s/recovered/wide_config.json" ] || return
-    stage "lora_lib_s$s" "$RESET_S" 600 "$PY" $EXP --recalibrate "$RES/lora_s$s/recovered" \
+    stage "lora_lib_s$s" "$RESET_S" "$STAGE_MAX_S" "$PY" $EXP --recalibrate "$RES/lora_s$s/recovered" \
         --offset-batches "$OFFSET_BATCHES" --out "$RES/lora_lib_s$s" --overwrite "${dev[@]}"
     [ "$RC" = 0 ] || return
     eval_set "lora_s$s" "$RES/lora_lib_s$s/routers"
@@ -404,14 +409,14 @@ for s in $SEEDS; do
     if [ -z "$FROM" ]; then
         train_seed "$s"
         if [ $first = 1 ] && [ "$ORACLE" = 1 ]; then  # the oracle after the first seed
-            stage oracle "$ORACLE_S" 600 "$PY" $EXP --oracle "${dev[@]}" --eval-sequences "$EVAL_SEQS"
+            stage oracle "$ORACLE_S" "$STAGE_MAX_S" "$PY" $EXP --oracle "${dev[@]}" --eval-sequences "$EVAL_SEQS"
         fi
     fi
     [ "$STAGE2" = 1 ] && stage2_seed "$s"
     first=0
 done
 if { [ -z "$SEEDS" ] || [ -n "$FROM" ]; } && [ "$ORACLE" = 1 ]; then
-    stage oracle "$ORACLE_S" 600 "$PY" $EXP --oracle "${dev[@]}" --eval-sequences "$EVAL_SEQS"
+    stage oracle "$ORACLE_S" "$STAGE_MAX_S" "$PY" $EXP --oracle "${dev[@]}" --eval-sequences "$EVAL_SEQS"
 fi
 pack final
 note "head_routers_gpu: done in $(( SECONDS - T0 )) s"

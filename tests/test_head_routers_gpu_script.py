@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # record, `wide eval` records: dense 20, fine-50 24, a library set 30, a re-set stage-2 set 23 (with
 # TASKS set and the tasks asked for, i.e. no bare --tasks, accuracies 0.6, 0.5, 0.45 and 0.5 on the
 # tasks, chance 0.25; with CUT set, such an eval of a library set is killed at its limit: exit 124,
-# nothing written).
+# nothing written; with SLOW set, the re-set sleeps that many seconds).
 STUB = r'''#!/usr/bin/env bash
 [ "$1" = - ] && exec "$REAL_PY" "$@"
 echo "$*" >> "$LOG"
@@ -43,6 +43,7 @@ case " $* " in
         mkdir -p "$out/recovered" && echo {} > "$out/recovered/wide_config.json"
         echo '{"stage2_tokens": 512, "wall_s": 2.0, "train_args": {"loss": "kd", "lr": 0.001, "amp": "bf16"}, "machine": {}}' > "$out/run.json" ;;
     *" --recalibrate "*)
+        [ -n "${SLOW:-}" ] && sleep "$SLOW"
         mkdir -p "$out/routers"
         echo '{"before": {"attn_rate": 0.3, "linear": 0.5}, "calibration_attn_rate": 0.25, "attn_target": 0.25,
                "calibration_linear": 0.53, "linear_target": 0.53, "threshold_shift": 0.1}' > "$out/recalibrate.json" ;;
@@ -149,3 +150,14 @@ def test_stage2_out_of_memory_retry_and_budget(tmp_path):
     _, calls = run_script(tmp_path, FROM=str(res), OOM="", SEEDS="0", DENSE="0", BUDGET_S="100")
     assert not [c for c in calls if " recover " in c]
     assert "stage lora_s0: skipped" in (res / "stages.log").read_text()
+
+
+def test_stage_limit(tmp_path):
+    # A stage runs under STAGE_MAX_S (600 s on cuda, a device call's limit; the budget on the CPU,
+    # where a re-set of 8 offset batches beside another job took 800 s and the 600 s cap killed it)
+    res = tmp_path / "res"
+    run_script(tmp_path, RES=str(res), SEEDS="0", LIBRARY="0.25", DENSE="0", TRAINED_EVAL="0", STAGE2="1",
+               SLOW="3", STAGE_MAX_S="1")
+    log = (res / "stages.log").read_text()
+    assert "stage lora_lib_s0: exit 124" in log and "(timed out at 1 s)" in log
+    assert "stage eval_lora_s0" not in log  # nothing to evaluate after a cut re-set
