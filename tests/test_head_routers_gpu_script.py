@@ -89,7 +89,7 @@ def test_stage2_alone_on_an_earlier_calls_sets(tmp_path):
     for flag in ("--steps 100", "--batch-size 64 --grad-accum 1", "--lr 1e-3", "--loss kd", "--amp bf16",
                  "--lora-r 16", "--seed 0", "--offsets none", "--freeze-routers"):
         assert flag in recover[0]
-    assert [c for c in calls if f"--recalibrate {res}/lora_s1/recovered --offset-batches 8 --out {res}/lora_lib_s1" in c]
+    assert [c for c in calls if f"--recalibrate {res}/lora_s1/recovered --offset-batches 128 --out {res}/lora_lib_s1" in c]
     assert [c for c in calls if f"eval --device cuda --routers {res}/lora_lib_s1/routers" in c]
     assert "stage 2, seed 2: no library set" in (res / "stages.log").read_text()
     summary = (res / "summary.md").read_text()
