@@ -43,11 +43,25 @@ def metrics(record: dict) -> dict:
     return {k: record.get(k) for k in METRICS}
 
 
-def quality(path: Path) -> dict:
-    recs = [r for r in json.loads(path.read_text())["records"] if r.get("op") == "quality"]
+def _one(path: Path, pick=lambda r: True) -> dict:
+    recs = [r for r in json.loads(path.read_text())["records"] if r.get("op") == "quality" and pick(r)]
     if len(recs) != 1:
-        sys.exit(f"{path}: expected one quality record, found {len(recs)}")
-    return metrics(recs[0])
+        sys.exit(f"{path}: expected one matching quality record, found {len(recs)}")
+    return recs[0]
+
+
+def quality(path: Path) -> dict:
+    return metrics(_one(path))
+
+
+def install(src: Path, name: str) -> Path:
+    """``src`` copied byte for byte (routers, config, the sha256 manifest) as the shipped set ``name``,
+    in place of any earlier one."""
+    dst = SHIPPED / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
 
 
 def ship_compare(a) -> None:
@@ -63,10 +77,7 @@ def ship_compare(a) -> None:
     if (meta.get("method"), meta.get("target"), meta.get("stage")) != (a.method, a.target, a.stage):
         sys.exit(f"{a.checkpoint} holds {meta.get('method')} at {meta.get('target')} (stage {meta.get('stage')}), "
                  f"not {a.method} at {a.target} (stage {a.stage})")
-    dst = SHIPPED / a.name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(a.checkpoint, dst)
+    dst = install(a.checkpoint, a.name)
     rec, targs, st = recs[0], cs["train"], doc["settings"]
     prov = {
         "name": a.name, "base_model": BASE_MODEL, "method": a.method, "target_sparsity": a.target,
@@ -82,13 +93,6 @@ def ship_compare(a) -> None:
           f"dense {dense[0]['ppl']:.2f})")
 
 
-def _one(path: Path, pick) -> dict:
-    recs = [r for r in json.loads(path.read_text())["records"] if r.get("op") == "quality" and pick(r)]
-    if len(recs) != 1:
-        sys.exit(f"{path}: expected one matching quality record, found {len(recs)}")
-    return recs[0]
-
-
 def ship_eval(a) -> None:
     """A set with its run (wide_config.json's ``run``), evaluated by ``wide eval``."""
     meta = json.loads((a.checkpoint / "wide_config.json").read_text())
@@ -98,10 +102,7 @@ def ship_eval(a) -> None:
     for key in ("limit", "heldout_tokens"):
         if rec.get(key) != dense.get(key):
             sys.exit(f"{a.eval} and {a.dense_eval} differ in {key} ({rec.get(key)} vs {dense.get(key)}): not one protocol")
-    dst = SHIPPED / a.name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(a.checkpoint, dst)
+    dst = install(a.checkpoint, a.name)
     targs, conv, fine = run["train_args"], run.get("to_library") or {}, meta.get("fine") or {}
     where = a.results_in_repo or str(a.eval.parent)
     docs = {p: json.loads(p.read_text()) for p in (a.eval, a.dense_eval)}
@@ -157,10 +158,7 @@ def main() -> None:
     src = base / "routers" / a.run
     meta = json.loads((src / "wide_config.json").read_text())
     run = meta.get("run") or sys.exit(f"{src} records no run (not trained by wide calibrate?)")
-    dst = SHIPPED / a.name
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst)  # routers, config and the sha256 manifest, byte for byte
+    dst = install(src, a.name)
     targs = run["train_args"]
     where = a.results_in_repo or str(a.results)
     prov = {
