@@ -1059,10 +1059,17 @@ def recalibrate(mine, args) -> dict:
     t0 = time.perf_counter()
     meta = read_meta(mine.recalibrate)
     stage1 = mine.stage1 or meta.get("stage1_dir")
-    lib = ((read_meta(stage1).get("run") or {}) if stage1 else {}).get("to_library")
+    record = (read_meta(stage1).get("run") or {}) if stage1 else {}
+    lib = record.get("to_library")
     if not lib or lib.get("rule") != "skip_upto" or lib.get("calibration_linear") is None:
         raise SystemExit(f"--recalibrate restores a --to-library skip_upto set's rates: {stage1 or mine.recalibrate} "
                          "has no such record (run.to_library); name the set with --stage1")
+    resample = record.get("offsets_resample")
+    if resample:
+        # re-set later by heads_offsets_sample_cpu.py: its rates are the set's, not the conversion's
+        lib = dict(lib, target=resample["target"], offsets_mode=resample["offsets_mode"])
+        if resample.get("linear_target") is not None:
+            lib["calibration_linear"] = resample["linear_target"]
     model, _, batches = saved_set(args, mine.recalibrate, merge_adapters=False)
     if not has_lora(model):
         raise SystemExit(f"{mine.recalibrate} holds no LoRA adapters: --recalibrate re-sets a `wide recover` set")

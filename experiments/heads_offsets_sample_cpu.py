@@ -8,11 +8,18 @@ N calibration sequences and on every held-out window, re-sets the offsets (the s
 set to ``--out``/routers for ``wide eval --routers``. Held-out text is only measured, never fitted.
 ``--target T`` sets the offsets to group rate T instead of the record's (e.g. 0.26, the rate the routers
 were trained at); ``--after-only`` skips the measurements before the re-set and on held-out text
-(``wide eval`` of the saved set measures that).
+(``wide eval`` of the saved set measures that). ``--from DIR`` starts from a saved set instead of
+the shipped one; ``--linear-target L`` first moves every threshold by one shift (the library's
+``shift_to_target``, on the first ``--shift-sequences`` calibration sequences) so that all linear
+MACs, the skipped groups' q rows and o columns counted, are skipped at rate L, then sets the offsets
+(the thresholds change what later layers' routers read) unless ``--keep-offsets``;
+``--threshold-shift S`` applies a shift found earlier instead of searching for it.
 
     PYTHONPATH=src python experiments/heads_offsets_sample_cpu.py --sequences 512 --out runs/heads_offsets512 --threads 1
     PYTHONPATH=src python experiments/heads_offsets_sample_cpu.py --sequences 512 --target 0.26 --after-only \
         --out runs/heads_offsets512_t26 --threads 1
+    PYTHONPATH=src python experiments/heads_offsets_sample_cpu.py --from runs/heads_offsets512_t26/routers \
+        --linear-target 0.5 --sequences 512 --target 0.26 --after-only --out runs/heads_lin050 --threads 1
 """
 import argparse
 import datetime
@@ -40,6 +47,11 @@ def main(argv=None) -> dict:
     p.add_argument("--sequences", type=int, default=512)
     p.add_argument("--target", type=float, default=None)
     p.add_argument("--after-only", action="store_true")
+    p.add_argument("--from", dest="source", default=None)
+    p.add_argument("--linear-target", type=float, default=None)
+    p.add_argument("--shift-sequences", type=int, default=128)
+    p.add_argument("--threshold-shift", type=float, default=None)
+    p.add_argument("--keep-offsets", action="store_true")
     trial, rest = p.parse_known_args(argv)
     n = trial.sequences
     name = "smollm2-135m-heads25-fine-50"
@@ -47,7 +59,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    rdir = pretrained.path(name)
+    rdir = Path(trial.source) if trial.source else pretrained.path(name)
     lib = read_meta(rdir)["run"]["to_library"]
     tok, _ = runs.load_tokenizer(args)
     train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
@@ -73,15 +85,36 @@ def main(argv=None) -> dict:
         for k in (32, 128, n):
             rows[f"calibration[:{k}]"] = rate(train_ids[:k])
         rows["heldout (all)"] = rate(eval_ids)
-    offsets = h.library_offsets(model, train_ids[:n].split(bs), target, lib["offsets_mode"])
+    shift = None
+    if trial.linear_target is not None:
+        from wide.method.fine import get_fine, shift_to_target
+
+        rows[f"before shift, calibration[:{trial.shift_sequences}]"] = rate(train_ids[:trial.shift_sequences])
+        if trial.threshold_shift is None:
+            shift = shift_to_target(model, train_ids[:trial.shift_sequences].split(bs), trial.linear_target)
+        else:
+            fine = get_fine(model)
+            finite = torch.isfinite(fine.log_threshold)
+            fine.log_threshold.data[finite] += trial.threshold_shift
+            shift = trial.threshold_shift
+        rows[f"after shift, calibration[:{trial.shift_sequences}]"] = rate(train_ids[:trial.shift_sequences])
+        print(f"thresholds shifted by {shift:+.4f}: {rows[f'after shift, calibration[:{trial.shift_sequences}]']}",
+              flush=True)
+    offsets = None if trial.keep_offsets else h.library_offsets(model, train_ids[:n].split(bs), target,
+                                                                  lib["offsets_mode"])
     after = {f"calibration[:{n}]": rate(train_ids[:n])}
     if not trial.after_only:
         after["heldout (all)"] = rate(eval_ids)
-    run = {"command": "python experiments/heads_offsets_sample_cpu.py " + " ".join(argv), "set": name,
+    run = {"command": "python experiments/heads_offsets_sample_cpu.py " + " ".join(argv), "set": str(rdir),
+           "linear_target": trial.linear_target, "threshold_shift": shift,
+           "shift_sequences": trial.shift_sequences if shift is not None else None,
            "target": target, "offsets_mode": lib["offsets_mode"], "sequences": n,
            "calibration_sequences": int(train_ids.shape[0]), "heldout_windows": int(eval_ids.shape[0]),
            "before": rows, "after": after,
-           "offsets": offsets, "total_s": time.perf_counter() - t0, "machine": runs.machine(),
+           "offsets": offsets,
+           "offsets_kept_from": ({k: (read_meta(rdir)["run"].get("offsets_resample") or lib).get(k)
+                                  for k in ("target", "sequences", "offsets_mode")} if trial.keep_offsets else None),
+           "total_s": time.perf_counter() - t0, "machine": runs.machine(),
            "date": datetime.date.today().isoformat()}
     meta = read_meta(rdir)
     extra = {k: v for k, v in meta.items() if k not in h.SAVED_META}

@@ -1125,6 +1125,52 @@ def test_head_routers_recalibrate_after_lora(tmp_path, monkeypatch):
                     "--out", str(tmp_path / "x")])
 
 
+def test_heads_offsets_resample_to_a_linear_target(tmp_path, monkeypatch):
+    """experiments/heads_offsets_sample_cpu.py --from a library set --linear-target L: every
+    threshold moved by one shift until all linear MACs (the skipped groups' q/o counted) are
+    skipped at L, then the offsets set; the saved set records both, and ``--recalibrate`` of a
+    stage-2 set made from it restores those rates, not the conversion's."""
+    from safetensors.torch import load_file
+
+    from wide.cli import main as wide_main
+    from wide.io.serialization import read_meta
+
+    common = _tiny_run_and_thresholds(tmp_path, monkeypatch)
+    trial = _script("head_routers_fine_cpu")
+    quick = ["--batch-size", "2", "--offset-batches", "2"]
+    trial.main(["--skip-one", "--input-choice", *common, "--thresholds", str(tmp_path / "thr"), "--steps", "1",
+                "--batch-size", "2", "--eval-every", "0", "--save-every", "0", "--budget", "layer", "--target", "0.3",
+                "--offsets", "none", "--out", str(tmp_path / "s0")])
+    lib_run = trial.main(["--skip-one", "--input-choice", "--to-library", str(tmp_path / "s0" / "routers"),
+                          "--library-target", "0.15", *common, *quick, "--out", str(tmp_path / "lib")])
+    goal = round(lib_run["calibration_linear"] - 0.1, 3)
+    resample = _script("heads_offsets_sample_cpu")
+    run = resample.main(["--from", str(tmp_path / "lib" / "routers"), "--linear-target", str(goal), "--sequences", "4",
+                         "--shift-sequences", "4", "--target", "0.15", "--after-only", *common, *quick,
+                         "--out", str(tmp_path / "re50")])
+    assert run["linear_target"] == goal and run["threshold_shift"] < 0  # fewer linear MACs skipped: lower thresholds
+    assert run["before"]["after shift, calibration[:4]"]["linear"] == pytest.approx(goal, abs=0.02)
+    assert run["after"]["calibration[:4]"]["attn_group"] == pytest.approx(0.15, abs=0.02)
+    out = tmp_path / "re50" / "routers"
+    assert read_meta(out)["run"]["offsets_resample"]["linear_target"] == goal
+    # the shift found, applied again with the source's offsets kept: the same thresholds, the offsets untouched
+    again = resample.main(["--from", str(tmp_path / "lib" / "routers"), "--linear-target", str(goal),
+                           "--threshold-shift", str(run["threshold_shift"]), "--keep-offsets", "--sequences", "4",
+                           "--after-only", *common, *quick, "--out", str(tmp_path / "kept")])
+    assert again["offsets"] is None and again["offsets_kept_from"]["target"] == 0.15
+    kept, shifted = (load_file(d / "routers" / "thresholds.safetensors") for d in (tmp_path / "kept", tmp_path / "re50"))
+    torch.testing.assert_close(kept["log_threshold"], shifted["log_threshold"])
+    routers_kept, routers_src = (load_file(d / "routers" / "routers.safetensors") for d in (tmp_path / "kept", tmp_path / "lib"))
+    assert all(torch.equal(v, routers_src[k]) for k, v in routers_kept.items())
+    assert wide_main(["recover", *common, "--routers", str(out), "--out", str(tmp_path / "lora"), "--steps", "1",
+                      "--batch-size", "2", "--lr", "1e-2", "--loss", "kd", "--eval-every", "0", "--save-every", "0",
+                      "--offsets", "none", "--freeze-routers"]) == 0
+    re = trial.main(["--recalibrate", str(tmp_path / "lora" / "recovered"), *common, *quick,
+                     "--out", str(tmp_path / "re")])
+    assert re["linear_target"] == goal and re["attn_target"] == 0.15
+    assert re["calibration_linear"] == pytest.approx(goal, abs=0.05)
+
+
 @needs_interpreted_library
 def test_fine_gemv_race_check_runs_and_counts(tmp_path):
     # the GPU race check's own CPU mode: every case of one tile, right, and written down

@@ -75,8 +75,10 @@ def test_shipped_routers_refuse_another_model_shape():
 
 
 def test_unknown_name_and_damaged_copy(tmp_path, monkeypatch):
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match=r"does not exist .*no shipped set's name \(wide.pretrained.names"):
         wide.load(tiny_model(), "smollm2-135m-75")
+    with pytest.raises(CheckpointError, match="is not a directory$"):  # a path: no shipped-name hint
+        wide.load(tiny_model(), str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match="no shipped routers named 'x'; shipped: smollm2-135m-25"):
         pretrained.path("x")
     fake = tmp_path / "shipped"

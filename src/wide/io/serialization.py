@@ -288,7 +288,9 @@ def read_meta(path) -> dict:
     path = Path(path)
     cfg = path / CONFIG_FILE
     if not path.is_dir():
-        raise CheckpointError(f"router checkpoint {path} does not exist or is not a directory")
+        # a bare word is most often a mistyped shipped name (those resolve before reaching here)
+        hint = ", and is no shipped set's name (wide.pretrained.names() lists them)" if len(path.parts) == 1 else ""
+        raise CheckpointError(f"router checkpoint {path} does not exist or is not a directory{hint}")
     if not cfg.is_file() or not (path / ROUTERS_FILE).is_file():
         raise CheckpointError(f"{path} is not a wide router checkpoint: it needs {CONFIG_FILE} and {ROUTERS_FILE}")
     try:
