@@ -79,7 +79,8 @@ def main(argv=None) -> dict:
         return {"attn_group": float(sp.attn_rate), "attn_core": float(sp.attn_core_rate),
                 "linear": float(sp.linear_rate)}
 
-    target = lib["target"] if trial.target is None else trial.target
+    # a set re-set before keeps that re-set's rate unless told otherwise
+    target = (read_meta(rdir)["run"].get("offsets_resample") or lib)["target"] if trial.target is None else trial.target
     rows = {}
     if not trial.after_only:
         for k in (32, 128, n):
@@ -117,6 +118,8 @@ def main(argv=None) -> dict:
            "total_s": time.perf_counter() - t0, "machine": runs.machine(),
            "date": datetime.date.today().isoformat()}
     meta = read_meta(rdir)
+    if (meta.get("run") or {}).get("offsets_resample"):
+        run["previous"] = meta["run"]["offsets_resample"]  # the source's own re-set: the chain stays in the set
     extra = {k: v for k, v in meta.items() if k not in h.SAVED_META}
     extra["run"] = {**(meta.get("run") or {}), "offsets_resample": run}
     save_recovered(model, Path(args.out) / h.FINAL_DIR, extra=extra)

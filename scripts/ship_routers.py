@@ -93,6 +93,15 @@ def ship_compare(a) -> None:
           f"dense {dense[0]['ppl']:.2f})")
 
 
+def _in_repo(path: Path, where: str) -> str:
+    """A results file as provenance quotes it: its path in the repository when it lies there, else
+    ``where``/its name (``--results-in-repo``: where it will be committed)."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return f"{where}/{path.name}"
+
+
 def ship_eval(a) -> None:
     """A set with its run (wide_config.json's ``run``), evaluated by ``wide eval``."""
     meta = json.loads((a.checkpoint / "wide_config.json").read_text())
@@ -116,10 +125,12 @@ def ship_eval(a) -> None:
         "conversion_command": conv.get("command"), "code_commit": a.code_commit,
         "machine": (run.get("machine") or {}).get("gpu") or run.get("machine"), "date": run["date"],
         "train_wall_s": run.get("wall_s"), "tokens_per_s": run.get("tokens_per_s"),
+        # offsets / thresholds re-set after the conversion (experiments/heads_offsets_sample_cpu.py), commands included
+        **({"re_set": run["offsets_resample"]} if run.get("offsets_resample") else {}),
         "evaluation": {"routers": metrics(rec), "dense": metrics(dense),
                        "commands": [d["command"] for d in docs.values()],
                        "devices": sorted({d["device"] for d in docs.values()}),
-                       "results_files": [f"{where}/{p.name}" for p in docs]},
+                       "results_files": [_in_repo(p, where) for p in docs]},
     }
     (dst / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
     print(f"shipped {a.checkpoint} as {dst} (ppl {rec['ppl']:.2f} at linear sparsity {rec.get('linear_sparsity')}, "

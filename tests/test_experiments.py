@@ -1162,6 +1162,9 @@ def test_heads_offsets_resample_to_a_linear_target(tmp_path, monkeypatch):
     torch.testing.assert_close(kept["log_threshold"], shifted["log_threshold"])
     routers_kept, routers_src = (load_file(d / "routers" / "routers.safetensors") for d in (tmp_path / "kept", tmp_path / "lib"))
     assert all(torch.equal(v, routers_src[k]) for k, v in routers_kept.items())
+    chained = resample.main(["--from", str(out), "--keep-offsets", "--sequences", "4", "--after-only", *common, *quick,
+                             "--out", str(tmp_path / "chained")])
+    assert chained["previous"]["linear_target"] == goal and chained["previous"]["threshold_shift"] == run["threshold_shift"]
     assert wide_main(["recover", *common, "--routers", str(out), "--out", str(tmp_path / "lora"), "--steps", "1",
                       "--batch-size", "2", "--lr", "1e-2", "--loss", "kd", "--eval-every", "0", "--save-every", "0",
                       "--offsets", "none", "--freeze-routers"]) == 0

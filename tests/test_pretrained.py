@@ -267,8 +267,12 @@ def test_shipped_heads_set_traces_to_its_records():
     ev = prov["evaluation"]
     for key in ("limit", "heldout_tokens"):  # one protocol for the set and dense
         assert ev["routers"][key] == ev["dense"][key]
-    assert abs(ev["routers"]["attn_core_sparsity"] - prov["attn_core_target"]) < 0.01
-    assert ev["routers"]["linear_sparsity"] >= prov["target_sparsity"]
+    # the offsets were re-set a little over the target (0.26 of the groups) so that held-out text, which
+    # skips slightly less than calibration text, still sees >= 25 % (heads_offsets_sample_cpu)
+    assert 0 <= ev["routers"]["attn_core_sparsity"] - prov["attn_core_target"] < 0.02
+    # thresholds shifted so that all linear MACs, the skipped groups' q/o included, are at the target
+    assert prov["re_set"]["linear_target"] == prov["target_sparsity"]
+    assert abs(ev["routers"]["linear_sparsity"] - prov["target_sparsity"]) < 0.01
     assert read_manifest(pretrained.path(HEADS_NAME)) is not None
     for f, kind in zip(ev["results_files"], ("routers", "dense")):
         path = root / f

@@ -53,6 +53,24 @@ def test_ship_eval_writes_provenance(tmp_path, monkeypatch):
     ev_ = prov["evaluation"]
     assert (ev_["routers"]["ppl"], ev_["dense"]["ppl"], ev_["routers"]["attn_core_sparsity"]) == (31.2, 22.5, 0.249)
     assert ev_["results_files"] == ["experiments/results/x/eval_set.json", "experiments/results/x/dense.json"]
+    assert "re_set" not in prov
+
+
+def test_ship_eval_keeps_the_re_set(tmp_path, monkeypatch):
+    # a set re-set after its conversion (experiments/heads_offsets_sample_cpu.py) ships that record too
+    mod = _mod()
+    monkeypatch.setattr(mod, "SHIPPED", tmp_path / "shipped")
+    ck = _set(tmp_path / "set")
+    cfg = json.loads((ck / "wide_config.json").read_text())
+    re_set = {"command": "python experiments/heads_offsets_sample_cpu.py --linear-target 0.5", "threshold_shift": -0.08,
+              "previous": {"command": "python experiments/heads_offsets_sample_cpu.py --target 0.26"}}
+    cfg["run"]["offsets_resample"] = re_set
+    (ck / "wide_config.json").write_text(json.dumps(cfg))
+    ev, dense = _eval(tmp_path / "eval_set.json", "heads1of3+learned", 30.0), _eval(tmp_path / "dense.json", "dense", 22.5)
+    monkeypatch.setattr(mod, "ROOT", tmp_path)  # records inside the repository: quoted by their own paths
+    _ship(mod, monkeypatch, ["--eval", ev, "--dense-eval", dense, "--checkpoint", ck, "--method", "heads", "toy"])
+    prov = json.loads((tmp_path / "shipped" / "toy" / "provenance.json").read_text())
+    assert prov["re_set"] == re_set and prov["evaluation"]["results_files"] == ["eval_set.json", "dense.json"]
 
 
 def test_ship_eval_refuses_two_protocols(tmp_path, monkeypatch):
