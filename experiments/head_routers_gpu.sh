@@ -27,7 +27,9 @@
 # and the set's penalty counts attention groups only, so nothing would hold the thresholds), then
 # the set re-set to its stage-1 rates on the same calibration batches (head_routers_fine_cpu.py
 # --recalibrate: per-layer offsets onto the attention-core rate, one threshold shift onto the
-# linear sparsity, offsets again; the equivalent of `wide compare`'s learned_lora, whose thresholds
+# linear sparsity, offsets again; a set re-set after its conversion by heads_offsets_sample_cpu.py,
+# as the shipped one is, goes back to that re-set's rates: linear 0.50, groups 0.26; the equivalent of
+# `wide compare`'s learned_lora, whose thresholds
 # are shifted back onto the target after LoRA), evaluated by `wide eval` (eval_lora_sN). `wide
 # recover` runs with --offsets none: its default would shift the thresholds onto the routers'
 # target_sparsity (0.26, an attention-group rate) as if it were a linear one. Frozen routers still

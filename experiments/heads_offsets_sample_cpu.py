@@ -60,7 +60,9 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rdir = Path(trial.source) if trial.source else pretrained.path(name)
-    lib = read_meta(rdir)["run"]["to_library"]
+    meta = read_meta(rdir)
+    lib = meta["run"]["to_library"]
+    prior = meta["run"].get("offsets_resample")  # a re-set before this one: its rates are the set's
     tok, _ = runs.load_tokenizer(args)
     train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
     eval_ids, _, _ = runs.packed(args, tok, "heldout")
@@ -79,8 +81,7 @@ def main(argv=None) -> dict:
         return {"attn_group": float(sp.attn_rate), "attn_core": float(sp.attn_core_rate),
                 "linear": float(sp.linear_rate)}
 
-    # a set re-set before keeps that re-set's rate unless told otherwise
-    target = (read_meta(rdir)["run"].get("offsets_resample") or lib)["target"] if trial.target is None else trial.target
+    target = (prior or lib)["target"] if trial.target is None else trial.target
     rows = {}
     if not trial.after_only:
         for k in (32, 128, n):
@@ -113,13 +114,12 @@ def main(argv=None) -> dict:
            "calibration_sequences": int(train_ids.shape[0]), "heldout_windows": int(eval_ids.shape[0]),
            "before": rows, "after": after,
            "offsets": offsets,
-           "offsets_kept_from": ({k: (read_meta(rdir)["run"].get("offsets_resample") or lib).get(k)
-                                  for k in ("target", "sequences", "offsets_mode")} if trial.keep_offsets else None),
+           "offsets_kept_from": ({k: (prior or lib).get(k) for k in ("target", "sequences", "offsets_mode")}
+                                 if trial.keep_offsets else None),
            "total_s": time.perf_counter() - t0, "machine": runs.machine(),
            "date": datetime.date.today().isoformat()}
-    meta = read_meta(rdir)
-    if (meta.get("run") or {}).get("offsets_resample"):
-        run["previous"] = meta["run"]["offsets_resample"]  # the source's own re-set: the chain stays in the set
+    if prior:
+        run["previous"] = prior  # the chain of re-sets stays in the set
     extra = {k: v for k, v in meta.items() if k not in h.SAVED_META}
     extra["run"] = {**(meta.get("run") or {}), "offsets_resample": run}
     save_recovered(model, Path(args.out) / h.FINAL_DIR, extra=extra)
