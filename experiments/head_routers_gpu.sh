@@ -29,8 +29,8 @@
 # --recalibrate: per-layer offsets onto the attention-core rate, one threshold shift onto the
 # linear sparsity, offsets again; a set re-set after its conversion by heads_offsets_sample_cpu.py,
 # as the shipped one is, goes back to that re-set's rates: linear 0.50, groups 0.26; the equivalent of
-# `wide compare`'s learned_lora, whose thresholds
-# are shifted back onto the target after LoRA), evaluated by `wide eval` (eval_lora_sN). `wide
+# `wide compare`'s learned_lora, whose thresholds are shifted back onto the target after LoRA),
+# evaluated by `wide eval` (eval_lora_sN). `wide
 # recover` runs with --offsets none: its default would shift the thresholds onto the routers'
 # target_sparsity (0.26, an attention-group rate) as if it were a linear one. Frozen routers still
 # draw Gumbel samples in training, and the set's group penalty (sparsity_coef x |sampled rate -
