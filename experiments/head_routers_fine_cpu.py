@@ -1020,6 +1020,19 @@ def to_library(mine, args) -> dict:
     return run
 
 
+def set_rates(run: dict):
+    """A library set's rates as its run record holds them (``to_library``: target, offsets_mode,
+    calibration_linear, ...), those of a later re-set (heads_offsets_sample_cpu.py,
+    ``offsets_resample``) in their place; None without a conversion record."""
+    lib, resample = run.get("to_library"), run.get("offsets_resample")
+    if not lib or not resample:
+        return lib
+    rates = dict(lib, target=resample["target"], offsets_mode=resample["offsets_mode"])
+    if resample.get("linear_target") is not None:
+        rates["calibration_linear"] = resample["linear_target"]
+    return rates
+
+
 def library_offsets(model, batches, target: float, mode: str) -> dict:
     """A skip_upto set's offsets onto the attention-core rate ``target`` over all layers (the dense
     ones at 0): per_module, every routed layer at the same share; global, one shift for all."""
@@ -1059,17 +1072,10 @@ def recalibrate(mine, args) -> dict:
     t0 = time.perf_counter()
     meta = read_meta(mine.recalibrate)
     stage1 = mine.stage1 or meta.get("stage1_dir")
-    record = (read_meta(stage1).get("run") or {}) if stage1 else {}
-    lib = record.get("to_library")
+    lib = set_rates((read_meta(stage1).get("run") or {}) if stage1 else {})
     if not lib or lib.get("rule") != "skip_upto" or lib.get("calibration_linear") is None:
         raise SystemExit(f"--recalibrate restores a --to-library skip_upto set's rates: {stage1 or mine.recalibrate} "
                          "has no such record (run.to_library); name the set with --stage1")
-    resample = record.get("offsets_resample")
-    if resample:
-        # re-set later by heads_offsets_sample_cpu.py: its rates are the set's, not the conversion's
-        lib = dict(lib, target=resample["target"], offsets_mode=resample["offsets_mode"])
-        if resample.get("linear_target") is not None:
-            lib["calibration_linear"] = resample["linear_target"]
     model, _, batches = saved_set(args, mine.recalibrate, merge_adapters=False)
     if not has_lora(model):
         raise SystemExit(f"{mine.recalibrate} holds no LoRA adapters: --recalibrate re-sets a `wide recover` set")

@@ -61,8 +61,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     rdir = Path(trial.source) if trial.source else pretrained.path(name)
     meta = read_meta(rdir)
-    lib = meta["run"]["to_library"]
-    prior = meta["run"].get("offsets_resample")  # a re-set before this one: its rates are the set's
+    lib = h.set_rates(meta["run"])  # a re-set before this one: its rates are the set's
+    prior = meta["run"].get("offsets_resample")
     tok, _ = runs.load_tokenizer(args)
     train_ids, _ = runs.calibration(args, tok, args.max_train_tokens)
     eval_ids, _, _ = runs.packed(args, tok, "heldout")
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
         return {"attn_group": float(sp.attn_rate), "attn_core": float(sp.attn_core_rate),
                 "linear": float(sp.linear_rate)}
 
-    target = (prior or lib)["target"] if trial.target is None else trial.target
+    target = lib["target"] if trial.target is None else trial.target
     rows = {}
     if not trial.after_only:
         for k in (32, 128, n):
@@ -99,9 +99,9 @@ def main(argv=None) -> dict:
             finite = torch.isfinite(fine.log_threshold)
             fine.log_threshold.data[finite] += trial.threshold_shift
             shift = trial.threshold_shift
-        rows[f"after shift, calibration[:{trial.shift_sequences}]"] = rate(train_ids[:trial.shift_sequences])
-        print(f"thresholds shifted by {shift:+.4f}: {rows[f'after shift, calibration[:{trial.shift_sequences}]']}",
-              flush=True)
+        print(f"thresholds shifted by {shift:+.4f}", flush=True)
+        if not trial.keep_offsets:  # else the set is final here, and "after" measures it
+            rows[f"after shift, calibration[:{trial.shift_sequences}]"] = rate(train_ids[:trial.shift_sequences])
     offsets = None if trial.keep_offsets else h.library_offsets(model, train_ids[:n].split(bs), target,
                                                                   lib["offsets_mode"])
     after = {f"calibration[:{n}]": rate(train_ids[:n])}
